@@ -1,0 +1,92 @@
+"""Input validation shared by the public API, the custom ops and their fake kernels.
+
+Only metadata is inspected (dtype, shape, device, strides), so the same checks run on
+FakeTensors under torch.compile. Errors name the offending argument.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def tensor(name: str, t, dtypes=FLOAT_DTYPES, min_dim: int = 1) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported (expected one of {allowed})")
+    if t.dim() < min_dim:
+        raise ValueError(f"{name}: expected at least {min_dim} dim(s), got shape {tuple(t.shape)}")
+    return t
+
+
+def optional(name: str, t, dtypes=FLOAT_DTYPES, min_dim: int = 1):
+    return None if t is None else tensor(name, t, dtypes, min_dim)
+
+
+def rows_input(name: str, x) -> Tensor:
+    """An [..., N] activation with N >= 1."""
+    tensor(name, x)
+    if x.shape[-1] == 0:
+        raise ValueError(f"{name}: the last dim must be at least 1, got shape {tuple(x.shape)}")
+    return x
+
+
+def same_device(**tensors) -> None:
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    if not items:
+        return
+    n0, t0 = items[0]
+    for n, t in items[1:]:
+        if t.device != t0.device:
+            raise ValueError(f"{n} is on {t.device} but {n0} is on {t0.device}")
+
+
+def same_shape(name: str, t, ref_name: str, ref) -> None:
+    if t is not None and tuple(t.shape) != tuple(ref.shape):
+        raise ValueError(f"{name}: shape {tuple(t.shape)} must equal {ref_name}'s {tuple(ref.shape)}")
+
+
+def vector(name: str, t, N: int, x_dtype, allow_fp32: bool = True) -> None:
+    """A per-column parameter (weight, bias): shape (N,), dtype x's or (optionally) fp32."""
+    if t is None:
+        return
+    tensor(name, t)
+    if tuple(t.shape) != (N,):
+        raise ValueError(f"{name}: expected shape ({N},), got {tuple(t.shape)}")
+    if t.dtype != x_dtype and not (allow_fp32 and t.dtype == torch.float32):
+        raise TypeError(f"{name}: dtype {t.dtype} must match x ({x_dtype}) or be float32")
+
+
+def row_stat(name: str, t, M_shape) -> None:
+    """A per-row fp32 statistic (rstd, mean, lse)."""
+    tensor(name, t, (torch.float32,), min_dim=0)
+    if t.numel() != _numel(M_shape):
+        raise ValueError(f"{name}: expected {_numel(M_shape)} elements (one per row), got shape {tuple(t.shape)}")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def global_scale(name: str, t, device) -> None:
+    tensor(name, t, (torch.float32,), min_dim=0)
+    if t.numel() != 1:
+        raise ValueError(f"{name}: expected a 1-element float32 tensor, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}")
+
+
+def multiple_of_16(name: str, n: int) -> None:
+    if n % 16:
+        raise ValueError(f"{name}: last dim {n} must be a multiple of 16 for NVFP4 blocks")
+
+
+def last_dim_contiguous(t) -> bool:
+    return t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1

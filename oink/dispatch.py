@@ -1,0 +1,99 @@
+"""The one dispatch path: for an op and its tensors, run the CuTeDSL kernel or the reference.
+
+Rules, in order: ``OINK_FORCE_REFERENCE=1`` forces the reference; non-CUDA tensors use the
+reference; a GPU that is not SM90/SM100 uses the reference; an op with no kernel yet uses the
+reference; the op's kernel may decline (dtype, width, layout) with a reason. Every decision
+carries its reason: ``oink.explain(op, *args)`` returns it and the ``oink.dispatch`` logger
+prints it at DEBUG level.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+import torch
+
+from . import reference
+from .arch import arch_for_capability
+
+log = logging.getLogger("oink.dispatch")
+
+TRUTHY = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Route:
+    op: str
+    backend: str  # "kernel" or "reference"
+    reason: str
+    arch: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.op}: {self.backend} ({self.reason})"
+
+
+# op -> module implementing it. A kernel module (imported only on a supported GPU, since it
+# imports cutlass) exposes CHECKS[op](tensors, arch) -> None | reason, and RUNNERS[op](arch, **args).
+KERNEL_MODULES: dict[str, str] = {}
+
+
+def _kernel_module(op: str):
+    name = KERNEL_MODULES.get(op)
+    return None if name is None else importlib.import_module(name)
+
+
+def kernel_ops() -> tuple[str, ...]:
+    return tuple(sorted(KERNEL_MODULES))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(index: int) -> tuple[str | None, str]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return arch_for_capability(major, minor), f"{major}.{minor}"
+
+
+def route(op: str, tensors: dict) -> Route:
+    present = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+    if os.environ.get("OINK_FORCE_REFERENCE", "").lower() in TRUTHY:
+        r = Route(op, "reference", "forced by OINK_FORCE_REFERENCE")
+    else:
+        device = next(iter(present.values())).device if present else torch.device("cpu")
+        r = _route_device(op, device, present)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s", r)
+    return r
+
+
+def _route_device(op: str, device: torch.device, tensors: dict) -> Route:
+    if device.type != "cuda":
+        return Route(op, "reference", f"{device.type} tensors: kernels run on CUDA only")
+    arch, cap = _device_arch(device.index if device.index is not None else torch.cuda.current_device())
+    if arch is None:
+        return Route(op, "reference", f"compute capability {cap}: kernels target sm_90a and sm_100a")
+    module = _kernel_module(op)
+    if module is None:
+        return Route(op, "reference", f"no CuTeDSL kernel for {op} yet", arch)
+    why = module.CHECKS[op](tensors, arch)
+    if why:
+        return Route(op, "reference", why, arch)
+    return Route(op, "kernel", f"CuTeDSL {arch}", arch)
+
+
+def explain(op: str, *args, **kwargs) -> str:
+    """Why ``oink.<op>(*args, **kwargs)`` would run the kernel or the reference."""
+    fn = getattr(reference, op, None)
+    if fn is None:
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(reference.__all__)}")
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    return str(route(op, dict(bound.arguments)))
+
+
+def call(op: str, **args):
+    """Run ``op`` on the route chosen for ``args`` (the reference's keyword arguments)."""
+    r = route(op, args)
+    if r.backend == "kernel":
+        return _kernel_module(op).RUNNERS[op](r.arch, **args)
+    return getattr(reference, op)(**args)

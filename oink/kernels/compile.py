@@ -1,0 +1,111 @@
+"""CuTeDSL compile infrastructure: arch choice, fake (tensor-free) arguments, compile cache.
+
+Kernels are compiled against raw pointers plus a symbolic row count, so one compiled
+function serves every M and every row stride; N and the dtypes are compile-time constants.
+That is also what lets CI compile every variant on a CPU with no tensors at all.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Callable, Hashable
+
+import cutlass
+import cutlass.cute as cute
+
+from ..arch import SUPPORTED_ARCHS, arch_for_capability
+
+# torch dtype name -> CuTe numeric type, kept as strings so this module needs no torch.
+_CUTE_DTYPES = {
+    "float32": cutlass.Float32,
+    "float16": cutlass.Float16,
+    "bfloat16": cutlass.BFloat16,
+    "int32": cutlass.Int32,
+    "int64": cutlass.Int64,
+    "uint8": cutlass.Uint8,
+    "float8_e4m3fn": cutlass.Float8E4M3FN,
+}
+
+
+def cute_dtype(name: str):
+    """CuTe numeric type for a torch dtype name such as ``"bfloat16"``."""
+    name = str(name).removeprefix("torch.")
+    try:
+        return _CUTE_DTYPES[name]
+    except KeyError:
+        raise TypeError(f"no CuTe dtype for {name!r}") from None
+
+
+def gmem_ptr(dtype, align: int = 16):
+    """A fake global-memory pointer for tensor-free compilation."""
+    return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def runtime_ptr(dtype, address: int, align: int = 16):
+    """A real global-memory pointer for a launch (address from ``tensor.data_ptr()``)."""
+    return cute.runtime.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def fake_stream():
+    return cute.runtime.make_fake_stream()
+
+
+class CompileCache:
+    """In-memory cache of compiled kernels keyed on (op, dtypes, N, flags, arch).
+
+    M is never part of the key: kernels take it as a runtime argument.
+    """
+
+    def __init__(self) -> None:
+        self._fns: dict[Hashable, Callable] = {}
+        self._lock = threading.Lock()
+        self.compiles = 0  # how many real compilations ran (tests check M never adds one)
+
+    def get(self, key: Hashable, build: Callable[[], Callable]) -> Callable:
+        fn = self._fns.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._fns.get(key)
+                if fn is None:
+                    fn = build()
+                    self._fns[key] = fn
+                    self.compiles += 1
+        return fn
+
+    def __len__(self) -> int:
+        return len(self._fns)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._fns.clear()
+
+
+CACHE = CompileCache()
+
+
+def compile_kernel(kernel_obj, *fake_args, arch: str):
+    """``cute.compile`` for an explicit arch, independent of the process's CUTE_DSL_ARCH."""
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"arch {arch!r}: expected one of {SUPPORTED_ARCHS}")
+    return cute.compile(kernel_obj, *fake_args, options=f"--gpu-arch {arch}")
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(device_index: int) -> str | None:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return arch_for_capability(major, minor)
+
+
+def current_stream(device):
+    import torch
+
+    return cuda_driver().CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_driver():
+    import cuda.bindings.driver as drv
+
+    return drv

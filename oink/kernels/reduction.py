@@ -1,0 +1,203 @@
+"""Row-reduction base shared by every row-wise kernel family (norms, softmax, cross-entropy).
+
+A CTA owns ``rows_per_cta`` rows; each row is spread over ``threads_per_row`` threads that
+move ``vec`` elements per 128-bit access, and for wide rows over ``cluster_n`` CTAs of a
+thread-block cluster that combine their partial results through distributed shared memory.
+Values stay in registers between the load and the store, so a kernel reads and writes each
+element of memory once.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+WARP = 32
+
+
+@dataclass(frozen=True)
+class RowLaunch:
+    """How rows map onto threads: the knobs every row kernel's heuristic chooses."""
+
+    N: int
+    vec: int  # elements per thread per access (128 bits of the widest dtype)
+    threads_per_row: int
+    num_threads: int
+    cluster_n: int = 1
+
+    def __post_init__(self) -> None:
+        tpr, nt = self.threads_per_row, self.num_threads
+        if tpr & (tpr - 1) or nt % WARP or nt % tpr or tpr > nt:
+            raise ValueError(f"bad launch shape {self}")
+        if tpr > WARP and tpr % WARP:
+            raise ValueError(f"threads_per_row {tpr} must be a multiple of {WARP} above a warp")
+        if self.N % self.vec:
+            raise ValueError(f"N={self.N} is not a multiple of vec={self.vec}")
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.num_threads // self.threads_per_row
+
+    @property
+    def iters(self) -> int:
+        """128-bit accesses per thread per row (a row may end mid-tile: predicated)."""
+        return math.ceil(self.N // self.vec / (self.threads_per_row * self.cluster_n))
+
+    @property
+    def cols_per_cta(self) -> int:
+        return self.iters * self.vec * self.threads_per_row
+
+    @property
+    def even_n(self) -> bool:
+        return self.cols_per_cta * self.cluster_n == self.N
+
+    @property
+    def warps_per_row(self) -> int:
+        return max(1, self.threads_per_row // WARP)
+
+
+def pick_row_launch(N: int, widest_bits: int, units_per_thread: int = 4,
+                    max_units_per_thread: int = 8) -> RowLaunch:
+    """Default heuristic. A "unit" is one 128-bit access of the widest dtype. Rows get the
+    fewest threads (a power of two, at most 1024) that leave <= ``units_per_thread`` units
+    each; rows too wide for that are split over a cluster of up to 16 CTAs so that no thread
+    holds more than ``max_units_per_thread`` units (<= 64 values of 16 bits in registers)."""
+    vec = math.gcd(N, 128 // widest_bits)
+    units = N // vec
+    tpr = 1 << max(0, (math.ceil(units / units_per_thread) - 1).bit_length())
+    tpr = min(tpr, 1024)
+    cluster_n = 1
+    while units > tpr * cluster_n * max_units_per_thread and cluster_n < 16:
+        cluster_n *= 2
+    return RowLaunch(N=N, vec=vec, threads_per_row=tpr, num_threads=max(128, tpr), cluster_n=cluster_n)
+
+
+class RowKernelBase:
+    """Shared pieces of row kernels: tiling, predicates, and the thread/warp/block/cluster
+    all-reduce. Subclasses define ``__call__`` (host side) and ``kernel``."""
+
+    def __init__(self, launch: RowLaunch, num_reductions: int = 1):
+        self.launch = launch
+        self.num_reductions = num_reductions  # independent reduction slots (e.g. mean, var)
+
+    # ---- host-side helpers -------------------------------------------------------------
+    def tiler(self):
+        return (self.launch.rows_per_cta, self.launch.cols_per_cta)
+
+    def tiled_copy(self, dtype):
+        L = self.launch
+        bits = L.vec * dtype.width
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+        thr = cute.make_ordered_layout((L.rows_per_cta, L.threads_per_row), order=(1, 0))
+        val = cute.make_layout((1, L.vec))
+        return cute.make_tiled_copy_tv(atom, thr, val)
+
+    def matrix(self, ptr, M, ld):
+        """(M, N) view of a row-major matrix whose rows are ``ld`` elements apart."""
+        ld = cute.assume(ld, divby=self.launch.vec)
+        return cute.make_tensor(ptr, cute.make_layout((M, self.launch.N), stride=(ld, 1)))
+
+    def grid(self, M):
+        return [cute.ceil_div(M, self.launch.rows_per_cta), self.launch.cluster_n, 1]
+
+    def cluster(self):
+        return [1, self.launch.cluster_n, 1] if self.launch.cluster_n > 1 else None
+
+    # ---- device-side helpers -------------------------------------------------------------
+    def alloc_reduction(self, smem):
+        """Shared buffer [slot][row][warp-in-row x cluster rank] plus one mbarrier per slot."""
+        L = self.launch
+        width = L.warps_per_row * L.cluster_n
+        buf = None
+        mbar = None
+        if const_expr(width > 1):
+            buf = smem.allocate_tensor(
+                Float32,
+                cute.make_ordered_layout((L.rows_per_cta, width, self.num_reductions), order=(1, 0, 2)),
+                byte_alignment=16,
+            )
+        if const_expr(L.cluster_n > 1):
+            mbar = smem.allocate_array(Int64, num_elems=self.num_reductions)
+        return buf, mbar
+
+    @cute.jit
+    def init_cluster(self, mbar):
+        """Initialise the cluster barriers; peers must see them before any remote store."""
+        if const_expr(self.launch.cluster_n > 1):
+            tidx, _, _ = cute.arch.thread_idx()
+            if tidx < self.num_reductions:
+                cute.arch.mbarrier_init(mbar + tidx, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.cluster_arrive_relaxed()
+
+    @cute.jit
+    def wait_cluster(self):
+        if const_expr(self.launch.cluster_n > 1):
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def row_allreduce(self, val: Float32, op: cutlass.Constexpr, init: Float32, buf, mbar,
+                      slot: cutlass.Constexpr[int]) -> Float32:
+        """Combine one fp32 value per thread across its row: warp shuffles, then shared
+        memory across the warps of a row, then DSMEM across the CTAs of a cluster.
+        Every thread of the row gets the result."""
+        L = self.launch
+        val = cute.arch.warp_reduction(val, op, threads_in_group=min(L.threads_per_row, WARP))
+        width = const_expr(L.warps_per_row * L.cluster_n)
+        if const_expr(width > 1):
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.warp_idx()
+            row = warp // L.warps_per_row
+            col = warp % L.warps_per_row
+            sbuf = buf[None, None, slot]
+            if const_expr(L.cluster_n == 1):
+                if lane == 0:
+                    sbuf[row, col] = val
+                cute.arch.barrier()
+            else:
+                rank = cute.arch.block_idx_in_cluster()
+                if warp == 0:
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(
+                            mbar + slot, L.rows_per_cta * width * 4
+                        )
+                if lane < L.cluster_n:
+                    dst = sbuf.iterator + cute.crd2idx((row, col + rank * L.warps_per_row), sbuf.layout)
+                    _store_remote_f32(val, dst, mbar + slot, lane)
+                cute.arch.mbarrier_wait(mbar + slot, phase=0)
+            acc = init
+            for i in cutlass.range_constexpr(cute.ceil_div(width, WARP)):
+                idx = lane + i * WARP
+                if idx < width:
+                    acc = op(acc, sbuf[row, idx])
+            val = cute.arch.warp_reduction(acc, op)
+        return val
+
+
+@cutlass.cutlass_dsl.dsl_user_op
+def _store_remote_f32(val, smem_ptr, mbar_ptr, peer, *, loc=None, ip=None):
+    """st.async of one fp32 into a peer CTA's shared memory, completing bytes on its mbarrier."""
+    remote = cute.arch.map_dsmem_ptr(smem_ptr, peer, loc=loc, ip=ip)
+    remote_bar = cute.arch.map_dsmem_ptr(mbar_ptr, peer, loc=loc, ip=ip)
+    cute.arch.inline_ptx(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [{$r0}], {$r1}, [{$r2}];",
+        read_only_args=[
+            Int32(remote.toint(loc=loc, ip=ip)),
+            Float32(val),
+            Int32(remote_bar.toint(loc=loc, ip=ip)),
+        ],
+        loc=loc,
+        ip=ip,
+    )
+
+
+add = operator.add
+
+
+@cute.jit
+def fmax(a: Float32, b: Float32) -> Float32:
+    return cute.arch.fmax(a, b)

@@ -1,0 +1,133 @@
+"""NVFP4 quantization references (bit-exact semantics every kernel must match).
+
+Per 16-element block of a row, in fp32 arithmetic:
+  amax = max|v| over the block (NaN elements are ignored, as the GPU's max.f32 ignores them)
+  sf   = float8_e4m3fn(min(global_scale * (amax * float32(1/6)), 448))  round to nearest even
+  s    = global_scale / float32(sf)
+  q    = e2m1(v * s): magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}, round to nearest, ties to even,
+         saturating at 6; the sign bit is x's sign bit (so -0.0 and small negatives give 0x8,
+         a NaN gives magnitude 0 with its own sign bit); where sf is 0 every code is 0x0.
+Two codes a byte, element 2j in the low nibble. ``q`` is uint8 [M, N/2] (leading dims
+flattened into M); ``sf`` is float8_e4m3fn [M, N/16], or with ``swizzled=True`` FlashInfer's
+128x4 layout of shape [round_up(M, 128), round_up(N/16, 4)] whose padding is zero and whose
+element (m, k) lives at flat offset ``swizzled_offset(m, k, padded_cols)``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BLOCK = 16
+E4M3_MAX = 448.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Round-to-nearest-even thresholds between consecutive E2M1 magnitudes. At a tie the even
+# code wins: ties at 0.25, 1.25, 2.5 and 5 round down (strict >), at 0.75, 1.75, 3.5 up (>=).
+_THRESHOLDS_DOWN = (0.25, 1.25, 2.5, 5.0)
+_THRESHOLDS_UP = (0.75, 1.75, 3.5)
+_ONE_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()  # float32(1/6)
+
+
+def round_up(a: int, b: int) -> int:
+    return (a + b - 1) // b * b
+
+
+def swizzled_offset(m, k, padded_cols: int):
+    """Flat offset of scale (row m, scale column k) in the 128x4 layout: 128-row x 4-col tiles
+    of 512 bytes, tiles row-major, inside a tile [m % 32][(m % 128) // 32][k % 4]."""
+    tile = (m // 128) * (padded_cols // 4) + k // 4
+    return tile * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4)
+
+
+def _swizzle(sf: Tensor) -> Tensor:
+    M, K = sf.shape
+    Mp, Kp = round_up(M, 128), round_up(K, 4)
+    out = torch.zeros(Mp * Kp, dtype=torch.uint8, device=sf.device)
+    m = torch.arange(M, device=sf.device).unsqueeze(1)
+    k = torch.arange(K, device=sf.device).unsqueeze(0)
+    out[swizzled_offset(m, k, Kp).reshape(-1)] = sf.view(torch.uint8).reshape(-1)
+    return out.view(torch.float8_e4m3fn).reshape(Mp, Kp)
+
+
+def unswizzle(sf: Tensor, M: int, K: int) -> Tensor:
+    """Row-major [M, K] scales from the 128x4 layout."""
+    Kp = sf.shape[-1]
+    m = torch.arange(M, device=sf.device).unsqueeze(1)
+    k = torch.arange(K, device=sf.device).unsqueeze(0)
+    flat = sf.reshape(-1).view(torch.uint8)
+    return flat[swizzled_offset(m, k, Kp)].view(torch.float8_e4m3fn)
+
+
+def e2m1_codes(v: Tensor) -> Tensor:
+    """4-bit codes (uint8) of fp32 values, round to nearest even, saturating at 6."""
+    a = v.abs()
+    mag = torch.zeros_like(a, dtype=torch.uint8)
+    for t in _THRESHOLDS_DOWN:
+        mag += (a > t).to(torch.uint8)
+    for t in _THRESHOLDS_UP:
+        mag += (a >= t).to(torch.uint8)
+    sign = (v.view(torch.int32) < 0).to(torch.uint8) << 3
+    return mag | sign
+
+
+def _quantize_rows(v: Tensor, global_scale: Tensor, swizzled: bool):
+    """v: fp32 [M, N] -> (q uint8 [M, N/2], sf e4m3)."""
+    M, N = v.shape
+    gs = global_scale.reshape(()).float()
+    blocks = v.reshape(M, N // BLOCK, BLOCK)
+    a = blocks.abs()
+    amax = torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(-1)
+    sf_f32 = torch.clamp(gs * (amax * _ONE_SIXTH), max=E4M3_MAX)
+    sf = sf_f32.to(torch.float8_e4m3fn)
+    sf_back = sf.float()
+    s = gs / sf_back
+    codes = e2m1_codes(blocks * s.unsqueeze(-1))
+    codes = torch.where((sf_back == 0).unsqueeze(-1), torch.zeros_like(codes), codes)
+    codes = codes.reshape(M, N)
+    q = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return q, (_swizzle(sf) if swizzled else sf)
+
+
+def _check_n(N: int, name: str = "x") -> None:
+    if N % BLOCK:
+        raise ValueError(f"{name}: last dim {N} must be a multiple of {BLOCK} for NVFP4")
+
+
+def nvfp4_quantize(x: Tensor, global_scale: Tensor, swizzled: bool = False):
+    _check_n(x.shape[-1])
+    return _quantize_rows(x.reshape(-1, x.shape[-1]).float(), global_scale, swizzled)
+
+
+def nvfp4_dequantize(q: Tensor, sf: Tensor, global_scale: Tensor, swizzled: bool = False) -> Tensor:
+    """fp32 [M, N]: e2m1(code) * float(sf) / global_scale."""
+    M, N = q.shape[0], q.shape[1] * 2
+    K = N // BLOCK
+    sf_rm = unswizzle(sf, M, K) if swizzled else sf
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=q.device)
+    codes = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(M, N).long()
+    vals = table[codes].reshape(M, K, BLOCK)
+    return (vals * sf_rm.float().unsqueeze(-1) / global_scale.reshape(()).float()).reshape(M, N)
+
+
+def add_rmsnorm_fp4quant(x: Tensor, residual: Tensor, weight: Tensor, global_scale: Tensor,
+                         eps: float = 1e-6, swizzled: bool = False, return_y: bool = False):
+    """residual <- round(x + residual) in place; v = r * rstd(r) * weight in fp32, quantized.
+    -> (q, sf) or (q, sf, y) with y = v in x's dtype when ``return_y``."""
+    _check_n(x.shape[-1])
+    r = (x.float() + residual.float()).to(residual.dtype)
+    residual.copy_(r)
+    rf = r.reshape(-1, r.shape[-1]).float()
+    rstd = torch.rsqrt(rf.square().mean(-1, keepdim=True) + eps)
+    v = rf * rstd * weight.float()
+    q, sf = _quantize_rows(v, global_scale, swizzled)
+    return (q, sf, v.to(x.dtype).reshape(x.shape)) if return_y else (q, sf)
+
+
+def silu_mul_fp4quant(x: Tensor, global_scale: Tensor, swizzled: bool = False):
+    """x [..., 2K]: v = silu(x[..., :K]) * x[..., K:] in fp32, quantized."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"x: last dim {x.shape[-1]} must be even (gate and up halves)")
+    K = x.shape[-1] // 2
+    _check_n(K, "x (each half)")
+    xf = x.reshape(-1, 2 * K).float()
+    v = torch.nn.functional.silu(xf[:, :K]) * xf[:, K:]
+    return _quantize_rows(v, global_scale, swizzled)
