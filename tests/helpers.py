@@ -1,0 +1,20 @@
+"""Shared test helpers: fresh random data and float64 comparisons."""
+from __future__ import annotations
+
+import torch
+
+from pytest_oink.tolerances import tolerance
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def randn(gen, *shape, dtype=torch.float32, device="cpu", scale=1.0):
+    return (torch.randn(*shape, generator=gen, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+
+def assert_close_to(actual, expected64, family, dtype=None):
+    """actual (any dtype) vs a float64 expectation within the table's tolerance for ``dtype``."""
+    dtype = dtype or actual.dtype
+    atol, rtol = tolerance(family, dtype)
+    assert not torch.isnan(actual).any(), "NaN in output"
+    torch.testing.assert_close(actual.double(), expected64.double(), atol=atol, rtol=rtol)
