@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.oink.*)
+from . import validate
 from .dispatch import explain  # noqa: F401
 
 _oink = torch.ops.oink
@@ -18,18 +19,21 @@ def _opt(t: Tensor, wanted: bool):
 def rmsnorm_forward(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None,
                     residual: Tensor | None = None, eps: float = 1e-6, store_rstd: bool = False):
     """RMSNorm: -> (y, rstd | None, residual_out | None); residual_out = x + residual."""
+    validate.rmsnorm_forward(x, weight, bias, residual)
     y, rstd, res_out = _oink.rmsnorm_forward(x, weight, bias, residual, eps, store_rstd)
     return y, _opt(rstd, store_rstd), _opt(res_out, residual is not None)
 
 
 def fused_add_rmsnorm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
     """In place, vLLM semantics: residual <- x + residual; x <- rmsnorm(residual) * weight."""
+    validate.fused_add_rmsnorm_(x, residual, weight)
     _oink.fused_add_rms_norm(x, residual, weight, eps)
 
 
 def rmsnorm_backward(x: Tensor, weight: Tensor | None, dout: Tensor, rstd: Tensor,
                      dresidual_out: Tensor | None = None, has_bias: bool = False, has_residual: bool = False):
     """-> (dx, dw | None, db | None, dresidual | None); dresidual is dx itself."""
+    validate.rmsnorm_backward(x, weight, dout, rstd, dresidual_out)
     dx, dw, db = _oink.rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias)
     return dx, _opt(dw, weight is not None), _opt(db, has_bias), _opt(dx, has_residual)
 
@@ -37,6 +41,7 @@ def rmsnorm_backward(x: Tensor, weight: Tensor | None, dout: Tensor, rstd: Tenso
 def layernorm(x: Tensor, weight: Tensor, bias: Tensor | None = None, eps: float = 1e-6,
               return_rstd: bool = False, return_mean: bool = False):
     """-> y, or (y, rstd) / (y, mean) / (y, rstd, mean) when asked."""
+    validate.layernorm(x, weight, bias)
     y, rstd, mean = _oink.layernorm(x, weight, bias, eps)
     extra = ([rstd] if return_rstd else []) + ([mean] if return_mean else [])
     return (y, *extra) if extra else y
@@ -45,55 +50,66 @@ def layernorm(x: Tensor, weight: Tensor, bias: Tensor | None = None, eps: float 
 def layernorm_backward(dout: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, mean: Tensor,
                        bias: Tensor | None = None):
     """-> (dx, dw, db | None)."""
+    validate.layernorm_backward(dout, x, weight, rstd, mean, bias)
     dx, dw, db = _oink.layernorm_backward(dout, x, weight, rstd, mean, bias)
     return dx, dw, _opt(db, bias is not None)
 
 
 def softmax_forward(x: Tensor) -> Tensor:
+    validate.softmax_forward(x)
     return _oink.softmax_forward(x)
 
 
 def softmax_backward(dy: Tensor, y: Tensor) -> Tensor:
+    validate.softmax_backward(dy, y)
     return _oink.softmax_backward(dy, y)
 
 
 def softmax_fwd_bwd(dy: Tensor, x: Tensor) -> Tensor:
+    validate.softmax_fwd_bwd(dy, x)
     return _oink.softmax_fwd_bwd(dy, x)
 
 
 def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "none"):
     """-> (loss, lse), fp32."""
+    validate.cross_entropy_forward(logits, target, ignore_index, reduction)
     return tuple(_oink.cross_entropy_forward(logits, target, ignore_index, reduction))
 
 
 def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
                            ignore_index: int = -100) -> Tensor:
+    validate.cross_entropy_backward(dloss, logits, target, lse)
     return _oink.cross_entropy_backward(dloss, logits, target, lse, ignore_index)
 
 
 def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int = -100):
     """-> (loss fp32 [M], dlogits)."""
+    validate.cross_entropy_fwd_bwd(dloss, logits, target)
     return tuple(_oink.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index))
 
 
 def nvfp4_quantize(x: Tensor, global_scale: Tensor, swizzled: bool = False):
     """-> (q uint8 [M, N/2], sf float8_e4m3fn); see ``oink.reference.nvfp4`` for the semantics."""
+    validate.nvfp4_quantize(x, global_scale)
     return tuple(_oink.nvfp4_quantize(x, global_scale, swizzled))
 
 
 def nvfp4_dequantize(q: Tensor, sf: Tensor, global_scale: Tensor, swizzled: bool = False) -> Tensor:
+    validate.nvfp4_dequantize(q, sf, global_scale, swizzled)
     return _oink.nvfp4_dequantize(q, sf, global_scale, swizzled)
 
 
 def add_rmsnorm_fp4quant(x: Tensor, residual: Tensor, weight: Tensor, global_scale: Tensor,
                          eps: float = 1e-6, swizzled: bool = False, return_y: bool = False):
     """residual <- x + residual (in place); -> (q, sf) of rmsnorm(residual) * weight, or (q, sf, y)."""
+    validate.add_rmsnorm_fp4quant(x, residual, weight, global_scale)
     q, sf, y = _oink.add_rmsnorm_fp4quant(x, residual, weight, global_scale, eps, swizzled, return_y)
     return (q, sf, y) if return_y else (q, sf)
 
 
 def silu_mul_fp4quant(x: Tensor, global_scale: Tensor, swizzled: bool = False):
     """x [..., 2K] -> (q, sf) of silu(x[..., :K]) * x[..., K:]."""
+    validate.silu_mul_fp4quant(x, global_scale)
     return tuple(_oink.silu_mul_fp4quant(x, global_scale, swizzled))
 
 

@@ -33,7 +33,7 @@ class RowSumSquares(RowKernelBase):
         bidx, cy, _ = cute.arch.block_idx()
         if const_expr(L.cluster_n == 1):
             cy = Int32(0)
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         buf, mbar = self.alloc_reduction(smem)
         self.init_cluster(mbar)
 
@@ -77,15 +77,15 @@ def compiled_rowsumsq(dtype_name: str, N: int, arch: str, launch: RowLaunch | No
     return CACHE.get(("rowsumsq", dtype_name, N, launch, arch), build)
 
 
-def rowsumsq(x, arch: str | None = None):
-    """Launch on a CUDA tensor x [M, N] (rows may be padded, last dim contiguous)."""
+def rowsumsq(x, out=None, arch: str | None = None):
+    """sum(x**2, -1) in fp32 for a CUDA tensor x [M, N] (rows may be padded; last dim contiguous)."""
     import torch
 
     from .compile import current_stream, device_arch, runtime_ptr
 
     assert x.dim() == 2 and x.stride(1) == 1
     M, N = x.shape
-    out = torch.empty(M, device=x.device, dtype=torch.float32)
+    out = torch.empty(M, device=x.device, dtype=torch.float32) if out is None else out
     if M == 0:
         return out
     arch = arch or device_arch(x.device.index)

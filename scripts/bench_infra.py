@@ -1,0 +1,55 @@
+"""Time the infrastructure kernel (row sum of squares) on the GPU against torch and the
+device-copy ceiling measured in the same run. Prints a Markdown table.
+
+    python scripts/bench_infra.py
+"""
+import torch
+
+from oink.kernels.rowsumsq import rowsumsq
+
+
+def graph_time(fn, reps=20):
+    """Median ms per call: `reps` calls captured in one CUDA graph, replays timed with events."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(15):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    dev = torch.cuda.get_device_name()
+    src = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = graph_time(lambda: dst.copy_(src), reps=5)
+    copy_tbs = 2 * src.numel() * 2 / copy_ms / 1e9
+    print(f"device: {dev}; device copy (1 GiB, read+write): {copy_tbs:.2f} TB/s")
+    print("| M | N | dtype | oink ms | oink TB/s | frac of copy | torch ms | speedup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for M, N in [(65536, 4096), (16384, 8192), (4096, 131072), (1024, 262144)]:
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(M, device="cuda")
+        got = rowsumsq(x, out=out)
+        torch.testing.assert_close(got.double(), (x.double() ** 2).sum(1), rtol=1e-5, atol=1e-6)
+        t_oink = graph_time(lambda: rowsumsq(x, out=out))
+        t_torch = graph_time(lambda: x.float().square().sum(1))
+        tbs = (M * N * 2 + M * 4) / t_oink / 1e9
+        print(f"| {M} | {N} | bf16 | {t_oink:.4f} | {tbs:.2f} | {tbs / copy_tbs:.2f} | {t_torch:.4f} | {t_torch / t_oink:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()

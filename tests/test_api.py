@@ -1,0 +1,176 @@
+"""Public API: agrees with the references, routes through dispatch, and rejects bad input with
+errors that name the argument (or gives a correct result: empty tensors, strided views)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oink
+from oink import reference as R
+
+GS = torch.tensor([10.0])
+
+
+def inputs(op, M=4, N=32, dtype=torch.float32):
+    """Keyword arguments for ``op`` with fresh random data."""
+    x = lambda: torch.randn(M, N, dtype=dtype)  # noqa: E731
+    w = torch.randn(N, dtype=dtype)
+    rstd = torch.rand(M) + 0.5
+    logits = torch.randn(M, N, dtype=dtype)
+    target = torch.randint(0, N, (M,))
+    q, sf = R.nvfp4_quantize(x(), GS)
+    return {
+        "rmsnorm_forward": dict(x=x(), weight=w, residual=x(), store_rstd=True),
+        "fused_add_rmsnorm_": dict(x=x(), residual=x(), weight=w),
+        "rmsnorm_backward": dict(x=x(), weight=w, dout=x(), rstd=rstd, has_bias=True),
+        "layernorm": dict(x=x(), weight=w, bias=torch.randn(N, dtype=dtype), return_rstd=True, return_mean=True),
+        "layernorm_backward": dict(dout=x(), x=x(), weight=w, rstd=rstd, mean=torch.randn(M)),
+        "softmax_forward": dict(x=x()),
+        "softmax_backward": dict(dy=x(), y=x()),
+        "softmax_fwd_bwd": dict(dy=x(), x=x()),
+        "cross_entropy_forward": dict(logits=logits, target=target, reduction="mean"),
+        "cross_entropy_backward": dict(dloss=torch.randn(M), logits=logits, target=target, lse=torch.randn(M)),
+        "cross_entropy_fwd_bwd": dict(dloss=torch.randn(M), logits=logits, target=target),
+        "nvfp4_quantize": dict(x=x(), global_scale=GS),
+        "nvfp4_dequantize": dict(q=q, sf=sf, global_scale=GS),
+        "add_rmsnorm_fp4quant": dict(x=x(), residual=x(), weight=w, global_scale=GS, return_y=True),
+        "silu_mul_fp4quant": dict(x=x(), global_scale=GS),
+    }[op]
+
+
+
+
+def all_ops():
+    from oink.api import PUBLIC_OPS
+
+    return PUBLIC_OPS
+
+
+def clone_args(args):
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def assert_same(a, b):
+    if isinstance(a, (tuple, list)):
+        assert type(b) in (tuple, list) and len(a) == len(b)
+        for u, v in zip(a, b):
+            assert_same(u, v)
+    elif a is None:
+        assert b is None
+    else:
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("op", all_ops())
+def test_public_op_matches_reference_on_cpu(op):
+    args = inputs(op)
+    ref_args = clone_args(args)
+    assert_same(getattr(oink, op)(**args), getattr(R, op)(**ref_args))
+    for k in args:  # in-place ops mutate the same way
+        if isinstance(args[k], torch.Tensor):
+            assert torch.equal(args[k], ref_args[k]), k
+
+
+@pytest.mark.parametrize("op", all_ops())
+def test_explain_names_the_route(op, monkeypatch):
+    assert "reference (cpu tensors" in oink.explain(op, **inputs(op))
+    monkeypatch.setenv("OINK_FORCE_REFERENCE", "1")
+    assert "forced by OINK_FORCE_REFERENCE" in oink.explain(op, **inputs(op))
+
+
+def test_explain_unknown_op():
+    with pytest.raises(ValueError, match="unknown op"):
+        oink.explain("nope", torch.zeros(1))
+
+
+def test_nd_inputs_flatten_leading_dims():
+    x = torch.randn(2, 3, 64)
+    y, rstd, _ = oink.rmsnorm_forward(x, torch.ones(64), store_rstd=True)
+    assert y.shape == x.shape and rstd.shape == (2, 3)
+    q, sf = oink.nvfp4_quantize(x, GS)
+    assert q.shape == (6, 32) and sf.shape == (6, 4)
+
+
+def test_empty_rows_give_empty_results():
+    x = torch.empty(0, 64)
+    y, rstd, _ = oink.rmsnorm_forward(x, torch.ones(64), store_rstd=True)
+    assert y.shape == (0, 64) and rstd.shape == (0,)
+    assert oink.softmax_forward(x).shape == (0, 64)
+    q, sf = oink.nvfp4_quantize(x, GS, swizzled=True)
+    assert q.shape == (0, 32) and sf.shape == (0, 4)
+    loss, lse = oink.cross_entropy_forward(x, torch.empty(0, dtype=torch.long))
+    assert loss.shape == (0,) and lse.shape == (0,)
+
+
+def test_strided_inputs_give_correct_results():
+    base = torch.randn(8, 128)
+    x = base[:, ::2]  # non-contiguous last dim
+    w = torch.randn(64)
+    torch.testing.assert_close(oink.rmsnorm_forward(x, w)[0], R.rmsnorm_forward(x.contiguous(), w)[0])
+    padded = base[:, :96]  # padded rows
+    torch.testing.assert_close(oink.softmax_forward(padded), R.softmax_forward(padded.contiguous()))
+    xs, rs = torch.randn(8, 128)[:, ::2], torch.randn(8, 128)[:, ::2]
+    assert not xs.is_contiguous()
+    xc, rc = xs.contiguous(), rs.contiguous()  # copies
+    oink.fused_add_rmsnorm_(xs, rs, w)
+    R.fused_add_rmsnorm_(xc, rc, w)
+    assert torch.equal(xs, xc) and torch.equal(rs, rc)
+
+
+def test_out_of_range_targets_raise():
+    with pytest.raises(ValueError, match=r"target\[1\] = 7 is outside \[0, 5\)"):
+        oink.cross_entropy_forward(torch.randn(3, 5), torch.tensor([0, 7, -100]))
+    with pytest.raises(ValueError, match="target"):
+        oink.cross_entropy_fwd_bwd(torch.ones(2), torch.randn(2, 5), torch.tensor([-1, 0]))
+
+
+BAD = [
+    # (op, overrides, exception, message fragment)
+    ("rmsnorm_forward", dict(x=torch.randn(4, 32).int()), TypeError, "x: dtype"),
+    ("rmsnorm_forward", dict(x="not a tensor"), TypeError, "x: expected a torch.Tensor"),
+    ("rmsnorm_forward", dict(x=torch.randn(4, 0)), ValueError, "x: the last dim"),
+    ("rmsnorm_forward", dict(weight=torch.randn(31)), ValueError, "weight: expected shape"),
+    ("rmsnorm_forward", dict(weight=torch.randn(32, dtype=torch.float16)), TypeError, "weight: dtype"),
+    ("rmsnorm_forward", dict(residual=torch.randn(4, 16)), ValueError, "residual: shape"),
+    ("fused_add_rmsnorm_", dict(residual=torch.randn(5, 32)), ValueError, "residual: shape"),
+    ("fused_add_rmsnorm_", dict(weight=None), TypeError, "weight: expected a torch.Tensor"),
+    ("rmsnorm_backward", dict(rstd=torch.rand(3)), ValueError, "rstd: expected 4 elements"),
+    ("rmsnorm_backward", dict(dout=torch.randn(4, 31)), ValueError, "dout: shape"),
+    ("rmsnorm_backward", dict(rstd=torch.rand(4).double()), TypeError, "rstd: dtype"),
+    ("layernorm", dict(bias=torch.randn(3)), ValueError, "bias: expected shape"),
+    ("layernorm_backward", dict(mean=torch.randn(2)), ValueError, "mean: expected 4 elements"),
+    ("softmax_backward", dict(dy=torch.randn(4, 31)), ValueError, "dy: shape"),
+    ("softmax_fwd_bwd", dict(dy=torch.randn(4, 32).long()), TypeError, "dy: dtype"),
+    ("cross_entropy_forward", dict(target=torch.zeros(4)), TypeError, "target: dtype"),
+    ("cross_entropy_forward", dict(target=torch.zeros(3, dtype=torch.long)), ValueError, "target: expected shape"),
+    ("cross_entropy_forward", dict(logits=torch.randn(2, 4, 32)), ValueError, "logits: expected 2 dims"),
+    ("cross_entropy_forward", dict(reduction="avg"), ValueError, "reduction"),
+    ("cross_entropy_backward", dict(dloss=torch.randn(3)), ValueError, "dloss"),
+    ("cross_entropy_backward", dict(lse=torch.randn(5)), ValueError, "lse"),
+    ("nvfp4_quantize", dict(x=torch.randn(4, 24)), ValueError, "multiple of 16"),
+    ("nvfp4_quantize", dict(global_scale=torch.tensor([1.0, 2.0])), ValueError, "global_scale: expected a 1-element"),
+    ("nvfp4_quantize", dict(global_scale=torch.tensor([1.0]).double()), TypeError, "global_scale: dtype"),
+    ("nvfp4_dequantize", dict(sf=torch.zeros(4, 3, dtype=torch.float8_e4m3fn)), ValueError, "sf: expected shape"),
+    ("nvfp4_dequantize", dict(q=torch.zeros(4, 16, dtype=torch.int8)), TypeError, "q: dtype"),
+    ("add_rmsnorm_fp4quant", dict(x=torch.randn(4, 24), residual=torch.randn(4, 24), weight=torch.randn(24)),
+     ValueError, "multiple of 16"),
+    ("silu_mul_fp4quant", dict(x=torch.randn(4, 33)), ValueError, "must be even"),
+    ("silu_mul_fp4quant", dict(x=torch.randn(4, 48)), ValueError, "multiple of 16"),
+]
+
+
+@pytest.mark.parametrize("op,override,exc,msg", BAD, ids=[f"{b[0]}-{b[3]}" for b in BAD])
+def test_bad_input_is_named(op, override, exc, msg):
+    args = inputs(op)
+    args.update(override)
+    with pytest.raises(exc, match=msg):
+        getattr(oink, op)(**args)
+
+
+def test_mixed_devices_are_named():
+    x = torch.randn(4, 32)
+    w = torch.randn(32, device="meta")
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu"):
+        oink.rmsnorm_forward(x, w)
+    with pytest.raises(ValueError, match="global_scale is on meta"):
+        oink.nvfp4_quantize(x, torch.ones(1, device="meta"))
