@@ -37,7 +37,10 @@ class Route:
 
 # op -> module implementing it. A kernel module (imported only on a supported GPU, since it
 # imports cutlass) exposes CHECKS[op](tensors, arch) -> None | reason, and RUNNERS[op](arch, **args).
-KERNEL_MODULES: dict[str, str] = {}
+KERNEL_MODULES: dict[str, str] = {
+    "rmsnorm_forward": "oink.kernels.rmsnorm_ops",
+    "fused_add_rmsnorm_": "oink.kernels.rmsnorm_ops",
+}
 
 
 def _kernel_module(op: str):

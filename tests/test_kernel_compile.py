@@ -51,3 +51,36 @@ def test_cache_key_has_no_M():
 def test_unknown_arch_is_refused():
     with pytest.raises(ValueError, match="arch"):
         compiled_rowsumsq("bfloat16", 128, "sm_80")
+
+
+# ---- RMSNorm family: every flag combination x widths reaching every heuristic branch
+from oink.kernels.rmsnorm import compiled_forward  # noqa: E402
+
+NORM_WIDTHS = [64, 1000, 4096, 16384, 131072, 262144]
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("w", [None, "same", "float32"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("store_rstd", [False, True])
+def test_rmsnorm_forward_compiles(arch, dtype, w, bias, residual, store_rstd):
+    wd = None if w is None else (dtype if w == "same" else w)
+    for N in NORM_WIDTHS:
+        fn = compiled_forward(dtype, N, arch, wd, wd if bias else None, dtype if residual else None,
+                              dtype if residual else None, store_rstd)
+        assert callable(fn)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fused_add_variant_compiles(arch, dtype):
+    """The in-place fused add is the forward with residual in and out, weight of x's dtype."""
+    for N in NORM_WIDTHS:
+        assert callable(compiled_forward(dtype, N, arch, dtype, None, dtype, dtype, False))
+
+
+def test_rmsnorm_width_limit():
+    with pytest.raises(ValueError, match="262144"):
+        compiled_forward("bfloat16", 262144 * 2, "sm_90a")

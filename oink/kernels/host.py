@@ -1,0 +1,56 @@
+"""Host-side helpers shared by the kernel launchers: 2-D row views, alignment checks, pointers."""
+from __future__ import annotations
+
+import torch
+
+from .compile import cute_dtype, runtime_ptr
+
+
+def dtype_name(t: torch.Tensor | None) -> str | None:
+    return None if t is None else str(t.dtype).removeprefix("torch.")
+
+
+def rows_view(t: torch.Tensor) -> torch.Tensor | None:
+    """t as [M, N] without a copy (leading dims flattened), or None if its strides don't allow it."""
+    N = t.shape[-1]
+    if t.dim() == 2:
+        return t
+    try:
+        return t.view(-1, N)
+    except RuntimeError:
+        return None
+
+
+def vec_for(N: int, t: torch.Tensor) -> int:
+    """Elements per 128-bit access for t's dtype that also divide N."""
+    from math import gcd
+
+    return gcd(N, 16 // t.element_size())
+
+
+def kernel_ready(t2d: torch.Tensor, vec: int) -> bool:
+    """Whether a [M, N] view can be read with vec-element vector accesses: unit last stride,
+    16-byte aligned base, row stride a multiple of vec."""
+    if t2d.shape[0] > 1 and t2d.stride(0) % vec:
+        return False
+    if t2d.shape[-1] > 1 and t2d.stride(-1) != 1:
+        return False
+    return t2d.data_ptr() % 16 == 0
+
+
+def prepare(t: torch.Tensor | None, vec: int) -> torch.Tensor | None:
+    """An input as a kernel-ready [M, N] (or [N]) tensor, copying only when its layout demands."""
+    if t is None:
+        return None
+    v = rows_view(t) if t.dim() >= 2 else t
+    if v is None or not kernel_ready(v if v.dim() == 2 else v.view(1, -1), vec):
+        v = t.reshape(-1, t.shape[-1]).contiguous() if t.dim() >= 2 else t.contiguous()
+    return v
+
+
+def ptr(t: torch.Tensor | None, align: int = 16):
+    return None if t is None else runtime_ptr(cute_dtype(dtype_name(t)), t.data_ptr(), align)
+
+
+def ld(t: torch.Tensor | None) -> int:
+    return 0 if t is None else (t.stride(0) if t.shape[0] > 1 else t.shape[-1])

@@ -1,0 +1,175 @@
+"""RMSNorm family in CuTeDSL: forward (optional weight, bias, residual, rstd) and the fused
+add + RMSNorm in place (the forward kernel with its outputs aliased onto x and residual).
+
+One pass over memory: each thread loads its slice of a row into registers (128-bit accesses),
+the row's sum of squares is all-reduced (warp, block, cluster), and the results are stored from
+the same registers. In place is safe because every element is read before the reduction's
+barrier and written after it, by the same thread.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .reduction import RowKernelBase, RowLaunch, add, pick_row_launch
+
+MAX_N = 262144
+
+
+def forward_launch(N: int, x_bits: int) -> RowLaunch:
+    """Launch heuristic for the forward (the one place it is chosen)."""
+    return pick_row_launch(N, x_bits)
+
+
+class RMSNormForward(RowKernelBase):
+    def __init__(self, launch: RowLaunch, x_dtype, w_dtype, b_dtype, res_dtype, out_dtype, res_out_dtype,
+                 store_rstd: bool):
+        super().__init__(launch)
+        self.x_dtype, self.w_dtype, self.b_dtype = x_dtype, w_dtype, b_dtype
+        self.res_dtype, self.out_dtype, self.res_out_dtype = res_dtype, out_dtype, res_out_dtype
+        self.store_rstd = store_rstd
+
+    def atom(self, dtype):
+        bits = min(128, self.launch.vec * dtype.width)
+        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+
+    def broadcast_rows(self, ptr):
+        """A per-column vector seen as a (rows_per_cta, N) matrix with row stride 0."""
+        return cute.make_tensor(ptr, cute.make_layout((self.launch.rows_per_cta, self.launch.N), stride=(0, 1)))
+
+    @cute.jit
+    def copy_row(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, dtype: cutlass.Constexpr):
+        """Copy this thread's slice of a row, 128 bits (or vec elements) at a time; a vector
+        past N (uneven widths) is skipped: vec divides N, so vectors are all in or all out."""
+        L = self.launch
+        atom = self.atom(dtype)
+        for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
+            if const_expr(L.even_n):
+                cute.copy(atom, src[None, None, i], dst[None, None, i])
+            else:
+                if tXcX[(0, 0), 0, i][1] < L.N:
+                    cute.copy(atom, src[None, None, i], dst[None, None, i])
+
+    @cute.jit
+    def __call__(self, px: cute.Pointer, pw: Optional[cute.Pointer], pb: Optional[cute.Pointer],
+                 pres: Optional[cute.Pointer], pout: cute.Pointer, pres_out: Optional[cute.Pointer],
+                 prstd: Optional[cute.Pointer], M: Int32, ldx: Int64, ldres: Int64, ldout: Int64,
+                 ldres_out: Int64, eps: Float32, stream: cuda.CUstream):
+        mX = self.matrix(px, M, ldx)
+        mO = self.matrix(pout, M, ldout)
+        mRes = self.matrix(pres, M, ldres) if const_expr(pres is not None) else None
+        mResO = self.matrix(pres_out, M, ldres_out) if const_expr(pres_out is not None) else None
+        mW = self.broadcast_rows(pw) if const_expr(pw is not None) else None
+        mB = self.broadcast_rows(pb) if const_expr(pb is not None) else None
+        mRstd = cute.make_tensor(prstd, cute.make_layout((M,))) if const_expr(prstd is not None) else None
+        self.kernel(mX, mW, mB, mRes, mO, mResO, mRstd, eps, self.tiled_copy(self.x_dtype)).launch(
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mB: Optional[cute.Tensor],
+               mRes: Optional[cute.Tensor], mO: cute.Tensor, mResO: Optional[cute.Tensor],
+               mRstd: Optional[cute.Tensor], eps: Float32, tc: cute.TiledCopy):
+        L = self.launch
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, cy, _ = cute.arch.block_idx()
+        if const_expr(L.cluster_n == 1):
+            cy = Int32(0)
+        smem = cutlass.memory.SmemAllocator()
+        buf, mbar = self.alloc_reduction(smem)
+        self.init_cluster(mbar)
+
+        M = cute.size(mX, mode=[0])
+        tiler = self.tiler()
+        thr = tc.get_slice(tidx)
+        part = lambda t, row_block: thr.partition_S(cute.local_tile(t, tiler, (row_block, cy)))  # noqa: E731
+        tXgX = part(mX, bidx)
+        tXgO = part(mO, bidx)
+        tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
+        row = tXcX[0][0]
+
+        # Loads: rows past M load nothing (their values stay 0 and are never stored).
+        rX = cute.make_rmem_tensor_like(tXgX)
+        rX.fill(0)
+        rRes = None
+        if const_expr(mRes is not None):
+            tXgRes = part(mRes, bidx)
+            rRes = cute.make_rmem_tensor_like(tXgRes)
+            rRes.fill(0)
+        if row < M:
+            self.copy_row(tXgX, rX, tXcX, self.x_dtype)
+            if const_expr(mRes is not None):
+                self.copy_row(tXgRes, rRes, tXcX, self.res_dtype)
+        rW, rB = None, None
+        if const_expr(mW is not None):
+            tXgW = part(mW, 0)
+            rW = cute.make_rmem_tensor_like(tXgW)
+            self.copy_row(tXgW, rW, tXcX, self.w_dtype)
+        if const_expr(mB is not None):
+            tXgB = part(mB, 0)
+            rB = cute.make_rmem_tensor_like(tXgB)
+            self.copy_row(tXgB, rB, tXcX, self.b_dtype)
+
+        h = rX.load().to(Float32)
+        if const_expr(mRes is not None):
+            h = h + rRes.load().to(Float32)
+            # The stored sum is rounded to its dtype; the norm is of that rounded value.
+            rResO = cute.make_rmem_tensor_like(rRes, self.res_out_dtype)
+            rResO.store(h.to(self.res_out_dtype))
+            h = rResO.load().to(Float32)
+            if const_expr(mResO is not None):
+                tXgResO = part(mResO, bidx)
+                if row < M:
+                    self.copy_row(rResO, tXgResO, tXcX, self.res_out_dtype)
+
+        ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        self.wait_cluster()
+        ss = self.row_allreduce(ss, add, Float32(0.0), buf, mbar, 0)
+        rstd = cute.math.rsqrt(ss / L.N + eps, fastmath=False)
+
+        y = h * rstd
+        if const_expr(mW is not None):
+            y = y * rW.load().to(Float32)
+        if const_expr(mB is not None):
+            y = y + rB.load().to(Float32)
+        rO = cute.make_rmem_tensor_like(rX, self.out_dtype)
+        rO.store(y.to(self.out_dtype))
+        if row < M:
+            self.copy_row(rO, tXgO, tXcX, self.out_dtype)
+        if const_expr(mRstd is not None):
+            leader = tXcX[0][1] == 0
+            if const_expr(L.cluster_n > 1):
+                leader = leader and cy == 0
+            if leader and row < M:
+                mRstd[row] = rstd
+
+
+def _cute(name):
+    return None if name is None else cute_dtype(name)
+
+
+def compiled_forward(x_dtype: str, N: int, arch: str, w_dtype: str | None = None, b_dtype: str | None = None,
+                     res_dtype: str | None = None, res_out_dtype: str | None = None, store_rstd: bool = False):
+    """Compile (or fetch) the forward for (dtypes, N, flags, arch). M, strides and eps are runtime."""
+    if not 1 <= N <= MAX_N:
+        raise ValueError(f"N={N}: the RMSNorm kernel handles 1 <= N <= {MAX_N}")
+    xd = cute_dtype(x_dtype)
+    launch = forward_launch(N, xd.width)
+    key = ("rmsnorm_fwd", x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype, store_rstd, N, arch)
+
+    def build():
+        dts = [_cute(d) for d in (w_dtype, b_dtype, res_dtype, res_out_dtype)]
+        kernel = RMSNormForward(launch, xd, *dts[:3], xd, dts[3], store_rstd)
+        ptr = lambda dt: None if dt is None else gmem_ptr(dt)  # noqa: E731
+        one = Int64(launch.vec)
+        return compile_kernel(
+            kernel, gmem_ptr(xd), ptr(dts[0]), ptr(dts[1]), ptr(dts[2]), gmem_ptr(xd), ptr(dts[3]),
+            gmem_ptr(Float32, 4) if store_rstd else None, Int32(1), one, one, one, one, Float32(1e-6),
+            fake_stream(), arch=arch)
+
+    return CACHE.get(key, build)

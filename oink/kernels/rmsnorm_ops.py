@@ -1,0 +1,68 @@
+"""RMSNorm family as seen by the dispatch path: which inputs the kernels take (CHECKS) and how
+they are launched on torch tensors (RUNNERS). Imported only on a supported GPU."""
+from __future__ import annotations
+
+import torch
+
+from .compile import current_stream
+from .host import dtype_name, kernel_ready, ld, prepare, ptr, rows_view, vec_for
+from .rmsnorm import MAX_N, compiled_forward
+
+
+def _width_reason(x) -> str | None:
+    N = x.shape[-1]
+    if N > MAX_N:
+        return f"N={N} > {MAX_N}: wider rows use the reference"
+    return None
+
+
+def check_forward(t: dict, arch: str) -> str | None:
+    return _width_reason(t["x"])
+
+
+def check_fused_add(t: dict, arch: str) -> str | None:
+    why = _width_reason(t["x"])
+    if why:
+        return why
+    vec = vec_for(t["x"].shape[-1], t["x"])
+    for name in ("x", "residual"):
+        v = rows_view(t[name])
+        if v is None or not kernel_ready(v, vec):
+            return f"{name} is not 16-byte aligned with unit last stride and aligned rows (in place: no copy possible)"
+    return None
+
+
+def run_forward(arch, x, weight=None, bias=None, residual=None, eps=1e-6, store_rstd=False):
+    N = x.shape[-1]
+    lead = x.shape[:-1]
+    vec = vec_for(N, x)
+    x2 = prepare(x, vec)
+    M = x2.shape[0]
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    rstd = torch.empty(M, device=x.device, dtype=torch.float32) if store_rstd else None
+    res2 = prepare(residual, vec)
+    res_out = torch.empty((M, N), device=x.device, dtype=residual.dtype) if residual is not None else None
+    if M > 0:
+        _launch(arch, x2, prepare(weight, vec), prepare(bias, vec), res2, out, res_out, rstd, eps)
+    return (out.view(*lead, N), None if rstd is None else rstd.view(lead),
+            None if res_out is None else res_out.view(*lead, N))
+
+
+def run_fused_add(arch, x, residual, weight, eps=1e-6):
+    N = x.shape[-1]
+    x2, r2 = rows_view(x), rows_view(residual)
+    if x2.shape[0] > 0:
+        # Outputs alias the inputs: each element is read before it is overwritten, by one thread.
+        _launch(arch, x2, prepare(weight, vec_for(N, x)), None, r2, x2, r2, None, eps)
+
+
+def _launch(arch, x, w, b, res, out, res_out, rstd, eps):
+    M, N = x.shape
+    fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
+                          dtype_name(res_out), rstd is not None)
+    fn(ptr(x), ptr(w), ptr(b), ptr(res), ptr(out), ptr(res_out), ptr(rstd, 4), M, ld(x), ld(res), ld(out),
+       ld(res_out), float(eps), current_stream(x.device))
+
+
+CHECKS = {"rmsnorm_forward": check_forward, "fused_add_rmsnorm_": check_fused_add}
+RUNNERS = {"rmsnorm_forward": run_forward, "fused_add_rmsnorm_": run_fused_add}

@@ -1,0 +1,150 @@
+"""RMSNorm kernels on the GPU against the fp32 reference (outputs poisoned with NaN first)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oink
+from oink import reference as R
+from pytest_oink.tolerances import tolerance
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MS = (1, 3, 128, 4097, 65536)
+NS = (64, 128, 1000, 4096, 6144, 7168, 8192, 16384, 32768, 131072, 262144)
+MAX_ELEMS = 2**30  # keeps one case's tensors (and their fp32 reference) within a few GB
+
+
+def _arch():
+    from oink.dispatch import _device_arch
+
+    return _device_arch(torch.cuda.current_device())[0]
+
+
+def _close(actual, expected, dtype, what):
+    atol, rtol = tolerance("rmsnorm", dtype)
+    assert not torch.isnan(actual).any(), f"{what}: NaN (unwritten output?)"
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def _rows(M, N, dtype, padded, gen):
+    width = N + (8 if padded else 0)
+    return torch.randn(M, width, device="cuda", dtype=torch.float32, generator=gen).to(dtype)[:, :N]
+
+
+def run_poisoned(x, w, b, res, eps, store_rstd):
+    """Launch the kernel directly into NaN-filled outputs (every element must be written)."""
+    from oink.kernels.host import prepare, vec_for
+    from oink.kernels.rmsnorm_ops import _launch
+
+    M, N = x.shape
+    vec = vec_for(N, x)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
+    res_out = torch.full((M, N), float("nan"), device="cuda", dtype=res.dtype) if res is not None else None
+    rstd = torch.full((M,), float("nan"), device="cuda") if store_rstd else None
+    _launch(_arch(), prepare(x, vec), prepare(w, vec), prepare(b, vec), prepare(res, vec), out, res_out, rstd, eps)
+    return out, rstd, res_out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("w_fp32", [False, True], ids=["w_same", "w_fp32"])
+@pytest.mark.parametrize("N", NS)
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_forward_with_residual(dtype, w_fp32, N, M, padded, seed):
+    if M * N > MAX_ELEMS:
+        pytest.skip(f"M*N = {M * N} > {MAX_ELEMS}")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x, res = _rows(M, N, dtype, padded, g), _rows(M, N, dtype, padded, g)
+    w = torch.randn(N, device="cuda", generator=g).to(torch.float32 if w_fp32 else dtype)
+    out, rstd, res_out = run_poisoned(x, w, None, res, 1e-6, True)
+    y_ref, rstd_ref, res_ref = R.rmsnorm_forward(x, w, None, res, 1e-6, True)
+    assert torch.equal(res_out, res_ref), "residual_out must be exactly round(x + residual)"
+    _close(out, y_ref, dtype, "y")
+    _close(rstd, rstd_ref, torch.float32, "rstd")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("w", ["none", "same", "fp32"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("store_rstd", [False, True])
+@pytest.mark.parametrize("M,N", [(128, 1000), (4097, 4096), (3, 131072)])
+def test_forward_flags(dtype, w, bias, residual, store_rstd, M, N, seed):
+    if w == "none" and bias:
+        pytest.skip("bias without weight is not a configuration anyone uses")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    wd = torch.float32 if w == "fp32" else dtype
+    x = _rows(M, N, dtype, False, g)
+    wt = torch.randn(N, device="cuda", generator=g).to(wd) if w != "none" else None
+    bt = torch.randn(N, device="cuda", generator=g).to(wd) if bias else None
+    rt = _rows(M, N, dtype, False, g) if residual else None
+    out, rstd, res_out = run_poisoned(x, wt, bt, rt, 1e-5, store_rstd)
+    y_ref, rstd_ref, res_ref = R.rmsnorm_forward(x, wt, bt, rt, 1e-5, True)
+    _close(out, y_ref, dtype, "y")
+    if store_rstd:
+        _close(rstd, rstd_ref, torch.float32, "rstd")
+    if residual:
+        assert torch.equal(res_out, res_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", NS)
+@pytest.mark.parametrize("M", MS)
+def test_fused_add_in_place(dtype, N, M, seed):
+    if M * N > MAX_ELEMS:
+        pytest.skip(f"M*N = {M * N} > {MAX_ELEMS}")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x, res = _rows(M, N, dtype, True, g), _rows(M, N, dtype, True, g)  # padded rows, in place
+    w = torch.randn(N, device="cuda", generator=g).to(dtype)
+    xr, rr = x.clone(), res.clone()
+    assert "kernel" in oink.explain("fused_add_rmsnorm_", x, res, w)
+    oink.fused_add_rmsnorm_(x, res, w, 1e-6)
+    R.fused_add_rmsnorm_(xr, rr, w, 1e-6)
+    assert torch.equal(res, rr), "residual must be exactly round(x + residual)"
+    _close(x, xr, dtype, "x")
+
+
+def test_public_api_and_custom_op_route_to_kernel(seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(2, 5, 4096, device="cuda", generator=g).bfloat16()
+    w = torch.randn(4096, device="cuda", generator=g).bfloat16()
+    assert "kernel" in oink.explain("rmsnorm_forward", x, w)
+    y = torch.ops.oink.rmsnorm(x, w, 1e-6)
+    _close(y, R.rmsnorm_forward(x, w)[0], torch.bfloat16, "torch.ops.oink.rmsnorm")
+    y2, rstd, _ = oink.rmsnorm_forward(x[..., ::2].contiguous()[..., :2048], w[:2048], store_rstd=True)
+    assert rstd.shape == (2, 5)
+    xs = x[..., ::2]  # non-contiguous last dim: copied, never read wrongly
+    _close(oink.rmsnorm_forward(xs, w[:2048])[0], R.rmsnorm_forward(xs, w[:2048])[0], torch.bfloat16, "strided")
+    assert oink.rmsnorm_forward(x[:0], w)[0].shape == (0, 5, 4096)
+
+
+def test_more_than_2_31_elements(seed):
+    M, N = 2**31 // 4096 + 64, 4096
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, N, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(N, device="cuda", generator=g, dtype=torch.bfloat16)
+    y = oink.rmsnorm_forward(x, w)[0]
+    tail = slice(M - 200, M)
+    _close(y[tail], R.rmsnorm_forward(x[tail], w)[0], torch.bfloat16, "rows past 2^31 elements")
+
+
+def test_torch_compile_fullgraph_and_cuda_graph(seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(512, 7168, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(7168, device="cuda", generator=g, dtype=torch.bfloat16)
+    f = torch.compile(lambda a, b: torch.ops.oink.rmsnorm(a, b, 1e-6) + 1, fullgraph=True)
+    _close(f(x, w), R.rmsnorm_forward(x, w)[0].float() + 1, torch.bfloat16, "compiled")
+    res = torch.randn_like(x)
+    xg, rg = x.clone(), res.clone()
+    oink.fused_add_rmsnorm_(xg, rg, w)  # warm up (compiles) outside capture
+    xg.copy_(x), rg.copy_(res)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        oink.fused_add_rmsnorm_(xg, rg, w)
+    graph.replay()
+    xr, rr = x.clone(), res.clone()
+    R.fused_add_rmsnorm_(xr, rr, w)
+    assert torch.equal(rg, rr)
+    _close(xg, xr, torch.bfloat16, "graph replay")
