@@ -16,7 +16,8 @@ _API = (
     "cross_entropy_forward", "cross_entropy_backward", "cross_entropy_fwd_bwd",
     "nvfp4_quantize", "nvfp4_dequantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant", "explain",
 )
-__all__ = [*_API, "reference", "register"]
+_NN = ("rmsnorm", "RMSNorm")
+__all__ = [*_API, *_NN, "reference", "register"]
 
 _TRUTHY = ("1", "true", "yes", "on")
 _registered = False
@@ -43,6 +44,10 @@ def __getattr__(name: str):
         from . import api
 
         return getattr(api, name)
+    if name in _NN:
+        from . import nn
+
+        return getattr(nn, name)
     if name == "reference":
         import importlib
 

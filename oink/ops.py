@@ -260,3 +260,27 @@ ALL_OPS = (
     softmax_forward, softmax_backward, softmax_fwd_bwd, cross_entropy_forward, cross_entropy_backward,
     cross_entropy_fwd_bwd, nvfp4_quantize, nvfp4_dequantize, add_rmsnorm_fp4quant, silu_mul_fp4quant,
 )
+
+
+# ---------------------------------------------------------------- autograd
+def _rmsnorm_setup(ctx, inputs, output):
+    x, weight, bias, residual, eps, store_rstd = inputs
+    y, rstd, res_out = output
+    if not store_rstd:
+        raise RuntimeError("oink::rmsnorm_forward needs store_rstd=True to be differentiated")
+    ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
+    ctx.x_dtype = x.dtype
+    ctx.res_dtype = residual.dtype if residual is not None else None
+    ctx.save_for_backward(res_out if residual is not None else x, weight, rstd)
+
+
+def _rmsnorm_backward(ctx, dy, drstd, dres_out):
+    h, weight, rstd = ctx.saved_tensors
+    dres = dres_out if ctx.has_residual and dres_out is not None and dres_out.numel() else None
+    dh, dw, db = torch.ops.oink.rmsnorm_backward(h, weight, dy.contiguous(), rstd, dres, ctx.has_bias)
+    dx = dh.to(ctx.x_dtype)
+    dresidual = dh.to(ctx.res_dtype) if ctx.has_residual else None
+    return (dx, dw if weight is not None else None, db if ctx.has_bias else None, dresidual, None, None)
+
+
+torch.library.register_autograd(f"{NS}::rmsnorm_forward", _rmsnorm_backward, setup_context=_rmsnorm_setup)

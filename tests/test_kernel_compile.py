@@ -84,3 +84,18 @@ def test_fused_add_variant_compiles(arch, dtype):
 def test_rmsnorm_width_limit():
     with pytest.raises(ValueError, match="262144"):
         compiled_forward("bfloat16", 262144 * 2, "sm_90a")
+
+
+from oink.kernels.rmsnorm_bwd import compiled_backward  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("w", [None, "same", "float32"])
+@pytest.mark.parametrize("has_db", [False, True])
+@pytest.mark.parametrize("dres", [False, True])
+def test_rmsnorm_backward_compiles(arch, dtype, w, has_db, dres):
+    wd = None if w is None else (dtype if w == "same" else w)
+    for N in NORM_WIDTHS:
+        fn = compiled_backward(dtype, N, arch, wd, dtype, dtype if dres else None, has_db)
+        assert callable(fn)

@@ -148,3 +148,100 @@ def test_torch_compile_fullgraph_and_cuda_graph(seed):
     R.fused_add_rmsnorm_(xr, rr, w)
     assert torch.equal(rg, rr)
     _close(xg, xr, torch.bfloat16, "graph replay")
+
+
+def run_backward_poisoned(x, w, dout, rstd, dres, has_bias):
+    """The backward launched into NaN-filled dx and partial buffers."""
+    from oink.kernels.host import prepare, vec_for
+    from oink.kernels.rmsnorm_bwd import backward_launch, persistent_ctas
+    from oink.kernels.rmsnorm_ops import launch_backward
+
+    M, N = x.shape
+    vec = vec_for(N, x)
+    L = backward_launch(N, x.element_size() * 8)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ctas = max(1, min(-(-M // L.rows_per_cta), persistent_ctas(L, sms)))
+    nan = float("nan")
+    dx = torch.full((M, N), nan, device="cuda", dtype=x.dtype)
+    dw_part = torch.full((ctas * L.rows_per_cta, N), nan, device="cuda") if w is not None else None
+    db_part = torch.full((ctas * L.rows_per_cta, N), nan, device="cuda") if has_bias else None
+    launch_backward(_arch(), prepare(x, vec), prepare(w, vec), prepare(dout, vec), rstd, prepare(dres, vec), dx,
+                    dw_part, db_part, ctas)
+    dw = dw_part.sum(0).to(w.dtype) if w is not None else None
+    db = db_part.sum(0).to(w.dtype if w is not None else x.dtype) if has_bias else None
+    return dx, dw, db
+
+
+def _close_fam(actual, expected, family, dtype, what):
+    atol, rtol = tolerance(family, dtype)
+    assert not torch.isnan(actual).any(), f"{what}: NaN (unwritten output?)"
+    scale = max(1.0, expected.float().abs().max().item()) if family == "weight_grad" else 1.0
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol * scale, rtol=rtol,
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("w", ["same", "fp32", "none"])
+@pytest.mark.parametrize("N", NS)
+@pytest.mark.parametrize("M", MS)
+def test_backward(dtype, w, N, M, seed):
+    if M * N > MAX_ELEMS // 2:
+        pytest.skip(f"M*N = {M * N} > {MAX_ELEMS // 2}")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x, dout, dres = (_rows(M, N, dtype, True, g) for _ in range(3))
+    wt = None if w == "none" else torch.randn(N, device="cuda", generator=g).to(
+        torch.float32 if w == "fp32" else dtype)
+    has_bias = w == "same"
+    _, rstd, _ = R.rmsnorm_forward(x, wt, store_rstd=True)
+    dx, dw, db = run_backward_poisoned(x, wt, dout, rstd, dres, has_bias)
+    ex, ew, eb, _ = R.rmsnorm_backward(x, wt, dout, rstd, dres, has_bias=has_bias)
+    _close_fam(dx, ex, "norm_backward", dtype, "dx")
+    if wt is not None:
+        _close_fam(dw, ew, "weight_grad", wt.dtype, "dw")
+    if has_bias:
+        _close_fam(db, eb, "weight_grad", wt.dtype, "db")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_autograd_matches_reference_autograd(dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(300, 7168, device="cuda", generator=g).to(dtype).requires_grad_(True)
+    w = torch.randn(7168, device="cuda", generator=g).to(dtype).requires_grad_(True)
+    dy = torch.randn(300, 7168, device="cuda", generator=g).to(dtype)
+    assert "kernel" in oink.explain("rmsnorm_backward", x, w, dy, torch.ones(300, device="cuda"))
+    gx, gw = torch.autograd.grad(oink.rmsnorm(x, w), [x, w], dy)
+    xr, wr = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
+    yr = xr * torch.rsqrt(xr.square().mean(-1, keepdim=True) + 1e-6) * wr
+    ex, ew = torch.autograd.grad(yr, [xr, wr], dy.float())
+    _close_fam(gx, ex, "norm_backward", dtype, "dx")
+    _close_fam(gw, ew, "weight_grad", dtype, "dw")
+
+
+def test_module_trains_under_compile_and_graph_capture(seed):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(4096, 4096), oink.RMSNorm(4096, eps=1e-6)).cuda().bfloat16()
+    ref = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.RMSNorm(4096, eps=1e-6)).cuda().bfloat16()
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    f = torch.compile(m, fullgraph=True)
+    y = f(x)
+    y.float().square().mean().backward()
+    yr = ref(x)
+    yr.float().square().mean().backward()
+    _close(y, yr, torch.bfloat16, "module output")
+    _close_fam(m[1].weight.grad, ref[1].weight.grad, "weight_grad", torch.bfloat16, "module dw")
+    # every op captured in a CUDA graph
+    xg = x.clone()
+    wv = m[1].weight.detach()
+    rstd_holder = {}
+    oink.rmsnorm_forward(xg, wv, store_rstd=True)  # compile outside capture
+    oink.rmsnorm_backward(xg, wv, xg, torch.ones(64, device="cuda"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_g, rstd_g, _ = oink.rmsnorm_forward(xg, wv, store_rstd=True)
+        rstd_holder["dx"] = oink.rmsnorm_backward(xg, wv, y_g, rstd_g)[0]
+    graph.replay()
+    y_e, rstd_e, _ = R.rmsnorm_forward(xg, wv, store_rstd=True)
+    _close(y_g, y_e, torch.bfloat16, "graph fwd")
+    _close_fam(rstd_holder["dx"], R.rmsnorm_backward(xg, wv, y_g, rstd_g)[0], "norm_backward", torch.bfloat16,
+               "graph bwd")

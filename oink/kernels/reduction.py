@@ -140,11 +140,13 @@ class RowKernelBase:
             cute.arch.cluster_wait()
 
     @cute.jit
-    def row_allreduce(self, val: Float32, op: cutlass.Constexpr, init: Float32, buf, mbar,
-                      slot: cutlass.Constexpr[int]) -> Float32:
+    def row_allreduce(self, val: Float32, op: cutlass.Constexpr, init: Float32, buf, mbar, slot,
+                      phase=0) -> Float32:
         """Combine one fp32 value per thread across its row: warp shuffles, then shared
         memory across the warps of a row, then DSMEM across the CTAs of a cluster.
-        Every thread of the row gets the result."""
+        Every thread of the row gets the result. ``slot`` picks the buffer and mbarrier; a
+        loop that reduces repeatedly alternates two slots (so no one overwrites a slot still
+        being read) and passes each slot's mbarrier ``phase`` (0, 1, 0, ... per reuse)."""
         L = self.launch
         val = cute.arch.warp_reduction(val, op, threads_in_group=min(L.threads_per_row, WARP))
         width = const_expr(L.warps_per_row * L.cluster_n)
@@ -168,7 +170,7 @@ class RowKernelBase:
                 if lane < L.cluster_n:
                     dst = sbuf.iterator + cute.crd2idx((row, col + rank * L.warps_per_row), sbuf.layout)
                     _store_remote_f32(val, dst, mbar + slot, lane)
-                cute.arch.mbarrier_wait(mbar + slot, phase=0)
+                cute.arch.mbarrier_wait(mbar + slot, phase=phase)
             acc = init
             for i in cutlass.range_constexpr(cute.ceil_div(width, WARP)):
                 idx = lane + i * WARP

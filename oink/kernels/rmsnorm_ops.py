@@ -7,6 +7,7 @@ import torch
 from .compile import current_stream
 from .host import dtype_name, kernel_ready, ld, prepare, ptr, rows_view, vec_for
 from .rmsnorm import MAX_N, compiled_forward
+from .rmsnorm_bwd import backward_launch, compiled_backward, persistent_ctas
 
 
 def _width_reason(x) -> str | None:
@@ -18,6 +19,9 @@ def _width_reason(x) -> str | None:
 
 def check_forward(t: dict, arch: str) -> str | None:
     return _width_reason(t["x"])
+
+
+check_backward = check_forward
 
 
 def check_fused_add(t: dict, arch: str) -> str | None:
@@ -64,5 +68,43 @@ def _launch(arch, x, w, b, res, out, res_out, rstd, eps):
        ld(res_out), float(eps), current_stream(x.device))
 
 
-CHECKS = {"rmsnorm_forward": check_forward, "fused_add_rmsnorm_": check_fused_add}
-RUNNERS = {"rmsnorm_forward": run_forward, "fused_add_rmsnorm_": run_fused_add}
+def run_backward(arch, x, weight, dout, rstd, dresidual_out=None, has_bias=False, has_residual=False):
+    N = x.shape[-1]
+    vec = vec_for(N, x)
+    x2, g2, dr2 = prepare(x, vec), prepare(dout, vec), prepare(dresidual_out, vec)
+    w = prepare(weight, vec)
+    M = x2.shape[0]
+    dx = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    launch = backward_launch(N, x.element_size() * 8)
+    tiles = -(-M // launch.rows_per_cta)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    ctas = max(1, min(tiles, persistent_ctas(launch, sms)))
+    parts = ctas * launch.rows_per_cta
+    dw_part = torch.empty((parts, N), device=x.device, dtype=torch.float32) if weight is not None else None
+    db_part = torch.empty((parts, N), device=x.device, dtype=torch.float32) if has_bias else None
+    if M > 0:
+        launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas)
+    else:
+        for t in (dw_part, db_part):
+            if t is not None:
+                t.zero_()
+    wdtype = weight.dtype if weight is not None else x.dtype
+    dw = dw_part.sum(0).to(wdtype) if weight is not None else None
+    db = db_part.sum(0).to(wdtype) if has_bias else None
+    dx = dx.view(x.shape)
+    return dx, dw, db, (dx if has_residual else None)
+
+
+def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas):
+    """Launch into given outputs; dw_part/db_part have ctas * rows_per_cta rows."""
+    M, N = x2.shape
+    fn = compiled_backward(dtype_name(x2), N, arch, dtype_name(w), dtype_name(g2), dtype_name(dr2),
+                           db_part is not None)
+    fn(ptr(x2), ptr(w), ptr(g2), ptr(rstd.reshape(-1).contiguous(), 4), ptr(dr2), ptr(dx), ptr(dw_part),
+       ptr(db_part), M, ld(x2), ld(g2), ld(dr2), ld(dx), ctas, current_stream(x2.device))
+
+
+CHECKS = {"rmsnorm_forward": check_forward, "fused_add_rmsnorm_": check_fused_add,
+          "rmsnorm_backward": check_backward}
+RUNNERS = {"rmsnorm_forward": run_forward, "fused_add_rmsnorm_": run_fused_add,
+           "rmsnorm_backward": run_backward}

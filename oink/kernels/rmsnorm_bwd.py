@@ -1,0 +1,160 @@
+"""RMSNorm backward in CuTeDSL: dx per row, dweight/dbias as per-CTA fp32 partials.
+
+A persistent grid walks the row tiles; each thread keeps running sums of dout*xhat (and dout)
+for its columns in registers, and writes them once at the end as one row of a partial buffer
+[ctas * rows_per_cta, N]. Summing that buffer over rows (a device op, no host round trip)
+gives dweight and dbias. Wide rows use a cluster per row tile; successive tiles alternate two
+reduction slots so a fast CTA never overwrites a value a peer is still reading.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .reduction import RowLaunch, add
+from .rmsnorm import MAX_N, RMSNormForward, forward_launch
+
+
+def backward_launch(N: int, x_bits: int) -> RowLaunch:
+    """Launch heuristic for the backward (the one place it is chosen): the forward's shape."""
+    return forward_launch(N, x_bits)
+
+
+def persistent_ctas(launch: RowLaunch, sm_count: int) -> int:
+    """CTAs in x of the persistent grid: ~1024 resident threads per SM."""
+    return max(1, sm_count * max(1, 1024 // launch.num_threads) // launch.cluster_n)
+
+
+class RMSNormBackward(RMSNormForward):
+    """Reuses the forward's tiling and row copies; two reduction slots for the tile loop."""
+
+    def __init__(self, launch: RowLaunch, x_dtype, w_dtype, dout_dtype, dres_dtype, has_dw: bool, has_db: bool):
+        RMSNormForward.__init__(self, launch, x_dtype, w_dtype, None, None, x_dtype, None, False)
+        self.num_reductions = 2
+        self.dout_dtype, self.dres_dtype = dout_dtype, dres_dtype
+        self.has_dw, self.has_db = has_dw, has_db
+
+    @cute.jit
+    def __call__(self, px: cute.Pointer, pw: Optional[cute.Pointer], pdout: cute.Pointer, prstd: cute.Pointer,
+                 pdres: Optional[cute.Pointer], pdx: cute.Pointer, pdw: Optional[cute.Pointer],
+                 pdb: Optional[cute.Pointer], M: Int32, ldx: Int64, lddout: Int64, lddres: Int64, lddx: Int64,
+                 num_ctas: Int32, stream: cuda.CUstream):
+        L = self.launch
+        mX = self.matrix(px, M, ldx)
+        mDout = self.matrix(pdout, M, lddout)
+        mDx = self.matrix(pdx, M, lddx)
+        mDres = self.matrix(pdres, M, lddres) if const_expr(pdres is not None) else None
+        mW = self.broadcast_rows(pw) if const_expr(pw is not None) else None
+        mRstd = cute.make_tensor(prstd, cute.make_layout((M,)))
+        parts = num_ctas * L.rows_per_cta
+        row_major = cute.make_layout((parts, L.N), stride=(L.N, 1))
+        mDw = cute.make_tensor(pdw, row_major) if const_expr(pdw is not None) else None
+        mDb = cute.make_tensor(pdb, row_major) if const_expr(pdb is not None) else None
+        self.kernel(mX, mW, mDout, mRstd, mDres, mDx, mDw, mDb, self.tiled_copy(self.x_dtype)).launch(
+            grid=[num_ctas, L.cluster_n, 1], block=[L.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mDout: cute.Tensor, mRstd: cute.Tensor,
+               mDres: Optional[cute.Tensor], mDx: cute.Tensor, mDw: Optional[cute.Tensor],
+               mDb: Optional[cute.Tensor], tc: cute.TiledCopy):
+        L = self.launch
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, cy, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        if const_expr(L.cluster_n == 1):
+            cy = Int32(0)
+        smem = cutlass.memory.SmemAllocator()
+        buf, mbar = self.alloc_reduction(smem)
+        self.init_cluster(mbar)
+
+        M = cute.size(mX, mode=[0])
+        tiler = self.tiler()
+        thr = tc.get_slice(tidx)
+        part = lambda t, row_block: thr.partition_S(cute.local_tile(t, tiler, (row_block, cy)))  # noqa: E731
+        ident = cute.make_identity_tensor(mX.shape)
+
+        rW = None
+        if const_expr(mW is not None):
+            tXgW = part(mW, 0)
+            rW = cute.make_rmem_tensor_like(tXgW)
+            self.copy_row(tXgW, rW, part(ident, 0), self.w_dtype)
+        proto = part(mX, 0)
+        acc_dw = cute.make_rmem_tensor_like(proto, Float32)
+        acc_dw.fill(0.0)
+        acc_db = cute.make_rmem_tensor_like(proto, Float32)
+        acc_db.fill(0.0)
+        rX = cute.make_rmem_tensor_like(proto)
+        rG = cute.make_rmem_tensor_like(proto, self.dout_dtype)
+        rDx = cute.make_rmem_tensor_like(proto, self.x_dtype)
+        rDres = None
+        if const_expr(mDres is not None):
+            rDres = cute.make_rmem_tensor_like(proto, self.dres_dtype)
+        self.wait_cluster()
+
+        num_tiles = cute.ceil_div(M, L.rows_per_cta)
+        it = Int32(0)
+        for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
+            tXcX = part(ident, tile)
+            row = tXcX[0][0]
+            rX.fill(0)
+            rG.fill(0)
+            tXgX, tXgG, tXgDx = part(mX, tile), part(mDout, tile), part(mDx, tile)
+            rstd = Float32(0.0)
+            if row < M:
+                self.copy_row(tXgX, rX, tXcX, self.x_dtype)
+                self.copy_row(tXgG, rG, tXcX, self.dout_dtype)
+                rstd = mRstd[row]
+            xhat = rX.load().to(Float32) * rstd
+            g = rG.load().to(Float32)
+            wdy = g * rW.load().to(Float32) if const_expr(mW is not None) else g
+            dot = (xhat * wdy).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+            dot = self.row_allreduce(dot, add, Float32(0.0), buf, mbar, it % 2, (it // 2) % 2)
+            dx = (wdy - xhat * (dot / L.N)) * rstd
+            if const_expr(mDres is not None):
+                rDres.fill(0)
+                if row < M:
+                    self.copy_row(part(mDres, tile), rDres, tXcX, self.dres_dtype)
+                dx = dx + rDres.load().to(Float32)
+            rDx.store(dx.to(self.x_dtype))
+            if row < M:
+                self.copy_row(rDx, tXgDx, tXcX, self.x_dtype)
+            if const_expr(self.has_dw):
+                acc_dw.store(acc_dw.load() + g * xhat)  # rows past M have g = 0
+            if const_expr(self.has_db):
+                acc_db.store(acc_db.load() + g)
+            it += 1
+
+        # One partial row per (CTA, row slot): row index bidx * rows_per_cta + this thread's row.
+        pc = part(ident, bidx)  # coordinates with the row tile of this CTA's own partial rows
+        if const_expr(self.has_dw):
+            self.copy_row(acc_dw, part(mDw, bidx), pc, Float32)
+        if const_expr(self.has_db):
+            self.copy_row(acc_db, part(mDb, bidx), pc, Float32)
+
+
+def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout_dtype: str,
+                      dres_dtype: str | None, has_db: bool):
+    if not 1 <= N <= MAX_N:
+        raise ValueError(f"N={N}: the RMSNorm kernel handles 1 <= N <= {MAX_N}")
+    xd = cute_dtype(x_dtype)
+    launch = backward_launch(N, xd.width)
+    key = ("rmsnorm_bwd", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N, arch)
+
+    def build():
+        wd = None if w_dtype is None else cute_dtype(w_dtype)
+        gd = cute_dtype(dout_dtype)
+        rd = None if dres_dtype is None else cute_dtype(dres_dtype)
+        kernel = RMSNormBackward(launch, xd, wd, gd, rd, w_dtype is not None, has_db)
+        one = Int64(launch.vec)
+        return compile_kernel(
+            kernel, gmem_ptr(xd), None if wd is None else gmem_ptr(wd), gmem_ptr(gd), gmem_ptr(Float32, 4),
+            None if rd is None else gmem_ptr(rd), gmem_ptr(xd),
+            gmem_ptr(Float32) if w_dtype is not None else None, gmem_ptr(Float32) if has_db else None,
+            Int32(1), one, one, one, one, Int32(1), fake_stream(), arch=arch)
+
+    return CACHE.get(key, build)

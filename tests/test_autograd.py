@@ -1,0 +1,68 @@
+"""Differentiable RMSNorm (oink.rmsnorm, oink.RMSNorm) against torch autograd in float64."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oink
+from tests.helpers import assert_close_to
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_grads_match_float64(dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 96, generator=g).to(dtype).requires_grad_(True)
+    w = torch.randn(96, generator=g).to(dtype).requires_grad_(True)
+    dy = torch.randn(6, 96, generator=g).to(dtype)
+    y = oink.rmsnorm(x, w, 1e-6)
+    gx, gw = torch.autograd.grad(y, [x, w], dy)
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    y64 = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-6) * w64
+    ex, ew = torch.autograd.grad(y64, [x64, w64], dy.double())
+    assert_close_to(y, y64, "rmsnorm", dtype)
+    assert_close_to(gx, ex, "norm_backward", dtype)
+    assert_close_to(gw, ew, "weight_grad", dtype)
+
+
+def test_gradcheck_float64_through_the_custom_op():
+    x = torch.randn(3, 8, dtype=torch.float64)
+    # The reference computes in fp32, so gradcheck runs with fp32-level tolerances.
+    w = torch.randn(8, dtype=torch.float64)
+    xf, wf = x.float().requires_grad_(True), w.float().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: oink.rmsnorm(a, b), (xf, wf), eps=1e-2, atol=5e-2, rtol=5e-2,
+                                    fast_mode=True)
+
+
+def test_residual_path_gradients():
+    x = torch.randn(4, 32, requires_grad=True)
+    r = torch.randn(4, 32, requires_grad=True)
+    w = torch.randn(32, requires_grad=True)
+    y, rstd, res_out = torch.ops.oink.rmsnorm_forward(x, w, None, r, 1e-6, True)
+    (y.sum() + (res_out * 2).sum()).backward()
+    x2, r2, w2 = [t.detach().clone().requires_grad_(True) for t in (x, r, w)]
+    h = x2 + r2
+    y2 = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-6) * w2
+    (y2.sum() + (h * 2).sum()).backward()
+    for a, b in ((x, x2), (r, r2), (w, w2)):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_module_is_a_drop_in_for_torch_rmsnorm():
+    ref = torch.nn.RMSNorm(64, eps=1e-5)
+    torch.nn.init.normal_(ref.weight)
+    mod = oink.RMSNorm(64, eps=1e-5)
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 7, 64)
+    torch.testing.assert_close(mod(x), ref(x), atol=1e-5, rtol=1e-5)
+    mod2 = oink.RMSNorm((4, 16), elementwise_affine=False)
+    torch.testing.assert_close(mod2(x.view(2, 7, 4, 16)), torch.nn.RMSNorm((4, 16), elementwise_affine=False)(
+        x.view(2, 7, 4, 16)), atol=1e-5, rtol=1e-5)
+
+
+def test_module_compiles_fullgraph():
+    torch._dynamo.reset()
+    m = torch.nn.Sequential(torch.nn.Linear(32, 32), oink.RMSNorm(32))
+    f = torch.compile(m, fullgraph=True)
+    x = torch.randn(5, 32, requires_grad=True)
+    f(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
