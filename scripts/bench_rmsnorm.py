@@ -69,9 +69,10 @@ def rotating(make, bytes_per_set):
 def peers():
     out = {}
     try:
-        from quack.rmsnorm import rmsnorm_fwd
+        from quack.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 
         out["quack"] = rmsnorm_fwd
+        out["quack_bwd"] = rmsnorm_bwd
     except Exception as e:  # noqa: BLE001
         print(f"quack unavailable: {e}", file=sys.stderr)
     try:
@@ -152,7 +153,34 @@ def bench_fused(M, N, P, compiled_fused, ceiling):
     return row, 4 * M * N * 2 + N * 2
 
 
+def bench_backward(M, N, P, compiled_bwd, ceiling):
+    dt = torch.bfloat16
+    w = torch.randn(N, device="cuda", dtype=dt)
+
+    def make():
+        x = torch.randn(M, N, device="cuda", dtype=dt)
+        return x, torch.randn(M, N, device="cuda", dtype=dt), R.rmsnorm_forward(x, w, store_rstd=True)[1]
+
+    x0, g0, rstd0 = make()
+    want_dx, want_dw, _, _ = R.rmsnorm_backward(x0, w, g0, rstd0)
+    nxt, _ = rotating(make, 3 * M * N * 2)
+    provs = {"oink": lambda x, g, r: oink.rmsnorm_backward(x, w, g, r)[:2],
+             "torch.compile": lambda x, g, r: compiled_bwd(x, w, g, r)[:2]}
+    if "quack_bwd" in P:
+        provs["quack"] = lambda x, g, r: P["quack_bwd"](x, w, g, r)[:2]
+    row = {}
+    for name, f in provs.items():
+        dx, dw = f(x0, g0, rstd0)
+        if not (gate(f"bwd {name} dx", dx, want_dx) and gate(f"bwd {name} dw", dw, want_dw, atol=0.5)):
+            row[name] = None
+            continue
+        row[name] = graph_time(lambda: f(*nxt()))
+    return row, 3 * M * N * 2 + 2 * N * 2 + 4 * M
+
+
 def table(title, rows, ceiling, bytes_of, providers):
+    if not rows:
+        return
     print(f"\n### {title}\n")
     hdr = "| M | N | " + " | ".join(f"{p} ms" for p in providers) + " | oink TB/s | oink / copy | " + \
         " | ".join(f"vs {p}" for p in providers if p != "oink") + " |"
@@ -191,7 +219,8 @@ def main():
     quack_suite = sorted({(b * s, 4096) for b in (1, 4, 8, 16, 32) for s in (8192, 16384, 32768, 65536, 131072)
                           if b * s * 4096 <= 2**31})
     shapes = dsv3[:3] if quick else dsv3 + quack_suite
-    for wdtype in (torch.bfloat16, torch.float32):
+    only_bwd = "--bwd" in sys.argv
+    for wdtype in (() if only_bwd else (torch.bfloat16, torch.float32)):
         rows, nbytes = [], {}
         for M, N in shapes:
             row, b = bench_forward(M, N, wdtype, P, compiled_fwd, ceiling)
@@ -200,11 +229,18 @@ def main():
         provs = ["oink", "quack", "liger", "torch.compile"] if wdtype == torch.bfloat16 else ["oink", "quack", "torch.compile"]
         table(f"RMSNorm forward, x bf16, weight {str(wdtype)[6:]}", rows, ceiling, nbytes, provs)
     rows, nbytes = [], {}
-    for M, N in shapes:
+    for M, N in ([] if only_bwd else shapes):
         row, b = bench_fused(M, N, P, compiled_fused, ceiling)
         rows.append(((M, N), row))
         nbytes[(M, N)] = b
     table("Fused add + RMSNorm in place, bf16", rows, ceiling, nbytes, ["oink", "quack+copies", "torch.compile"])
+    compiled_bwd = torch.compile(R.rmsnorm_backward)
+    rows, nbytes = [], {}
+    for M, N in shapes:
+        row, b = bench_backward(M, N, P, compiled_bwd, ceiling)
+        rows.append(((M, N), row))
+        nbytes[(M, N)] = b
+    table("RMSNorm backward (dx, dw), bf16", rows, ceiling, nbytes, ["oink", "quack", "torch.compile"])
 
 
 if __name__ == "__main__":
