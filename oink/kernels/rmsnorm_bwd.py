@@ -8,6 +8,8 @@ reduction slots so a fast CTA never overwrites a value a peer is still reading.
 """
 from __future__ import annotations
 
+import os
+
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -16,18 +18,25 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
-from .reduction import RowLaunch, add
-from .rmsnorm import MAX_N, RMSNormForward, forward_launch
+from .reduction import RowLaunch, add, pick_row_launch
+from .rmsnorm import MAX_N, RMSNormForward
+
+
+# Tuning knobs, overridable for sweeps (scripts/bench_rmsnorm.py --sweep); defaults measured there.
+UNITS_PER_THREAD = int(os.environ.get("OINK_BWD_UPT", "1"))
+THREADS_PER_SM = int(os.environ.get("OINK_BWD_TPSM", "1024"))
 
 
 def backward_launch(N: int, x_bits: int) -> RowLaunch:
-    """Launch heuristic for the backward (the one place it is chosen): the forward's shape."""
-    return forward_launch(N, x_bits)
+    """Launch heuristic for the backward (the one place it is chosen)."""
+    upt = int(os.environ.get("OINK_BWD_UPT", UNITS_PER_THREAD))
+    return pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=max(upt, 8))
 
 
 def persistent_ctas(launch: RowLaunch, sm_count: int) -> int:
-    """CTAs in x of the persistent grid: ~1024 resident threads per SM."""
-    return max(1, sm_count * max(1, 1024 // launch.num_threads) // launch.cluster_n)
+    """CTAs in x of the persistent grid: a target of resident threads per SM."""
+    tpsm = int(os.environ.get("OINK_BWD_TPSM", THREADS_PER_SM))
+    return max(1, sm_count * max(1, tpsm // launch.num_threads) // launch.cluster_n)
 
 
 class RMSNormBackward(RMSNormForward):
@@ -38,6 +47,22 @@ class RMSNormBackward(RMSNormForward):
         self.num_reductions = 2
         self.dout_dtype, self.dres_dtype = dout_dtype, dres_dtype
         self.has_dw, self.has_db = has_dw, has_db
+
+    @cute.jit
+    def load_tile(self, mX: cute.Tensor, mDout: cute.Tensor, mRstd: cute.Tensor, tile: Int32, num_tiles: Int32,
+                  rX: cute.Tensor, rG: cute.Tensor, rRstd: cute.Tensor, slot: cutlass.Constexpr[int], part,
+                  ident: cute.Tensor, M: Int32):
+        """x, dout and rstd of one row tile into registers; zeros past M or past the last tile."""
+        rX.fill(0)
+        rG.fill(0)
+        rRstd[slot] = Float32(0.0)
+        if tile < num_tiles:
+            tXcX = part(ident, tile)
+            row = tXcX[0][0]
+            if row < M:
+                self.copy_row(part(mX, tile), rX, tXcX, self.x_dtype)
+                self.copy_row(part(mDout, tile), rG, tXcX, self.dout_dtype)
+                rRstd[slot] = mRstd[row]
 
     @cute.jit
     def __call__(self, px: cute.Pointer, pw: Optional[cute.Pointer], pdout: cute.Pointer, prstd: cute.Pointer,
@@ -82,6 +107,7 @@ class RMSNormBackward(RMSNormForward):
         if const_expr(mW is not None):
             tXgW = part(mW, 0)
             rW = cute.make_rmem_tensor_like(tXgW)
+            rW.fill(0)  # columns past N stay 0: they enter the row's dot product
             self.copy_row(tXgW, rW, part(ident, 0), self.w_dtype)
         proto = part(mX, 0)
         acc_dw = cute.make_rmem_tensor_like(proto, Float32)
@@ -96,19 +122,19 @@ class RMSNormBackward(RMSNormForward):
             rDres = cute.make_rmem_tensor_like(proto, self.dres_dtype)
         self.wait_cluster()
 
+        # Software pipeline: the next tile's x, dout and rstd are loaded into a second set of
+        # registers before this tile's reduction, so each thread keeps two rows' loads in flight.
+        rXn = cute.make_rmem_tensor_like(proto)
+        rGn = cute.make_rmem_tensor_like(proto, self.dout_dtype)
+        rRstd = cute.make_rmem_tensor(cute.make_layout((2,)), Float32)
         num_tiles = cute.ceil_div(M, L.rows_per_cta)
+        self.load_tile(mX, mDout, mRstd, bidx, num_tiles, rX, rG, rRstd, 0, part, ident, M)
         it = Int32(0)
         for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
+            self.load_tile(mX, mDout, mRstd, tile + gdim, num_tiles, rXn, rGn, rRstd, 1, part, ident, M)
             tXcX = part(ident, tile)
             row = tXcX[0][0]
-            rX.fill(0)
-            rG.fill(0)
-            tXgX, tXgG, tXgDx = part(mX, tile), part(mDout, tile), part(mDx, tile)
-            rstd = Float32(0.0)
-            if row < M:
-                self.copy_row(tXgX, rX, tXcX, self.x_dtype)
-                self.copy_row(tXgG, rG, tXcX, self.dout_dtype)
-                rstd = mRstd[row]
+            rstd = rRstd[0]
             xhat = rX.load().to(Float32) * rstd
             g = rG.load().to(Float32)
             wdy = g * rW.load().to(Float32) if const_expr(mW is not None) else g
@@ -122,11 +148,14 @@ class RMSNormBackward(RMSNormForward):
                 dx = dx + rDres.load().to(Float32)
             rDx.store(dx.to(self.x_dtype))
             if row < M:
-                self.copy_row(rDx, tXgDx, tXcX, self.x_dtype)
+                self.copy_row(rDx, part(mDx, tile), tXcX, self.x_dtype)
             if const_expr(self.has_dw):
                 acc_dw.store(acc_dw.load() + g * xhat)  # rows past M have g = 0
             if const_expr(self.has_db):
                 acc_db.store(acc_db.load() + g)
+            rX.store(rXn.load())
+            rG.store(rGn.load())
+            rRstd[0] = rRstd[1]
             it += 1
 
         # One partial row per (CTA, row slot): row index bidx * rows_per_cta + this thread's row.
@@ -143,7 +172,7 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
         raise ValueError(f"N={N}: the RMSNorm kernel handles 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
     launch = backward_launch(N, xd.width)
-    key = ("rmsnorm_bwd", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N, arch)
+    key = ("rmsnorm_bwd", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N, arch, launch)
 
     def build():
         wd = None if w_dtype is None else cute_dtype(w_dtype)
