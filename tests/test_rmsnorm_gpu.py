@@ -158,7 +158,7 @@ def run_backward_poisoned(x, w, dout, rstd, dres, has_bias):
 
     M, N = x.shape
     vec = vec_for(N, x)
-    L = backward_launch(N, x.element_size() * 8)
+    L = backward_launch(N, x.element_size() * 8, _arch())
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ctas = max(1, min(-(-M // L.rows_per_cta), persistent_ctas(L, sms)))
     nan = float("nan")

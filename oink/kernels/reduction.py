@@ -17,6 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 WARP = 32
+MAX_CLUSTER = 8  # the portable cluster size on SM90 and SM100
 
 
 @dataclass(frozen=True)
@@ -64,14 +65,14 @@ def pick_row_launch(N: int, widest_bits: int, units_per_thread: int = 4,
                     max_units_per_thread: int = 8) -> RowLaunch:
     """Default heuristic. A "unit" is one 128-bit access of the widest dtype. Rows get the
     fewest threads (a power of two, at most 1024) that leave <= ``units_per_thread`` units
-    each; rows too wide for that are split over a cluster of up to 16 CTAs so that no thread
+    each; rows too wide for that are split over a cluster of up to 8 CTAs so that no thread
     holds more than ``max_units_per_thread`` units (<= 64 values of 16 bits in registers)."""
     vec = math.gcd(N, 128 // widest_bits)
     units = N // vec
     tpr = 1 << max(0, (math.ceil(units / units_per_thread) - 1).bit_length())
     tpr = min(tpr, 1024)
     cluster_n = 1
-    while units > tpr * cluster_n * max_units_per_thread and cluster_n < 16:
+    while units > tpr * cluster_n * max_units_per_thread and cluster_n < MAX_CLUSTER:
         cluster_n *= 2
     return RowLaunch(N=N, vec=vec, threads_per_row=tpr, num_threads=max(128, tpr), cluster_n=cluster_n)
 

@@ -23,12 +23,13 @@ from .rmsnorm import MAX_N, RMSNormForward
 
 
 # Tuning knobs, overridable for sweeps (scripts/bench_rmsnorm.py --sweep); defaults measured there.
-UNITS_PER_THREAD = int(os.environ.get("OINK_BWD_UPT", "1"))
-THREADS_PER_SM = int(os.environ.get("OINK_BWD_TPSM", "1024"))
+UNITS_PER_THREAD = 2
+THREADS_PER_SM = 1024
 
 
-def backward_launch(N: int, x_bits: int) -> RowLaunch:
-    """Launch heuristic for the backward (the one place it is chosen)."""
+def backward_launch(N: int, x_bits: int, arch: str) -> RowLaunch:
+    """Launch heuristic for the backward (the one place it is chosen): 2 units a thread and
+    ~1024 resident threads per SM measured best on H100 (bench/RESULTS.md); SM100 reuses it."""
     upt = int(os.environ.get("OINK_BWD_UPT", UNITS_PER_THREAD))
     return pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=max(upt, 8))
 
@@ -171,7 +172,7 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the RMSNorm kernel handles 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
-    launch = backward_launch(N, xd.width)
+    launch = backward_launch(N, xd.width, arch)
     key = ("rmsnorm_bwd", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N, arch, launch)
 
     def build():

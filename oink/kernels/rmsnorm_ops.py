@@ -75,7 +75,7 @@ def run_backward(arch, x, weight, dout, rstd, dresidual_out=None, has_bias=False
     w = prepare(weight, vec)
     M = x2.shape[0]
     dx = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    launch = backward_launch(N, x.element_size() * 8)
+    launch = backward_launch(N, x.element_size() * 8, arch)
     tiles = -(-M // launch.rows_per_cta)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     ctas = max(1, min(tiles, persistent_ctas(launch, sms)))
