@@ -3,6 +3,8 @@ import zlib
 
 import pytest
 
+pytest_plugins = ["pytester"]
+
 
 @pytest.fixture
 def seed(request) -> int:

@@ -1,23 +1,185 @@
-"""The module pytest loads (entry point ``pytest11``). Import-light: no torch here."""
+"""The module pytest loads (entry point ``pytest11``). Import-light: no torch at import time;
+the benchmark machinery loads when a benchmark actually runs."""
 from __future__ import annotations
+
+import importlib.util
+import json
+import os
 
 import pytest
 
-from . import markers
+from . import markers, options, suites
+
+ROWS = pytest.StashKey[list]()
+STATE = pytest.StashKey[dict]()
 
 
 def pytest_addoption(parser):
-    group = parser.getgroup("oink", "Oink kernels: correctness gates and benchmarks")
-    group.addoption("--oink-suite", default=None,
-                    help="run the benchmark suite NAME (benchmarks are not run without it)")
+    options.add_options(parser)
 
 
 def pytest_configure(config):
     for line in markers.MARKERS:
         config.addinivalue_line("markers", line)
+    config.stash[ROWS] = []
+    config.stash[STATE] = {"regressions": [], "regression_lines": [], "written": []}
+    if options.get(config, "--oink-svg") and importlib.util.find_spec("matplotlib") is None:
+        raise pytest.UsageError("--oink-svg needs matplotlib: pip install 'oink[plot]'")
+    if importlib.util.find_spec("hypothesis") is not None:
+        from .strategies import register_profiles
+
+        register_profiles()
+    if importlib.util.find_spec("pytest_benchmark") is not None:
+        from . import benchmark_hooks
+
+        config.pluginmanager.register(benchmark_hooks, "oink-benchmark-hooks")
+    if config.pluginmanager.hasplugin("xdist"):
+        from . import xdist_hooks
+
+        config.pluginmanager.register(xdist_hooks, "oink-xdist-hooks")
 
 
 def pytest_runtest_setup(item):
     reason = markers.skip_reason(item)
     if reason:
         pytest.skip(reason)
+
+
+def selected_cases(config):
+    suite = options.get(config, "--oink-suite")
+    if not suite:
+        return None
+    from .providers import providers_for
+
+    cases = suites.expand(suite, options.split_list(options.get(config, "--oink-ops")),
+                          options.get(config, "--oink-configs"), options.get(config, "--oink-dtype"))
+    wanted = options.split_list(options.get(config, "--oink-providers"))
+    return [(c, p) for c in cases for p in providers_for(c.op, wanted)]
+
+
+def pytest_generate_tests(metafunc):
+    if "oink_case" not in metafunc.fixturenames:
+        return
+    try:
+        pairs = selected_cases(metafunc.config)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+    if pairs is None:
+        metafunc.parametrize("oink_case", [pytest.param(None, marks=pytest.mark.skip(
+            reason="benchmarks run only with --oink-suite=NAME"))], ids=["no-suite"])
+        return
+    metafunc.parametrize("oink_case", pairs, ids=[f"{c.id}-{p}" for c, p in pairs])
+
+
+@pytest.fixture(scope="session")
+def oink_device(request):
+    """The device benchmarks run on: this xdist worker's own GPU, or the CPU without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) % torch.cuda.device_count() if worker.startswith("gw") else 0
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+@pytest.fixture(scope="session")
+def oink_roofline(oink_device):
+    """Measured copy and triad bandwidth of this device (session-scoped, STREAM-like)."""
+    from .timing import measure_roofline
+
+    return measure_roofline(oink_device)
+
+
+@pytest.fixture
+def oink_assert_close():
+    """``oink_assert_close(actual, expected, family=..., dtype=...)``: the gate, with error stats."""
+    from .gate import assert_close
+
+    return assert_close
+
+
+@pytest.fixture
+def oink_benchmark(request, benchmark, oink_device, oink_roofline):
+    """Run one (case, provider): gate on 3 seeded inputs, then time, record and report."""
+    from .bench_runner import run_case
+
+    def run(pair):
+        case, provider = pair
+        row = run_case(case, provider, oink_device, oink_roofline, benchmark, request)
+        request.config.stash[ROWS].append(row)
+        _progress(request.config, row)
+        if row.status != "ok":
+            pytest.fail(f"{case.id} [{provider}] failed the correctness gate (not timed):\n{row.gate.get('report', '')}")
+        return row
+
+    return run
+
+
+def _progress(config, row):
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None:
+        return
+    if row.status == "ok":
+        frac = f", {row.roofline_frac:.2f} of roofline" if row.roofline_frac else ""
+        msg = f"{row.median_s * 1e3:.4f} ms, {row.tbs:.3f} TB/s{frac} ({row.method})"
+    else:
+        msg = "GATE FAILED (not timed)"
+    tr.write_line(f"[oink] {row.op} {row.M}x{row.N} {row.dtype} {row.provider}{' ' + row.label if row.label else ''}: {msg}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if hasattr(config, "workerinput"):  # xdist worker: hand rows to the controller
+        from .report import rows_json
+
+        config.workeroutput["oink_rows"] = rows_json(config.stash[ROWS])
+        return
+    rows = config.stash[ROWS]
+    state = config.stash[STATE]
+    roof = state.get("roofline")
+    from . import report
+
+    csv_path = options.get(config, "--oink-csv")
+    if csv_path:
+        report.write_csv(rows, csv_path)
+        state["written"].append(csv_path)
+    summary = options.get(config, "--oink-summary")
+    if summary:
+        with open(summary, "w") as f:
+            f.write(report.summary_markdown(rows, roof))
+        state["written"].append(summary)
+    svg_dir = options.get(config, "--oink-svg")
+    if svg_dir:
+        state["written"] += report.write_svg(rows, svg_dir, roof)
+    baseline = options.get(config, "--oink-baseline")
+    if baseline:
+        lines, bad = report.regressions(rows, report.load_baseline(baseline),
+                                        options.parse_percent(options.get(config, "--oink-max-regression")))
+        state["regression_lines"], state["regressions"] = lines, bad
+        if bad and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    state = config.stash.get(STATE, None)
+    if not state:
+        return
+    if state["regression_lines"]:
+        terminalreporter.section("oink regression gate")
+        for line in state["regression_lines"]:
+            terminalreporter.write_line(line)
+        if state["regressions"]:
+            terminalreporter.write_line(f"regressed beyond {options.get(config, '--oink-max-regression')}: "
+                                        + ", ".join(state["regressions"]), red=True)
+    for path in state["written"]:
+        terminalreporter.write_line(f"[oink] wrote {path}")
+
+
+def merge_worker_rows(config, payload: str):
+    from .report import Row
+
+    for r in json.loads(payload)["rows"]:
+        r.pop("tbs", None)
+        config.stash[ROWS].append(Row(**r))

@@ -1,0 +1,85 @@
+"""One benchmark row: correctness gate on 3 independently seeded inputs, then timing."""
+from __future__ import annotations
+
+import pytest
+
+from .gate import compare
+from .providers import LABELS, SPECS, Unavailable, build
+from .report import Row
+from .timing import Rotation, copies_for_cold_cache, feed_benchmark, median, time_cuda_graph, time_host
+from .tolerances import tolerance
+
+GATE_SEEDS = (1, 2, 3)
+
+
+def _clone(args):
+    import torch
+
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def _inputs(spec, case, dtype, device, seed):
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return spec.make_inputs(case.M, case.N, dtype, device, gen)
+
+
+def gate(spec, run, case, dtype, device) -> dict:
+    """Worst error stats over the seeds; ``passed`` False if any output of any seed fails."""
+    worst = {"passed": True, "max_abs": 0.0, "rel_l2": 0.0, "p99_abs": 0.0}
+    for seed in GATE_SEEDS:
+        args = _inputs(spec, case, dtype, device, seed)
+        expected = spec.reference(_clone(args))
+        actual = run(_clone(args))
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            atol, rtol = tolerance(spec.family, e.dtype)
+            st = compare(a, e, atol, rtol)
+            for k in ("max_abs", "rel_l2", "p99_abs"):
+                worst[k] = max(worst[k], getattr(st, k))
+            if not st.passed:
+                worst["passed"] = False
+                worst["report"] = st.report(f"seed {seed}, output {i}")
+                return worst
+    return worst
+
+
+def run_case(case, provider, device, roofline, benchmark, request) -> Row:
+    import torch
+
+    dtype = getattr(torch, case.dtype)
+    spec = SPECS[case.op]
+    try:
+        run = build(case.op, provider, device)
+    except Unavailable as e:
+        pytest.skip(f"{provider}: {e}")
+    label = LABELS.get((case.op, provider), "")
+    if device.type != "cuda":
+        label = (label + "; " if label else "") + "CPU (reference timing, not a kernel number)"
+    row = Row(suite=case.suite, op=case.op, provider=provider, M=case.M, N=case.N, dtype=case.dtype,
+              device=str(roofline.device), status="ok", label=label, bytes=spec.nbytes(case.M, case.N, dtype.itemsize),
+              roofline_tbs=roofline.copy_tbs, test=request.node.nodeid)
+    request.config.stash[_state_key()]["roofline"] = roofline
+    row.gate = gate(spec, run, case, dtype, device)
+    if not row.gate["passed"]:
+        row.status = "failed"
+        return row
+    if device.type == "cuda":
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        n_sets = copies_for_cold_cache(row.bytes, l2)
+        rot = Rotation([_inputs(spec, case, dtype, device, 100 + i) for i in range(n_sets)])
+        timing = time_cuda_graph(run, rot)
+        samples, row.method = timing.samples, timing.method
+    else:
+        rot = Rotation([_inputs(spec, case, dtype, device, 100)])
+        samples, row.method = time_host(run, rot, repeats=5, warmup=1), "cpu-perf_counter"
+    row.median_s, row.min_s = median(samples), min(samples)
+    feed_benchmark(benchmark, samples)
+    benchmark.extra_info.update(row.extra_info())
+    return row
+
+
+def _state_key():
+    from .plugin import STATE
+
+    return STATE

@@ -1,0 +1,53 @@
+"""Command-line options (group ``oink``) and their ini twins (``oink_*``)."""
+from __future__ import annotations
+
+OPTIONS = [
+    # (flag, ini key, help, default, is_flag)
+    ("--oink-suite", "oink_suite", "run the benchmark suite NAME (quack, dsv3, smoke); benchmarks run only with it", None, False),
+    ("--oink-configs", "oink_configs", "benchmark these shapes instead of the suite's: MxN,MxN,...", None, False),
+    ("--oink-dtype", "oink_dtype", "benchmark dtype (bfloat16, float16, float32)", "bfloat16", False),
+    ("--oink-ops", "oink_ops", "comma-separated ops to benchmark (default: the suite's)", None, False),
+    ("--oink-providers", "oink_providers", "comma-separated providers (oink, quack, liger, flashinfer, torch, torch.compile)", None, False),
+    ("--oink-csv", "oink_csv", "write one CSV row per benchmark to PATH", None, False),
+    ("--oink-svg", "oink_svg", "write per-suite SVG plots (TB/s per shape per provider, roofline drawn) into DIR", None, False),
+    ("--oink-summary", "oink_summary", "write Markdown tables with per-op geomean speedups to PATH", None, False),
+    ("--oink-baseline", "oink_baseline", "compare Oink rows with this saved JSON (ours or pytest-benchmark's)", None, False),
+    ("--oink-max-regression", "oink_max_regression", "slowdown vs the baseline that fails the session (e.g. 5%)", "5%", False),
+    ("--oink-profile", "oink_profile", "add per-kernel resource usage (registers, spills, smem, occupancy) to results", False, True),
+]
+
+
+def add_options(parser) -> None:
+    group = parser.getgroup("oink", "Oink kernels: correctness gates and benchmarks")
+    for flag, ini, help_, default, is_flag in OPTIONS:
+        if is_flag:
+            group.addoption(flag, action="store_true", default=None, help=help_)
+            parser.addini(ini, help_, type="bool", default=default)
+        else:
+            group.addoption(flag, default=None, help=f"{help_} (ini: {ini})")
+            parser.addini(ini, help_, default=default)
+
+
+def get(config, flag: str):
+    """The option's value: command line first, then the ini key, then the default."""
+    for f, ini, _help, default, _is_flag in OPTIONS:
+        if f == flag:
+            value = config.getoption(f.lstrip("-").replace("-", "_"))
+            if value is None:
+                value = config.getini(ini)
+            return default if value in (None, "") else value
+    raise KeyError(flag)
+
+
+def parse_percent(text: str) -> float:
+    """'5%' -> 0.05; '0.05' -> 0.05."""
+    text = str(text).strip()
+    if text.endswith("%"):
+        return float(text[:-1]) / 100
+    return float(text)
+
+
+def split_list(text) -> list[str] | None:
+    if not text:
+        return None
+    return [t.strip() for t in str(text).split(",") if t.strip()]

@@ -1,0 +1,282 @@
+"""Registry mapping (op, provider) to a callable builder, and the per-op benchmark specs.
+
+A spec makes inputs (keyword arguments of the op's reference signature), computes the fp32
+reference outputs, and counts the bytes the op must move. A provider's builder returns a
+callable ``run(args) -> outputs`` (outputs in the order the reference gives them), or raises
+``Unavailable`` with the reason (peer not installed, op or arch not supported). Peers that do
+out of place what Oink does in place are timed with the copies that make the semantics equal,
+and their label says so. Imports of torch and peers happen inside builders only.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+EPS = 1e-6
+
+
+class Unavailable(Exception):
+    """The provider can't run this op here (the message says why)."""
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    family: str  # tolerance family
+    make_inputs: Callable  # (M, N, dtype, device, gen) -> dict of reference kwargs
+    reference: Callable  # args -> tuple of outputs (fp32 arithmetic)
+    nbytes: Callable  # (M, N, elem_size) -> bytes moved
+    mutates: tuple = ()  # in-place ops: names of the args that are the outputs
+
+
+def _rand(shape, dtype, device, gen, scale=1.0):
+    import torch
+
+    return (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
+
+
+def _R():
+    return importlib.import_module("oink.reference")
+
+
+def _norm_inputs(M, N, dtype, device, gen):
+    return dict(x=_rand((M, N), dtype, device, gen), weight=_rand((N,), dtype, device, gen))
+
+
+def _fused_inputs(M, N, dtype, device, gen):
+    return dict(x=_rand((M, N), dtype, device, gen), residual=_rand((M, N), dtype, device, gen),
+                weight=_rand((N,), dtype, device, gen))
+
+
+def _bwd_inputs(M, N, dtype, device, gen):
+    x, w = _rand((M, N), dtype, device, gen), _rand((N,), dtype, device, gen)
+    rstd = _R().rmsnorm_forward(x, w, store_rstd=True)[1]
+    return dict(x=x, weight=w, dout=_rand((M, N), dtype, device, gen), rstd=rstd)
+
+
+def _ln_inputs(M, N, dtype, device, gen):
+    return dict(x=_rand((M, N), dtype, device, gen), weight=_rand((N,), dtype, device, gen),
+                bias=_rand((N,), dtype, device, gen))
+
+
+def _ce_inputs(M, N, dtype, device, gen):
+    import torch
+
+    return dict(logits=_rand((M, N), dtype, device, gen, 4.0),
+                target=torch.randint(0, N, (M,), generator=gen, device=device))
+
+
+def _fp4_inputs(M, N, dtype, device, gen):
+    import torch
+
+    return dict(x=_rand((M, N), dtype, device, gen), global_scale=torch.tensor([448 * 6 / 5.0], device=device))
+
+
+def _fused_reference(a):
+    x, r = a["x"].clone(), a["residual"].clone()
+    _R().fused_add_rmsnorm_(x, r, a["weight"], EPS)
+    return x, r
+
+
+SPECS = {
+    "rmsnorm_forward": OpSpec("rmsnorm", _norm_inputs,
+                              lambda a: (_R().rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0],),
+                              lambda M, N, e: 2 * M * N * e + N * e),
+    "fused_add_rmsnorm_": OpSpec("rmsnorm", _fused_inputs, _fused_reference,
+                                 lambda M, N, e: 4 * M * N * e + N * e, mutates=("x", "residual")),
+    "rmsnorm_backward": OpSpec("norm_backward", _bwd_inputs,
+                               lambda a: _R().rmsnorm_backward(a["x"], a["weight"], a["dout"], a["rstd"])[:1],
+                               lambda M, N, e: 3 * M * N * e + 2 * N * e + 4 * M),
+    "layernorm": OpSpec("layernorm", _ln_inputs,
+                        lambda a: (_R().layernorm(a["x"], a["weight"], a["bias"], EPS),),
+                        lambda M, N, e: 2 * M * N * e + 2 * N * e),
+    "softmax_forward": OpSpec("softmax", _norm_inputs, lambda a: (_R().softmax_forward(a["x"]),),
+                              lambda M, N, e: 2 * M * N * e),
+    "cross_entropy_forward": OpSpec("cross_entropy_loss", _ce_inputs,
+                                    lambda a: (_R().cross_entropy_forward(a["logits"], a["target"])[0],),
+                                    lambda M, N, e: M * N * e + 8 * M + 4 * M),
+    "nvfp4_quantize": OpSpec("nvfp4", _fp4_inputs, lambda a: _R().nvfp4_quantize(a["x"], a["global_scale"]),
+                             lambda M, N, e: M * N * e + M * N // 2 + M * N // 16),
+}
+
+
+# ------------------------------------------------------------------------------ providers
+PROVIDERS: dict[tuple[str, str], Callable] = {}
+LABELS: dict[tuple[str, str], str] = {}  # (op, provider) -> note shown in reports
+
+
+def provider(op: str, name: str, label: str = ""):
+    def deco(builder):
+        PROVIDERS[(op, name)] = builder
+        if label:
+            LABELS[(op, name)] = label
+        return builder
+
+    return deco
+
+
+def _peer(module: str, pip_name: str):
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        raise Unavailable(f"{pip_name} not installed")
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001  (a peer that fails to import is unavailable, with its reason)
+        raise Unavailable(f"{pip_name} failed to import: {e}") from None
+
+
+def _needs_cuda(device):
+    if device.type != "cuda":
+        raise Unavailable("GPU-only provider; no CUDA device")
+
+
+def _compiled(fn):
+    import torch
+
+    return torch.compile(fn)
+
+
+# Oink: every op through the public API.
+for _op in SPECS:
+    def _oink_builder(device, _op=_op):
+        import oink
+
+        f = getattr(oink, _op)
+        if _op == "rmsnorm_forward":
+            return lambda a: (f(a["x"], a["weight"], eps=EPS)[0],)
+        if _op == "fused_add_rmsnorm_":
+            return lambda a: (f(a["x"], a["residual"], a["weight"], EPS), a["x"], a["residual"])[1:]
+        if _op == "rmsnorm_backward":
+            return lambda a: f(a["x"], a["weight"], a["dout"], a["rstd"])[:1]
+        if _op == "layernorm":
+            return lambda a: (f(a["x"], a["weight"], a["bias"], EPS),)
+        if _op == "softmax_forward":
+            return lambda a: (f(a["x"]),)
+        if _op == "cross_entropy_forward":
+            return lambda a: (f(a["logits"], a["target"])[0],)
+        return lambda a: f(a["x"], a["global_scale"])
+
+    provider(_op, "oink")(_oink_builder)
+
+    # torch eager and torch.compile run the op's reference (the PyTorch a user would write)
+    def _torch_builder(device, _op=_op):
+        return SPECS[_op].reference if not SPECS[_op].mutates else _inplace_reference(_op)
+
+    def _compile_builder(device, _op=_op):
+        return _compiled(_torch_builder(device, _op))
+
+    provider(_op, "torch")(_torch_builder)
+    provider(_op, "torch.compile")(_compile_builder)
+
+
+def _inplace_reference(op):
+    def run(a):
+        _R().fused_add_rmsnorm_(a["x"], a["residual"], a["weight"], EPS)
+        return a["x"], a["residual"]
+
+    return run
+
+
+@provider("rmsnorm_forward", "quack")
+def _quack_rms_fwd(device):
+    _needs_cuda(device)
+    m = _peer("quack.rmsnorm", "quack-kernels")
+    return lambda a: (m.rmsnorm_fwd(a["x"], a["weight"], eps=EPS)[0],)
+
+
+@provider("fused_add_rmsnorm_", "quack", label="out-of-place + 2 copies")
+def _quack_fused(device):
+    _needs_cuda(device)
+    m = _peer("quack.rmsnorm", "quack-kernels")
+
+    def run(a):
+        out, res_out, _ = m.rmsnorm_fwd(a["x"], a["weight"], residual=a["residual"], eps=EPS)
+        a["x"].copy_(out)
+        a["residual"].copy_(res_out)
+        return a["x"], a["residual"]
+
+    return run
+
+
+@provider("rmsnorm_backward", "quack")
+def _quack_rms_bwd(device):
+    _needs_cuda(device)
+    m = _peer("quack.rmsnorm", "quack-kernels")
+    return lambda a: m.rmsnorm_bwd(a["x"], a["weight"], a["dout"], a["rstd"])[:1]
+
+
+@provider("layernorm", "quack")
+def _quack_ln(device):
+    _needs_cuda(device)
+    m = _peer("quack.rmsnorm", "quack-kernels")
+    return lambda a: (m.layernorm_fwd(a["x"], a["weight"], a["bias"], EPS),)
+
+
+@provider("softmax_forward", "quack")
+def _quack_softmax(device):
+    _needs_cuda(device)
+    m = _peer("quack.softmax", "quack-kernels")
+    return lambda a: (m.softmax_fwd(a["x"]),)
+
+
+@provider("cross_entropy_forward", "quack")
+def _quack_ce(device):
+    _needs_cuda(device)
+    m = _peer("quack.cross_entropy", "quack-kernels")
+    return lambda a: (m.cross_entropy_fwd(a["logits"], a["target"]),)
+
+
+@provider("rmsnorm_forward", "liger")
+def _liger_rms(device):
+    _needs_cuda(device)
+    m = _peer("liger_kernel.ops.rms_norm", "liger-kernel")
+    return lambda a: (m.LigerRMSNormFunction.apply(a["x"], a["weight"], EPS, 0.0, "llama", False),)
+
+
+@provider("layernorm", "liger")
+def _liger_ln(device):
+    _needs_cuda(device)
+    m = _peer("liger_kernel.ops.layer_norm", "liger-kernel")
+    return lambda a: (m.LigerLayerNormFunction.apply(a["x"], a["weight"], a["bias"], EPS),)
+
+
+@provider("softmax_forward", "liger")
+def _liger_softmax(device):
+    _needs_cuda(device)
+    m = _peer("liger_kernel.ops.softmax", "liger-kernel")
+    return lambda a: (m.LigerSoftmaxFunction.apply(a["x"]),)
+
+
+@provider("rmsnorm_forward", "flashinfer")
+def _fi_rms(device):
+    _needs_cuda(device)
+    m = _peer("flashinfer.norm", "flashinfer-python")
+    return lambda a: (m.rmsnorm(a["x"], a["weight"], EPS),)
+
+
+@provider("fused_add_rmsnorm_", "flashinfer")
+def _fi_fused(device):
+    _needs_cuda(device)
+    m = _peer("flashinfer.norm", "flashinfer-python")
+
+    def run(a):
+        m.fused_add_rmsnorm(a["x"], a["residual"], a["weight"], EPS)
+        return a["x"], a["residual"]
+
+    return run
+
+
+ALL_PROVIDERS = ("oink", "quack", "liger", "flashinfer", "torch", "torch.compile")
+
+
+def providers_for(op: str, wanted=None) -> list[str]:
+    names = [p for p in ALL_PROVIDERS if (op, p) in PROVIDERS]
+    return [p for p in names if wanted is None or p in wanted]
+
+
+def build(op: str, name: str, device):
+    try:
+        builder = PROVIDERS[(op, name)]
+    except KeyError:
+        raise Unavailable(f"no provider {name!r} for {op}") from None
+    return builder(device)

@@ -1,0 +1,198 @@
+"""Benchmark rows and what is written from them: CSV, SVG plots, a Markdown summary with
+geomean speedups, and the regression gate against a baseline JSON."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+CSV_FIELDS = ("suite", "op", "provider", "label", "M", "N", "dtype", "device", "status", "method",
+              "median_ms", "min_ms", "bytes", "tbs", "roofline_frac", "max_abs_err", "rel_l2_err", "p99_abs_err",
+              "registers", "spill_bytes", "static_smem", "occupancy", "test")
+
+
+@dataclass
+class Row:
+    suite: str
+    op: str
+    provider: str
+    M: int
+    N: int
+    dtype: str
+    device: str
+    status: str  # "ok" or "failed" (gate) — failed rows are never timed
+    label: str = ""
+    method: str = ""
+    median_s: float | None = None
+    min_s: float | None = None
+    bytes: int = 0
+    roofline_tbs: float | None = None
+    gate: dict = field(default_factory=dict)
+    profile: dict = field(default_factory=dict)
+    test: str = ""
+
+    @property
+    def key(self):
+        return (self.op, self.provider, self.M, self.N, self.dtype)
+
+    @property
+    def tbs(self) -> float | None:
+        return self.bytes / self.median_s / 1e12 if self.median_s else None
+
+    @property
+    def roofline_frac(self) -> float | None:
+        return self.tbs / self.roofline_tbs if self.tbs and self.roofline_tbs else None
+
+    def extra_info(self) -> dict:
+        d = {"op": self.op, "provider": self.provider, "label": self.label, "M": self.M, "N": self.N,
+             "dtype": self.dtype, "device": self.device, "bytes": self.bytes, "tbs": self.tbs,
+             "roofline_tbs": self.roofline_tbs, "roofline_frac": self.roofline_frac, "method": self.method,
+             "gate": self.gate}
+        if self.profile:
+            d["profile"] = self.profile
+        return d
+
+    def csv_row(self) -> dict:
+        g, p = self.gate or {}, self.profile or {}
+        fmt = lambda v, k=1e3: "" if v is None else f"{v * k:.6g}"  # noqa: E731
+        return {
+            "suite": self.suite, "op": self.op, "provider": self.provider, "label": self.label, "M": self.M,
+            "N": self.N, "dtype": self.dtype, "device": self.device, "status": self.status, "method": self.method,
+            "median_ms": fmt(self.median_s), "min_ms": fmt(self.min_s), "bytes": self.bytes,
+            "tbs": fmt(self.tbs, 1), "roofline_frac": fmt(self.roofline_frac, 1),
+            "max_abs_err": g.get("max_abs", ""), "rel_l2_err": g.get("rel_l2", ""), "p99_abs_err": g.get("p99_abs", ""),
+            "registers": p.get("registers", ""), "spill_bytes": p.get("spill_bytes", ""),
+            "static_smem": p.get("static_smem", ""), "occupancy": p.get("occupancy", ""), "test": self.test,
+        }
+
+
+def geomean(values):
+    vals = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def write_csv(rows, path) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow(r.csv_row())
+
+
+def speedups(rows):
+    """{op: {peer: [oink speedup per shape]}} over rows where both are ok."""
+    by_key = {r.key: r for r in rows if r.status == "ok" and r.median_s}
+    out: dict = {}
+    for (op, prov, M, N, dt), r in by_key.items():
+        if prov == "oink":
+            continue
+        mine = by_key.get((op, "oink", M, N, dt))
+        if mine:
+            out.setdefault(op, {}).setdefault(prov, []).append(r.median_s / mine.median_s)
+    return out
+
+
+def summary_markdown(rows, roofline=None) -> str:
+    lines = ["# Oink benchmark summary", ""]
+    if roofline is not None:
+        lines += [f"Device: {roofline.device}; measured copy {roofline.copy_tbs:.3f} TB/s, triad "
+                  f"{roofline.triad_tbs:.3f} TB/s ({roofline.method}).", ""]
+    sp = speedups(rows)
+    ops = sorted({r.op for r in rows})
+    for op in ops:
+        op_rows = [r for r in rows if r.op == op]
+        provs = sorted({r.provider for r in op_rows}, key=lambda p: (p != "oink", p))
+        shapes = sorted({(r.M, r.N, r.dtype) for r in op_rows})
+        lines += [f"## {op}", "", "| M | N | dtype | " + " | ".join(f"{p} ms" for p in provs) + " | oink TB/s | oink / roofline |",
+                  "|" + "---|" * (len(provs) + 5)]
+        cell = {(r.provider, r.M, r.N, r.dtype): r for r in op_rows}
+        for M, N, dt in shapes:
+            cs = []
+            for p in provs:
+                r = cell.get((p, M, N, dt))
+                cs.append("-" if r is None else ("FAILED" if r.status != "ok" else f"{r.median_s * 1e3:.4f}"))
+            o = cell.get(("oink", M, N, dt))
+            tbs = f"{o.tbs:.3f}" if o and o.tbs else "-"
+            frac = f"{o.roofline_frac:.2f}" if o and o.roofline_frac else "-"
+            lines.append(f"| {M} | {N} | {dt} | " + " | ".join(cs) + f" | {tbs} | {frac} |")
+        if op in sp:
+            lines += ["", "Geomean speedup of oink: " + ", ".join(
+                f"vs {p} {geomean(v):.2f}x (min {min(v):.2f}x, {len(v)} shapes)" for p, v in sorted(sp[op].items()))]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_svg(rows, directory, roofline=None) -> list[str]:
+    """One SVG per (suite, op): TB/s per shape per provider, the measured roofline drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    for suite, op in sorted({(r.suite, r.op) for r in rows}):
+        sel = [r for r in rows if r.suite == suite and r.op == op and r.status == "ok" and r.tbs]
+        if not sel:
+            continue
+        shapes = sorted({(r.M, r.N) for r in sel})
+        fig, ax = plt.subplots(figsize=(max(6, len(shapes) * 0.6), 4))
+        for prov in sorted({r.provider for r in sel}, key=lambda p: (p != "oink", p)):
+            pts = {(r.M, r.N): r.tbs for r in sel if r.provider == prov}
+            xs = [i for i, s in enumerate(shapes) if s in pts]
+            ax.plot(xs, [pts[shapes[i]] for i in xs], marker="o", label=prov)
+        if roofline is not None:
+            ax.axhline(roofline.copy_tbs, color="black", linestyle="--", label=f"copy {roofline.copy_tbs:.2f} TB/s")
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels([f"{M}x{N}" for M, N in shapes], rotation=45, ha="right", fontsize=7)
+        ax.set_ylabel("TB/s")
+        ax.set_title(f"{op} ({suite})")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(directory, f"{suite}-{op}.svg")
+        fig.savefig(path, format="svg")
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def load_baseline(path) -> dict:
+    """{(op, provider, M, N, dtype): median seconds} from our rows JSON or pytest-benchmark's."""
+    with open(path) as f:
+        data = json.load(f)
+    out = {}
+    if isinstance(data, dict) and "benchmarks" in data:
+        for b in data["benchmarks"]:
+            info = b.get("extra_info") or {}
+            if {"op", "provider", "M", "N", "dtype"} <= info.keys():
+                out[(info["op"], info["provider"], int(info["M"]), int(info["N"]), info["dtype"])] = b["stats"]["median"]
+    else:
+        rows = data["rows"] if isinstance(data, dict) else data
+        for r in rows:
+            out[(r["op"], r["provider"], int(r["M"]), int(r["N"]), r["dtype"])] = float(r["median_s"])
+    if not out:
+        raise ValueError(f"{path}: no benchmark rows with op/provider/M/N/dtype found")
+    return out
+
+
+def regressions(rows, baseline: dict, max_regression: float):
+    """(table lines, names of regressed rows) comparing Oink's rows with the baseline."""
+    lines, bad = [], []
+    for r in sorted((r for r in rows if r.provider == "oink" and r.status == "ok" and r.median_s), key=lambda r: r.key):
+        old = baseline.get(r.key)
+        if old is None:
+            continue
+        ratio = r.median_s / old
+        verdict = "REGRESSED" if ratio > 1 + max_regression else ("improved" if ratio < 1 - max_regression else "same")
+        lines.append(f"{r.op} {r.M}x{r.N} {r.dtype}: {old * 1e3:.4f} ms -> {r.median_s * 1e3:.4f} ms "
+                     f"({(ratio - 1) * 100:+.1f}%) {verdict}")
+        if verdict == "REGRESSED":
+            bad.append(f"{r.op}-{r.M}x{r.N}-{r.dtype}")
+    return lines, bad
+
+
+def rows_json(rows) -> str:
+    return json.dumps({"rows": [dict(asdict(r), tbs=r.tbs) for r in rows]}, indent=1)

@@ -1,0 +1,50 @@
+"""Hypothesis strategies for shapes, dtypes and layouts, and the settings profiles.
+
+Shapes are bucketed: N comes from a short list per op (each N is a compile of a kernel), M is
+free (M never recompiles). Profiles: ``oink-ci`` (few examples, derandomized: stable on CI) and
+``oink-gpu`` (more examples, no deadline: first calls compile kernels)."""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+N_BUCKETS = {
+    "rmsnorm": (8, 64, 1000, 4096, 7168, 16384),
+    "layernorm": (8, 64, 1000, 4096),
+    "softmax": (8, 64, 1000, 4096),
+    "cross_entropy": (8, 1000, 32000),
+    "nvfp4": (16, 64, 1024, 4096),
+}
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+LAYOUTS = ("contiguous", "padded_rows", "offset_view")
+
+
+def register_profiles() -> None:
+    settings.register_profile("oink-ci", max_examples=15, derandomize=True, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("oink-gpu", max_examples=200, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
+
+
+def dtypes():
+    return st.sampled_from(DTYPE_NAMES)
+
+
+def shapes(family: str, max_m: int = 300):
+    return st.tuples(st.integers(0, max_m), st.sampled_from(N_BUCKETS[family]))
+
+
+def layouts():
+    return st.sampled_from(LAYOUTS)
+
+
+def make_tensor(M: int, N: int, dtype, layout: str, device="cpu", seed: int = 0):
+    """A random [M, N] tensor laid out as asked: dense, rows padded (stride(0) > N), or a view
+    whose storage starts at an element offset (misaligned base for vector loads)."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    pad = 8 if layout == "padded_rows" else 0
+    off = 1 if layout == "offset_view" else 0
+    base = torch.randn(M * (N + pad) + off, generator=g, device=device).to(dtype)
+    return base[off:].view(M, N + pad)[:, :N]

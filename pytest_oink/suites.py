@@ -1,0 +1,73 @@
+"""The one registry of benchmark shape suites. No torch here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Ops the benchmark knows how to drive (see providers.py); suites pick among them.
+BENCH_OPS = ("rmsnorm_forward", "fused_add_rmsnorm_", "rmsnorm_backward", "layernorm", "softmax_forward",
+             "cross_entropy_forward", "nvfp4_quantize")
+
+
+@dataclass(frozen=True)
+class Case:
+    suite: str
+    op: str
+    M: int
+    N: int
+    dtype: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.M}x{self.N}-{self.dtype}"
+
+
+def _quack_shapes():
+    # Quack's suite: N=4096, M = batch*seq, M*N <= 2^31
+    return sorted({(b * s, 4096) for b in (1, 4, 8, 16, 32) for s in (8192, 16384, 32768, 65536, 131072)
+                   if b * s * 4096 <= 2**31})
+
+
+def _dsv3_shapes(op: str):
+    if op.startswith("cross_entropy"):
+        return [(M, N) for M in (4096, 16384, 65536) for N in (3072, 6144, 8192, 12288)]
+    return [(M, N) for M in (4096, 16384, 65536) for N in (6144, 7168, 8192)]
+
+
+SUITES = {
+    "quack": lambda op: _quack_shapes(),
+    "dsv3": _dsv3_shapes,
+    "smoke": lambda op: [(4, 128), (64, 1024)],
+}
+
+
+def parse_configs(text: str) -> list[tuple[int, int]]:
+    """'4096x7168,128x1024' -> [(4096, 7168), (128, 1024)]."""
+    shapes = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        try:
+            m, n = part.split("x")
+            shapes.append((int(m), int(n)))
+        except ValueError:
+            raise ValueError(f"--oink-configs: {part!r} is not MxN") from None
+    if not shapes:
+        raise ValueError("--oink-configs: no shapes given")
+    return shapes
+
+
+def expand(suite: str, ops=None, configs=None, dtype: str = "bfloat16") -> list[Case]:
+    if suite not in SUITES:
+        raise ValueError(f"--oink-suite={suite!r}: known suites are {', '.join(SUITES)}")
+    unknown = [op for op in (ops or []) if op not in BENCH_OPS]
+    if unknown:
+        raise ValueError(f"--oink-ops: unknown {unknown}; known: {', '.join(BENCH_OPS)}")
+    cases = []
+    for op in ops or BENCH_OPS:
+        shapes = parse_configs(configs) if configs else SUITES[suite](op)
+        for M, N in shapes:
+            if op == "nvfp4_quantize" and N % 16:
+                continue
+            cases.append(Case(suite, op, M, N, dtype))
+    return cases
