@@ -1,9 +1,16 @@
-"""Root conftest: fixtures shared by tests/ and bench/."""
+"""Root conftest: fixtures shared by tests/ and bench/, and the Hypothesis profile."""
 import zlib
 
 import pytest
+from hypothesis import settings
+
+from pytest_oink.strategies import register_profiles
 
 pytest_plugins = ["pytester"]
+
+# Small, derandomized runs by default (stable CI); `--hypothesis-profile=oink-gpu` for more.
+register_profiles()
+settings.load_profile("oink-ci")
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ def add_options(parser) -> None:
             group.addoption(flag, action="store_true", default=None, help=help_)
             parser.addini(ini, help_, type="bool", default=default)
         else:
-            group.addoption(flag, default=None, help=f"{help_} (ini: {ini})")
+            group.addoption(flag, default=None, help=f"{help_} (ini: {ini})".replace("%", "%%"))
             parser.addini(ini, help_, default=default)
 
 

@@ -12,6 +12,7 @@ from . import markers, options, suites
 
 ROWS = pytest.StashKey[list]()
 STATE = pytest.StashKey[dict]()
+CASES = pytest.StashKey[object]()
 
 
 def pytest_addoption(parser):
@@ -23,6 +24,11 @@ def pytest_configure(config):
         config.addinivalue_line("markers", line)
     config.stash[ROWS] = []
     config.stash[STATE] = {"regressions": [], "regression_lines": [], "written": []}
+    try:
+        options.parse_percent(options.get(config, "--oink-max-regression"))
+        config.stash[CASES] = selected_cases(config)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
     if options.get(config, "--oink-svg") and importlib.util.find_spec("matplotlib") is None:
         raise pytest.UsageError("--oink-svg needs matplotlib: pip install 'oink[plot]'")
     if importlib.util.find_spec("hypothesis") is not None:
@@ -60,10 +66,7 @@ def selected_cases(config):
 def pytest_generate_tests(metafunc):
     if "oink_case" not in metafunc.fixturenames:
         return
-    try:
-        pairs = selected_cases(metafunc.config)
-    except ValueError as e:
-        raise pytest.UsageError(str(e)) from None
+    pairs = metafunc.config.stash[CASES]
     if pairs is None:
         metafunc.parametrize("oink_case", [pytest.param(None, marks=pytest.mark.skip(
             reason="benchmarks run only with --oink-suite=NAME"))], ids=["no-suite"])
@@ -126,7 +129,13 @@ def _progress(config, row):
         msg = f"{row.median_s * 1e3:.4f} ms, {row.tbs:.3f} TB/s{frac} ({row.method})"
     else:
         msg = "GATE FAILED (not timed)"
-    tr.write_line(f"[oink] {row.op} {row.M}x{row.N} {row.dtype} {row.provider}{' ' + row.label if row.label else ''}: {msg}")
+    line = f"[oink] {row.op} {row.M}x{row.N} {row.dtype} {row.provider}{' ' + row.label if row.label else ''}: {msg}"
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is None:
+        tr.write_line(line)
+        return
+    with capman.global_and_fixture_disabled():  # the line shows while the session runs
+        tr.write_line(line)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,0 +1,271 @@
+"""pytest_oink through pytester: options, markers and skip reasons, suite expansion, output
+files, the regression gate and xdist; plus the timer and gate logic as plain units."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from pytest_oink import report, suites, timing
+from pytest_oink.gate import assert_close, compare
+
+BENCH = '''
+def test_benchmark(oink_case, oink_benchmark):
+    oink_benchmark(oink_case)
+'''
+
+
+def test_plugin_import_is_light_and_help_lists_options(pytester):
+    out = subprocess.run([sys.executable, "-c", "import sys, pytest_oink.plugin; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    res = pytester.runpytest_subprocess("--help")
+    for flag in ("--oink-suite", "--oink-configs", "--oink-csv", "--oink-svg", "--oink-summary", "--oink-baseline",
+                 "--oink-max-regression", "--oink-providers", "--oink-profile"):
+        res.stdout.fnmatch_lines([f"*{flag}*"])
+
+
+MARKED = '''
+import pytest
+
+@pytest.mark.gpu
+def test_gpu(): pass
+
+@pytest.mark.sm(90)
+def test_sm90(): pass
+
+@pytest.mark.sm(100, exact=True)
+def test_sm100_exact(): pass
+
+@pytest.mark.sm(90, exact=True)
+def test_sm90_exact(): pass
+
+@pytest.mark.peer("no_such_peer_pkg")
+def test_peer_missing(): pass
+
+@pytest.mark.peer("pytest")
+def test_peer_present(): pass
+'''
+
+
+def test_markers_without_gpu(pytester, monkeypatch):
+    monkeypatch.delenv("OINK_FAKE_SM", raising=False)
+    pytester.makepyfile(MARKED)
+    res = pytester.runpytest_subprocess("--strict-markers", "-rs", "-p", "no:cacheprovider",
+                                        "--import-mode=importlib")
+    if "needs a CUDA GPU" not in res.stdout.str():
+        pytest.skip("this machine has a GPU")
+    res.assert_outcomes(passed=1, skipped=5)
+    res.stdout.fnmatch_lines(["*needs a CUDA GPU; none is available*",
+                              "*peer 'no_such_peer_pkg' not installed*"])
+
+
+def test_markers_with_fake_sm(pytester, monkeypatch):
+    monkeypatch.setenv("OINK_FAKE_SM", "100")
+    pytester.makepyfile(MARKED)
+    res = pytester.runpytest_subprocess("--strict-markers", "-rs", "-p", "no:cacheprovider")
+    res.assert_outcomes(passed=4, skipped=2)
+    res.stdout.fnmatch_lines(["*needs exactly sm_9x; this GPU is sm_100*"])
+    monkeypatch.setenv("OINK_FAKE_SM", "90")
+    res = pytester.runpytest_subprocess("--strict-markers", "-rs", "-p", "no:cacheprovider")
+    res.assert_outcomes(passed=4, skipped=2)
+    res.stdout.fnmatch_lines(["*needs exactly sm_10x; this GPU is sm_90*"])
+
+
+def test_benchmarks_do_not_run_without_a_suite(pytester):
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider")
+    res.assert_outcomes(skipped=1)
+    res.stdout.fnmatch_lines(["*benchmarks run only with --oink-suite=NAME*"])
+
+
+def test_suite_expansion_options(pytester):
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("--collect-only", "-q", "--oink-suite=dsv3", "--oink-ops=rmsnorm_forward",
+                             "--oink-providers=oink,quack", "-p", "no:cacheprovider")
+    ids = [line for line in res.stdout.lines if "::test_benchmark[" in line]
+    assert len(ids) == 9 * 2
+    assert any("rmsnorm_forward-65536x7168-bfloat16-quack" in i for i in ids)
+    res = pytester.runpytest_subprocess("--collect-only", "-q", "--oink-suite=smoke", "--oink-configs=8x64,2x32",
+                             "--oink-ops=softmax_forward", "--oink-providers=torch", "--oink-dtype=float16",
+                             "-p", "no:cacheprovider")
+    ids = [line for line in res.stdout.lines if "::test_benchmark[" in line]
+    assert sorted(ids) == sorted(f"test_suite_expansion_options.py::test_benchmark[softmax_forward-{s}-float16-torch]"
+                                 for s in ("8x64", "2x32"))
+
+
+def test_bad_suite_is_a_usage_error(pytester):
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("--oink-suite=nope", "-p", "no:cacheprovider")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*--oink-suite='nope'*known suites*"])
+
+
+def test_suite_registry():
+    assert len(suites.SUITES["quack"]("rmsnorm_forward")) == 7  # M = 2^13 .. 2^19
+    assert all(M * N <= 2**31 for M, N in suites.SUITES["quack"]("x"))
+    assert suites.SUITES["dsv3"]("cross_entropy_forward")[-1] == (65536, 12288)
+    with pytest.raises(ValueError, match="not MxN"):
+        suites.parse_configs("12,3x4")
+
+
+@pytest.fixture
+def smoke_run(pytester, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out")
+    pytester.makepyfile(BENCH)
+
+    def run(*extra):
+        return pytester.runpytest_subprocess(
+            "--oink-suite=smoke", "--oink-ops=rmsnorm_forward,fused_add_rmsnorm_", "-p", "no:cacheprovider",
+            f"--oink-csv={out / 'r.csv'}", f"--oink-summary={out / 's.md'}", f"--oink-svg={out / 'svg'}",
+            f"--benchmark-json={out / 'b.json'}", *extra)
+
+    return run, out
+
+
+def test_smoke_suite_writes_every_output(smoke_run):
+    run, out = smoke_run
+    res = run()
+    res.assert_outcomes(passed=6, skipped=6) if "GPU-only" in res.stdout.str() else None
+    assert res.ret == 0
+    res.stdout.fnmatch_lines(["*?oink? rmsnorm_forward 4x128 bfloat16 oink*ms*TB/s*"])
+    data = json.loads((out / "b.json").read_text())
+    assert data["machine_info"]["oink_versions"]["torch"]
+    names = {b["name"] for b in data["benchmarks"]}
+    assert "test_benchmark[rmsnorm_forward-64x1024-bfloat16-oink]" in names
+    for b in data["benchmarks"]:
+        info = b["extra_info"]
+        assert {"op", "provider", "M", "N", "dtype", "bytes", "tbs", "roofline_frac", "gate"} <= info.keys()
+        assert info["gate"]["passed"] and b["stats"]["median"] > 0 and b["stats"]["rounds"] >= 5
+        assert abs(info["tbs"] - info["bytes"] / b["stats"]["median"] / 1e12) < 1e-9 * max(1, info["tbs"])
+    with open(out / "r.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0].keys()) == report.CSV_FIELDS and len(rows) == len(data["benchmarks"])
+    assert all(r["status"] == "ok" for r in rows)
+    md = (out / "s.md").read_text()
+    assert "## rmsnorm_forward" in md and "| M | N | dtype | oink ms |" in md and "Geomean speedup of oink" in md
+    svgs = sorted((out / "svg").iterdir())
+    assert [p.name for p in svgs] == ["smoke-fused_add_rmsnorm_.svg", "smoke-rmsnorm_forward.svg"]
+    for p in svgs:
+        assert ET.parse(p).getroot().tag.endswith("svg")
+
+
+def test_regression_gate(smoke_run, tmp_path):
+    run, out = smoke_run
+    assert run("--oink-providers=oink").ret == 0
+    data = json.loads((out / "b.json").read_text())
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    for path, factor in ((fast, 1e-6), (slow, 1e6)):
+        d = json.loads(json.dumps(data))
+        for b in d["benchmarks"]:
+            b["stats"]["median"] *= factor
+        path.write_text(json.dumps(d))
+    res = run("--oink-providers=oink", f"--oink-baseline={fast}", "--oink-max-regression=5%")
+    assert res.ret == pytest.ExitCode.TESTS_FAILED
+    res.stdout.fnmatch_lines(["*oink regression gate*", "*REGRESSED*", "*regressed beyond 5%: *rmsnorm_forward-4x128*"])
+    res = run("--oink-providers=oink", f"--oink-baseline={slow}")
+    assert res.ret == 0
+    res.stdout.fnmatch_lines(["*improved*"])
+    ours = tmp_path / "ours.json"
+    ours.write_text(json.dumps({"rows": [{"op": "rmsnorm_forward", "provider": "oink", "M": 4, "N": 128,
+                                          "dtype": "bfloat16", "median_s": 1e-12}]}))
+    assert run("--oink-providers=oink", f"--oink-baseline={ours}").ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_failed_gate_marks_the_row_and_skips_timing(pytester, tmp_path):
+    pytester.makeconftest('''
+import pytest
+from pytest_oink import providers
+
+@providers.provider("softmax_forward", "broken")
+def _broken(device):
+    return lambda a: (a["x"] * 0 + 1,)
+
+providers.ALL_PROVIDERS = providers.ALL_PROVIDERS + ("broken",)
+''')
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("--oink-suite=smoke", "--oink-ops=softmax_forward", "--oink-providers=broken",
+                             f"--oink-csv={tmp_path / 'r.csv'}", "-p", "no:cacheprovider")
+    res.assert_outcomes(failed=2)
+    res.stdout.fnmatch_lines(["*failed the correctness gate (not timed)*", "*max abs err*rel L2 err*p99 abs err*",
+                              "*first mismatch at index*"])
+    rows = list(csv.DictReader(open(tmp_path / "r.csv")))
+    assert [r["status"] for r in rows] == ["failed", "failed"] and rows[0]["median_ms"] == ""
+
+
+def test_xdist_workers_report_rows(pytester, tmp_path):
+    pytest.importorskip("xdist")
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("-n", "2", "--oink-suite=smoke", "--oink-ops=softmax_forward",
+                                        "--oink-providers=oink,torch", f"--oink-csv={tmp_path / 'r.csv'}",
+                                        "-p", "no:cacheprovider")
+    res.assert_outcomes(passed=4)
+    rows = list(csv.DictReader(open(tmp_path / "r.csv")))
+    assert sorted((r["provider"], r["M"]) for r in rows) == [("oink", "4"), ("oink", "64"), ("torch", "4"),
+                                                               ("torch", "64")]
+
+
+# ---- units: timer logic with a fake clock, the gate's stats
+class FakeClock:
+    def __init__(self, steps):
+        self.t, self.steps = 0.0, iter(steps)
+
+    def __call__(self):
+        self.t += next(self.steps, 0.0)
+        return self.t
+
+
+def test_time_host_with_fake_clock():
+    calls = []
+    clock = FakeClock([0.0, 2.0] * 3)
+    rot = timing.Rotation(["a", "b"])
+    samples = timing.time_host(calls.append, rot, repeats=3, warmup=1, clock=clock)
+    assert samples == [2.0, 2.0, 2.0]
+    assert calls == ["a", "b", "a", "b"]  # warm-up then the rotation continues
+
+
+def test_median_and_cold_cache_copies():
+    assert timing.median([3, 1, 2]) == 2 and timing.median([4, 1, 2, 3]) == 2.5
+    with pytest.raises(ValueError):
+        timing.median([])
+    assert timing.copies_for_cold_cache(10 * 2**20, 50 * 2**20) == 15
+    assert timing.copies_for_cold_cache(2**30, 50 * 2**20) == 1
+    assert timing.copies_for_cold_cache(1, 50 * 2**20) == 64
+
+
+def test_virtual_clock_feeds_pytest_benchmark_stats(pytester):
+    pytester.makepyfile('''
+from pytest_oink.timing import feed_benchmark
+
+def test_feed(benchmark):
+    feed_benchmark(benchmark, [3e-6, 1e-6, 2e-6, 5e-6, 4e-6])
+    s = benchmark.stats.stats
+    assert s.rounds == 5
+    assert abs(s.median - 3e-6) < 1e-12 and abs(s.min - 1e-6) < 1e-12 and abs(s.max - 5e-6) < 1e-12
+''')
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_gate_stats_and_report():
+    import torch
+
+    e = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    a = e.clone()
+    a[1, 2] += 0.5
+    st = compare(a, e, atol=1e-3, rtol=0)
+    assert not st.passed and st.first_mismatch == (1, 2) and st.max_abs == 0.5 and st.mismatches == 1
+    assert "max abs err 0.5" in st.report()
+    a[0, 0] = float("nan")
+    st = compare(a, e, atol=1.0, rtol=0)
+    assert st.nonfinite_mismatches == 1 and not st.passed and "NaN/Inf mismatches: 1" in st.report()
+    nan = torch.full((2,), float("nan"))
+    assert not compare(nan, nan.clone(), 1.0, 1.0).passed  # NaN never passes
+    inf = torch.tensor([float("inf")])
+    assert compare(inf, inf.clone(), 0, 0).passed
+    with pytest.raises(AssertionError, match="outside atol"):
+        assert_close(e + 1, e, family="softmax", dtype=torch.float32)
+    assert assert_close(e, e.clone()).passed
