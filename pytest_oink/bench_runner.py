@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from . import options
 from .gate import compare
 from .providers import LABELS, SPECS, Unavailable, build
 from .report import Row
@@ -60,6 +61,9 @@ def run_case(case, provider, device, roofline, benchmark, request) -> Row:
               device=str(roofline.device), status="ok", label=label, bytes=spec.nbytes(case.M, case.N, dtype.itemsize),
               roofline_tbs=roofline.copy_tbs, test=request.node.nodeid)
     request.config.stash[_state_key()]["roofline"] = roofline
+    profiling = provider == "oink" and bool(options.get(request.config, "--oink-profile"))
+    if profiling:
+        _kernel_cache().clear_used()
     row.gate = gate(spec, run, case, dtype, device)
     if not row.gate["passed"]:
         row.status = "failed"
@@ -74,6 +78,8 @@ def run_case(case, provider, device, roofline, benchmark, request) -> Row:
         rot = Rotation([_inputs(spec, case, dtype, device, 100)])
         samples, row.method = time_host(run, rot, repeats=5, warmup=1), "cpu-perf_counter"
     row.median_s, row.min_s = median(samples), min(samples)
+    if profiling:
+        row.profile = _profile(device)
     feed_benchmark(benchmark, samples)
     benchmark.extra_info.update(row.extra_info())
     return row
@@ -83,3 +89,21 @@ def _state_key():
     from .plugin import STATE
 
     return STATE
+
+
+def _kernel_cache():
+    from oink.kernels.compile import CACHE
+
+    return CACHE
+
+
+def _profile(device) -> dict:
+    """Resource usage of the kernels this row's calls used (``--oink-profile``)."""
+    if device.type != "cuda":
+        return {"error": "kernel profiles need a GPU"}
+    try:
+        from oink.kernels.profile import recent_kernel_profile
+
+        return recent_kernel_profile(device.index or 0) or {"error": "no CuTeDSL kernel ran (reference path)"}
+    except Exception as e:  # noqa: BLE001  (a profile failure is reported in the row, never fatal)
+        return {"error": repr(e)}

@@ -29,6 +29,8 @@ def pytest_configure(config):
         config.stash[CASES] = selected_cases(config)
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
+    if options.get(config, "--oink-profile"):
+        os.environ["OINK_KEEP_CUBIN"] = "1"  # before any kernel compiles: profiles read the cubin
     if options.get(config, "--oink-svg") and importlib.util.find_spec("matplotlib") is None:
         raise pytest.UsageError("--oink-svg needs matplotlib: pip install 'oink[plot]'")
     if importlib.util.find_spec("hypothesis") is not None:

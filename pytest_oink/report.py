@@ -118,6 +118,13 @@ def summary_markdown(rows, roofline=None) -> str:
             tbs = f"{o.tbs:.3f}" if o and o.tbs else "-"
             frac = f"{o.roofline_frac:.2f}" if o and o.roofline_frac else "-"
             lines.append(f"| {M} | {N} | {dt} | " + " | ".join(cs) + f" | {tbs} | {frac} |")
+        profiled = [r for r in op_rows if r.provider == "oink" and r.profile]
+        if profiled:
+            lines += ["", "Kernel profile (oink): " + "; ".join(
+                f"{r.M}x{r.N}: " + (f"{r.profile['registers']} regs, {r.profile['spill_bytes']} B local, "
+                                    f"{r.profile['static_smem']} B smem, occupancy {r.profile['occupancy']}"
+                                    if "registers" in r.profile else r.profile.get("error", "n/a"))
+                for r in profiled)]
         if op in sp:
             lines += ["", "Geomean speedup of oink: " + ", ".join(
                 f"vs {p} {geomean(v):.2f}x (min {min(v):.2f}x, {len(v)} shapes)" for p, v in sorted(sp[op].items()))]

@@ -269,3 +269,15 @@ def test_gate_stats_and_report():
     with pytest.raises(AssertionError, match="outside atol"):
         assert_close(e + 1, e, family="softmax", dtype=torch.float32)
     assert assert_close(e, e.clone()).passed
+
+
+def test_profile_option_is_recorded(pytester, tmp_path):
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("--oink-suite=smoke", "--oink-ops=rmsnorm_forward", "--oink-providers=oink",
+                                        "--oink-profile", f"--benchmark-json={tmp_path / 'b.json'}",
+                                        f"--oink-summary={tmp_path / 's.md'}", "-p", "no:cacheprovider")
+    assert res.ret == 0
+    for b in json.loads((tmp_path / "b.json").read_text())["benchmarks"]:
+        prof = b["extra_info"]["profile"]
+        assert "registers" in prof or prof.get("error")
+    assert "Kernel profile (oink)" in (tmp_path / "s.md").read_text()

@@ -7,6 +7,7 @@ That is also what lets CI compile every variant on a CPU with no tensors at all.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from typing import Callable, Hashable
 
@@ -60,8 +61,11 @@ class CompileCache:
         self._fns: dict[Hashable, Callable] = {}
         self._lock = threading.Lock()
         self.compiles = 0  # how many real compilations ran (tests check M never adds one)
+        self.used: list[Hashable] = []  # keys looked up since the last clear_used() (profiling)
 
     def get(self, key: Hashable, build: Callable[[], Callable]) -> Callable:
+        if len(self.used) < 64:
+            self.used.append(key)
         fn = self._fns.get(key)
         if fn is None:
             with self._lock:
@@ -71,6 +75,12 @@ class CompileCache:
                     self._fns[key] = fn
                     self.compiles += 1
         return fn
+
+    def clear_used(self) -> None:
+        self.used.clear()
+
+    def used_functions(self) -> dict:
+        return {k: self._fns[k] for k in dict.fromkeys(self.used) if k in self._fns}
 
     def __len__(self) -> int:
         return len(self._fns)
@@ -83,11 +93,23 @@ class CompileCache:
 CACHE = CompileCache()
 
 
+# block size of each compiled function, for occupancy in kernel profiles: id(fn) -> threads
+BLOCK_THREADS: dict[int, int] = {}
+
+
 def compile_kernel(kernel_obj, *fake_args, arch: str):
-    """``cute.compile`` for an explicit arch, independent of the process's CUTE_DSL_ARCH."""
+    """``cute.compile`` for an explicit arch, independent of the process's CUTE_DSL_ARCH.
+    ``OINK_KEEP_CUBIN=1`` keeps the cubin on the compiled function (kernel profiles read it)."""
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch {arch!r}: expected one of {SUPPORTED_ARCHS}")
-    return cute.compile(kernel_obj, *fake_args, options=f"--gpu-arch {arch}")
+    options = f"--gpu-arch {arch}"
+    if os.environ.get("OINK_KEEP_CUBIN", "").lower() in ("1", "true", "yes", "on"):
+        options += " --keep-cubin"
+    fn = cute.compile(kernel_obj, *fake_args, options=options)
+    launch = getattr(kernel_obj, "launch", None)
+    if launch is not None:
+        BLOCK_THREADS[id(fn)] = launch.num_threads
+    return fn
 
 
 @functools.lru_cache(maxsize=None)
