@@ -13,6 +13,10 @@ import pytest
 from pytest_oink import report, suites, timing
 from pytest_oink.gate import assert_close, compare
 
+# Load the plugin explicitly too: the subprocess may run where the package is not installed
+# (its entry point has this same name, so an installed plugin is not registered twice).
+PLUGIN = ("-p", "pytest_oink.plugin", "-p", "no:cacheprovider")
+
 BENCH = '''
 def test_benchmark(oink_case, oink_benchmark):
     oink_benchmark(oink_case)
@@ -23,7 +27,7 @@ def test_plugin_import_is_light_and_help_lists_options(pytester):
     out = subprocess.run([sys.executable, "-c", "import sys, pytest_oink.plugin; print('torch' in sys.modules)"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-    res = pytester.runpytest_subprocess("--help")
+    res = pytester.runpytest_subprocess("--help", *PLUGIN)
     for flag in ("--oink-suite", "--oink-configs", "--oink-csv", "--oink-svg", "--oink-summary", "--oink-baseline",
                  "--oink-max-regression", "--oink-providers", "--oink-profile"):
         res.stdout.fnmatch_lines([f"*{flag}*"])
@@ -55,7 +59,7 @@ def test_peer_present(): pass
 def test_markers_without_gpu(pytester, monkeypatch):
     monkeypatch.delenv("OINK_FAKE_SM", raising=False)
     pytester.makepyfile(MARKED)
-    res = pytester.runpytest_subprocess("--strict-markers", "-rs", "-p", "no:cacheprovider",
+    res = pytester.runpytest_subprocess("--strict-markers", "-rs", *PLUGIN,
                                         "--import-mode=importlib")
     if "needs a CUDA GPU" not in res.stdout.str():
         pytest.skip("this machine has a GPU")
@@ -67,18 +71,18 @@ def test_markers_without_gpu(pytester, monkeypatch):
 def test_markers_with_fake_sm(pytester, monkeypatch):
     monkeypatch.setenv("OINK_FAKE_SM", "100")
     pytester.makepyfile(MARKED)
-    res = pytester.runpytest_subprocess("--strict-markers", "-rs", "-p", "no:cacheprovider")
+    res = pytester.runpytest_subprocess("--strict-markers", "-rs", *PLUGIN)
     res.assert_outcomes(passed=4, skipped=2)
     res.stdout.fnmatch_lines(["*needs exactly sm_9x; this GPU is sm_100*"])
     monkeypatch.setenv("OINK_FAKE_SM", "90")
-    res = pytester.runpytest_subprocess("--strict-markers", "-rs", "-p", "no:cacheprovider")
+    res = pytester.runpytest_subprocess("--strict-markers", "-rs", *PLUGIN)
     res.assert_outcomes(passed=4, skipped=2)
     res.stdout.fnmatch_lines(["*needs exactly sm_10x; this GPU is sm_90*"])
 
 
 def test_benchmarks_do_not_run_without_a_suite(pytester):
     pytester.makepyfile(BENCH)
-    res = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider")
+    res = pytester.runpytest_subprocess("-rs", *PLUGIN)
     res.assert_outcomes(skipped=1)
     res.stdout.fnmatch_lines(["*benchmarks run only with --oink-suite=NAME*"])
 
@@ -86,13 +90,13 @@ def test_benchmarks_do_not_run_without_a_suite(pytester):
 def test_suite_expansion_options(pytester):
     pytester.makepyfile(BENCH)
     res = pytester.runpytest_subprocess("--collect-only", "-q", "--oink-suite=dsv3", "--oink-ops=rmsnorm_forward",
-                             "--oink-providers=oink,quack", "-p", "no:cacheprovider")
+                             "--oink-providers=oink,quack", *PLUGIN)
     ids = [line for line in res.stdout.lines if "::test_benchmark[" in line]
     assert len(ids) == 9 * 2
     assert any("rmsnorm_forward-65536x7168-bfloat16-quack" in i for i in ids)
     res = pytester.runpytest_subprocess("--collect-only", "-q", "--oink-suite=smoke", "--oink-configs=8x64,2x32",
                              "--oink-ops=softmax_forward", "--oink-providers=torch", "--oink-dtype=float16",
-                             "-p", "no:cacheprovider")
+                             *PLUGIN)
     ids = [line for line in res.stdout.lines if "::test_benchmark[" in line]
     assert sorted(ids) == sorted(f"test_suite_expansion_options.py::test_benchmark[softmax_forward-{s}-float16-torch]"
                                  for s in ("8x64", "2x32"))
@@ -100,7 +104,7 @@ def test_suite_expansion_options(pytester):
 
 def test_bad_suite_is_a_usage_error(pytester):
     pytester.makepyfile(BENCH)
-    res = pytester.runpytest_subprocess("--oink-suite=nope", "-p", "no:cacheprovider")
+    res = pytester.runpytest_subprocess("--oink-suite=nope", *PLUGIN)
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     res.stderr.fnmatch_lines(["*--oink-suite='nope'*known suites*"])
 
@@ -120,7 +124,7 @@ def smoke_run(pytester, tmp_path_factory):
 
     def run(*extra):
         return pytester.runpytest_subprocess(
-            "--oink-suite=smoke", "--oink-ops=rmsnorm_forward,fused_add_rmsnorm_", "-p", "no:cacheprovider",
+            "--oink-suite=smoke", "--oink-ops=rmsnorm_forward,fused_add_rmsnorm_", *PLUGIN,
             f"--oink-csv={out / 'r.csv'}", f"--oink-summary={out / 's.md'}", f"--oink-svg={out / 'svg'}",
             f"--benchmark-json={out / 'b.json'}", *extra)
 
@@ -189,7 +193,7 @@ providers.ALL_PROVIDERS = providers.ALL_PROVIDERS + ("broken",)
 ''')
     pytester.makepyfile(BENCH)
     res = pytester.runpytest_subprocess("--oink-suite=smoke", "--oink-ops=softmax_forward", "--oink-providers=broken",
-                             f"--oink-csv={tmp_path / 'r.csv'}", "-p", "no:cacheprovider")
+                             f"--oink-csv={tmp_path / 'r.csv'}", *PLUGIN)
     res.assert_outcomes(failed=2)
     res.stdout.fnmatch_lines(["*failed the correctness gate (not timed)*", "*max abs err*rel L2 err*p99 abs err*",
                               "*first mismatch at index*"])
@@ -202,7 +206,7 @@ def test_xdist_workers_report_rows(pytester, tmp_path):
     pytester.makepyfile(BENCH)
     res = pytester.runpytest_subprocess("-n", "2", "--oink-suite=smoke", "--oink-ops=softmax_forward",
                                         "--oink-providers=oink,torch", f"--oink-csv={tmp_path / 'r.csv'}",
-                                        "-p", "no:cacheprovider")
+                                        *PLUGIN)
     res.assert_outcomes(passed=4)
     rows = list(csv.DictReader(open(tmp_path / "r.csv")))
     assert sorted((r["provider"], r["M"]) for r in rows) == [("oink", "4"), ("oink", "64"), ("torch", "4"),
@@ -247,7 +251,7 @@ def test_feed(benchmark):
     assert s.rounds == 5
     assert abs(s.median - 3e-6) < 1e-12 and abs(s.min - 1e-6) < 1e-12 and abs(s.max - 5e-6) < 1e-12
 ''')
-    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pytester.runpytest_subprocess(*PLUGIN).assert_outcomes(passed=1)
 
 
 def test_gate_stats_and_report():
@@ -275,7 +279,7 @@ def test_profile_option_is_recorded(pytester, tmp_path):
     pytester.makepyfile(BENCH)
     res = pytester.runpytest_subprocess("--oink-suite=smoke", "--oink-ops=rmsnorm_forward", "--oink-providers=oink",
                                         "--oink-profile", f"--benchmark-json={tmp_path / 'b.json'}",
-                                        f"--oink-summary={tmp_path / 's.md'}", "-p", "no:cacheprovider")
+                                        f"--oink-summary={tmp_path / 's.md'}", *PLUGIN)
     assert res.ret == 0
     for b in json.loads((tmp_path / "b.json").read_text())["benchmarks"]:
         prof = b["extra_info"]["profile"]
