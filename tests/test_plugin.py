@@ -285,3 +285,23 @@ def test_profile_option_is_recorded(pytester, tmp_path):
         prof = b["extra_info"]["profile"]
         assert "registers" in prof or prof.get("error")
     assert "Kernel profile (oink)" in (tmp_path / "s.md").read_text()
+
+
+def test_crashing_provider_is_a_failed_row(pytester, tmp_path):
+    pytester.makeconftest('''
+from pytest_oink import providers
+
+@providers.provider("softmax_forward", "crashes")
+def _crashes(device):
+    def run(a):
+        raise RuntimeError("boom")
+    return run
+
+providers.ALL_PROVIDERS = providers.ALL_PROVIDERS + ("crashes",)
+''')
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("--oink-suite=smoke", "--oink-ops=softmax_forward", "--oink-providers=crashes",
+                                        f"--oink-csv={tmp_path / 'r.csv'}", *PLUGIN)
+    res.assert_outcomes(failed=2)
+    res.stdout.fnmatch_lines(["*raised RuntimeError: boom*"])
+    assert [r["status"] for r in csv.DictReader(open(tmp_path / "r.csv"))] == ["failed", "failed"]
