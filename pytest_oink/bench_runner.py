@@ -46,8 +46,15 @@ def gate(spec, run, case, dtype, device) -> dict:
             worst["passed"] = False
             worst["report"] = f"seed {seed}: raised {type(e).__name__}: {e}"
             return worst
+        if len(actual) != len(expected):
+            worst["passed"] = False
+            worst["report"] = f"seed {seed}: {len(actual)} outputs, expected {len(expected)}"
+            return worst
+        families = spec.family if isinstance(spec.family, tuple) else (spec.family,) * len(expected)
         for i, (a, e) in enumerate(zip(actual, expected)):
-            atol, rtol = tolerance(spec.family, e.dtype)
+            atol, rtol = tolerance(families[i], e.dtype)
+            if families[i] == "weight_grad":  # sums over rows: absolute error grows with the magnitude
+                atol *= max(1.0, float(e.float().abs().max()))
             st = compare(a, e, atol, rtol)
             for k in ("max_abs", "rel_l2", "p99_abs"):
                 worst[k] = max(worst[k], getattr(st, k))

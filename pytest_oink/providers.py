@@ -23,7 +23,7 @@ class Unavailable(Exception):
 
 @dataclass(frozen=True)
 class OpSpec:
-    family: str  # tolerance family
+    family: str | tuple  # tolerance family, or one per output
     make_inputs: Callable  # (M, N, dtype, device, gen) -> dict of reference kwargs
     reference: Callable  # args -> tuple of outputs (fp32 arithmetic)
     nbytes: Callable  # (M, N, elem_size) -> bytes moved
@@ -85,8 +85,9 @@ SPECS = {
                               lambda M, N, e: 2 * M * N * e + N * e),
     "fused_add_rmsnorm_": OpSpec("rmsnorm", _fused_inputs, _fused_reference,
                                  lambda M, N, e: 4 * M * N * e + N * e, mutates=("x", "residual")),
-    "rmsnorm_backward": OpSpec("norm_backward", _bwd_inputs,
-                               lambda a: _R().rmsnorm_backward(a["x"], a["weight"], a["dout"], a["rstd"])[:1],
+    # dx and dw: every provider must compute both (a compiler would drop an unused dw)
+    "rmsnorm_backward": OpSpec(("norm_backward", "weight_grad"), _bwd_inputs,
+                               lambda a: _R().rmsnorm_backward(a["x"], a["weight"], a["dout"], a["rstd"])[:2],
                                lambda M, N, e: 3 * M * N * e + 2 * N * e + 4 * M),
     "layernorm": OpSpec("layernorm", _ln_inputs,
                         lambda a: (_R().layernorm(a["x"], a["weight"], a["bias"], EPS),),
@@ -147,7 +148,7 @@ for _op in SPECS:
         if _op == "fused_add_rmsnorm_":
             return lambda a: (f(a["x"], a["residual"], a["weight"], EPS), a["x"], a["residual"])[1:]
         if _op == "rmsnorm_backward":
-            return lambda a: f(a["x"], a["weight"], a["dout"], a["rstd"])[:1]
+            return lambda a: f(a["x"], a["weight"], a["dout"], a["rstd"])[:2]
         if _op == "layernorm":
             return lambda a: (f(a["x"], a["weight"], a["bias"], EPS),)
         if _op == "softmax_forward":
@@ -226,7 +227,7 @@ def _quack_fused(device):
 def _quack_rms_bwd(device):
     _needs_cuda(device)
     m = _peer("quack.rmsnorm", "quack-kernels")
-    return lambda a: m.rmsnorm_bwd(a["x"], a["weight"], a["dout"], a["rstd"])[:1]
+    return lambda a: m.rmsnorm_bwd(a["x"], a["weight"], a["dout"], a["rstd"])[:2]
 
 
 @provider("layernorm", "quack")

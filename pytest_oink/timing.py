@@ -159,21 +159,26 @@ def measure_roofline(device) -> Roofline:
     import torch
 
     if device.type == "cuda":
-        n = 2**28  # 512 MiB of bf16 per buffer: far past L2
-        a = torch.randn(n, device=device, dtype=torch.bfloat16)
-        b, c = torch.empty_like(a), torch.randn_like(a)
-        rot = Rotation([None])
-        t_copy = median(time_cuda_graph(lambda _: b.copy_(a), rot, calls_per_replay=4, replays=7).samples)
-        t_triad = median(time_cuda_graph(lambda _: torch.add(a, c, alpha=0.5, out=b), rot, calls_per_replay=4,
-                                         replays=7).samples)
-        name, method = torch.cuda.get_device_name(device), "cuda-graph"
-    else:
-        n = 2**23
-        a = torch.randn(n, dtype=torch.float32)
-        b, c = torch.empty_like(a), torch.randn_like(a)
-        rot = Rotation([None])
-        t_copy = median(time_host(lambda _: b.copy_(a), rot, repeats=5))
-        t_triad = median(time_host(lambda _: torch.add(a, c, alpha=0.5, out=b), rot, repeats=5))
-        name, method = "cpu", "perf_counter"
+        # The better of 256 MiB and 512 MiB buffers (both far past L2): on an H100, one 512 MiB
+        # size alone gave a 2.44 TB/s copy where the best of the two gave 3.00 TB/s.
+        best = {"copy": 0.0, "triad": 0.0}
+        for n in (2**27, 2**28):
+            a = torch.randn(n, device=device, dtype=torch.bfloat16)
+            b, c = torch.empty_like(a), torch.randn_like(a)
+            rot = Rotation([None])
+            e = a.element_size()
+            t = median(time_cuda_graph(lambda _: b.copy_(a), rot, calls_per_replay=4, replays=7).samples)
+            best["copy"] = max(best["copy"], 2 * n * e / t / 1e12)
+            t = median(time_cuda_graph(lambda _: torch.add(a, c, alpha=0.5, out=b), rot, calls_per_replay=4,
+                                       replays=7).samples)
+            best["triad"] = max(best["triad"], 3 * n * e / t / 1e12)
+            del a, b, c
+        return Roofline(best["copy"], best["triad"], torch.cuda.get_device_name(device), "cuda-graph")
+    n = 2**23
+    a = torch.randn(n, dtype=torch.float32)
+    b, c = torch.empty_like(a), torch.randn_like(a)
+    rot = Rotation([None])
+    t_copy = median(time_host(lambda _: b.copy_(a), rot, repeats=5))
+    t_triad = median(time_host(lambda _: torch.add(a, c, alpha=0.5, out=b), rot, repeats=5))
     e = a.element_size()
-    return Roofline(2 * n * e / t_copy / 1e12, 3 * n * e / t_triad / 1e12, name, method)
+    return Roofline(2 * n * e / t_copy / 1e12, 3 * n * e / t_triad / 1e12, "cpu", "perf_counter")

@@ -44,7 +44,8 @@ def prepare(t: torch.Tensor | None, vec: int) -> torch.Tensor | None:
         return None
     v = rows_view(t) if t.dim() >= 2 else t
     if v is None or not kernel_ready(v if v.dim() == 2 else v.view(1, -1), vec):
-        v = t.reshape(-1, t.shape[-1]).contiguous() if t.dim() >= 2 else t.contiguous()
+        # clone, not contiguous(): a contiguous view at an odd offset must move to aligned memory
+        v = (t.reshape(-1, t.shape[-1]) if t.dim() >= 2 else t).clone(memory_format=torch.contiguous_format)
     return v
 
 
