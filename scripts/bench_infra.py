@@ -5,39 +5,21 @@ device-copy ceiling measured in the same run. Prints a Markdown table.
 """
 import torch
 
+from pytest_oink.timing import Rotation, measure_roofline, median, time_cuda_graph
+
 from oink.kernels.rowsumsq import rowsumsq
 
 
 def graph_time(fn, reps=20):
-    """Median ms per call: `reps` calls captured in one CUDA graph, replays timed with events."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return sorted(times)[len(times) // 2]
+    """Median ms per call: ``reps`` calls captured in one CUDA graph, replays timed with events
+    (pytest_oink's timer, so scripts and suites measure alike)."""
+    return median(time_cuda_graph(lambda _: fn(), Rotation([None]), calls_per_replay=reps).samples) * 1e3
 
 
 def main():
     dev = torch.cuda.get_device_name()
-    src = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)  # 1 GiB
-    dst = torch.empty_like(src)
-    copy_ms = graph_time(lambda: dst.copy_(src), reps=5)
-    copy_tbs = 2 * src.numel() * 2 / copy_ms / 1e9
-    print(f"device: {dev}; device copy (1 GiB, read+write): {copy_tbs:.2f} TB/s")
+    copy_tbs = measure_roofline(torch.device("cuda")).copy_tbs
+    print(f"device: {dev}; device copy (read+write, pytest_oink's roofline): {copy_tbs:.2f} TB/s")
     print("| M | N | dtype | oink ms | oink TB/s | frac of copy | torch ms | speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for M, N in [(65536, 4096), (16384, 8192), (4096, 131072), (1024, 262144)]:

@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+from pytest_oink.timing import Rotation, measure_roofline, median, time_cuda_graph
+
 import oink
 from oink import reference as R
 
@@ -19,37 +21,13 @@ L2_BYTES = 50 * 2**20
 
 
 def graph_time(fn, reps=10):
-    """Median ms per call: `reps` calls captured in one CUDA graph, replays timed with events."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return sorted(times)[len(times) // 2]
+    """Median ms per call: ``reps`` calls captured in one CUDA graph, replays timed with events
+    (pytest_oink's timer, so scripts and suites measure alike)."""
+    return median(time_cuda_graph(lambda _: fn(), Rotation([None]), calls_per_replay=reps).samples) * 1e3
 
 
 def copy_tbs():
-    best = 0.0
-    for n in (2**27, 2**28):
-        src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        dst = torch.empty_like(src)
-        ms = graph_time(lambda: dst.copy_(src), reps=5)
-        best = max(best, 2 * n * 2 / ms / 1e9)
-    return best
+    return measure_roofline(torch.device("cuda")).copy_tbs
 
 
 def rotating(make, bytes_per_set):
@@ -209,8 +187,6 @@ def table(title, rows, ceiling, bytes_of, providers):
 def sweep_backward():
     """Backward launch knobs on the DSv3 shapes and two Quack-suite shapes (one run, one card)."""
     import os
-
-    from oink.kernels import rmsnorm_bwd
 
     P = peers()
     ceiling = copy_tbs()

@@ -109,6 +109,25 @@ class RowKernelBase:
         return [1, self.launch.cluster_n, 1] if self.launch.cluster_n > 1 else None
 
     # ---- device-side helpers -------------------------------------------------------------
+    def cta_setup(self, tc):
+        """Per-CTA prologue, traced inline into each kernel: the block index (row tile) and the
+        cluster rank (y), the reduction buffer and cluster barriers, and ``part(tensor, tile)``
+        giving this thread's slice of a row tile."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, cy, _ = cute.arch.block_idx()
+        if const_expr(self.launch.cluster_n == 1):
+            cy = Int32(0)
+        smem = cutlass.memory.SmemAllocator()
+        buf, mbar = self.alloc_reduction(smem)
+        self.init_cluster(mbar)
+        thr = tc.get_slice(tidx)
+        tiler = self.tiler()
+
+        def part(t, tile):
+            return thr.partition_S(cute.local_tile(t, tiler, (tile, cy)))
+
+        return bidx, cy, buf, mbar, part
+
     def alloc_reduction(self, smem):
         """Shared buffer [slot][row][warp-in-row x cluster rank] plus one mbarrier per slot."""
         L = self.launch

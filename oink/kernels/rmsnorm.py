@@ -8,7 +8,6 @@ barrier and written after it, by the same thread.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -77,18 +76,9 @@ class RMSNormForward(RowKernelBase):
                mRes: Optional[cute.Tensor], mO: cute.Tensor, mResO: Optional[cute.Tensor],
                mRstd: Optional[cute.Tensor], eps: Float32, tc: cute.TiledCopy):
         L = self.launch
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, cy, _ = cute.arch.block_idx()
-        if const_expr(L.cluster_n == 1):
-            cy = Int32(0)
-        smem = cutlass.memory.SmemAllocator()
-        buf, mbar = self.alloc_reduction(smem)
-        self.init_cluster(mbar)
+        bidx, cy, buf, mbar, part = self.cta_setup(tc)
 
         M = cute.size(mX, mode=[0])
-        tiler = self.tiler()
-        thr = tc.get_slice(tidx)
-        part = lambda t, row_block: thr.partition_S(cute.local_tile(t, tiler, (row_block, cy)))  # noqa: E731
         tXgX = part(mX, bidx)
         tXgO = part(mO, bidx)
         tXcX = part(cute.make_identity_tensor(mX.shape), bidx)

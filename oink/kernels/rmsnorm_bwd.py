@@ -89,19 +89,10 @@ class RMSNormBackward(RMSNormForward):
                mDres: Optional[cute.Tensor], mDx: cute.Tensor, mDw: Optional[cute.Tensor],
                mDb: Optional[cute.Tensor], tc: cute.TiledCopy):
         L = self.launch
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, cy, _ = cute.arch.block_idx()
+        bidx, cy, buf, mbar, part = self.cta_setup(tc)
         gdim, _, _ = cute.arch.grid_dim()
-        if const_expr(L.cluster_n == 1):
-            cy = Int32(0)
-        smem = cutlass.memory.SmemAllocator()
-        buf, mbar = self.alloc_reduction(smem)
-        self.init_cluster(mbar)
 
         M = cute.size(mX, mode=[0])
-        tiler = self.tiler()
-        thr = tc.get_slice(tidx)
-        part = lambda t, row_block: thr.partition_S(cute.local_tile(t, tiler, (row_block, cy)))  # noqa: E731
         ident = cute.make_identity_tensor(mX.shape)
 
         rW = None

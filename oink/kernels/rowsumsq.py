@@ -29,20 +29,11 @@ class RowSumSquares(RowKernelBase):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mO: cute.Tensor, tc: cute.TiledCopy):
         L = self.launch
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, cy, _ = cute.arch.block_idx()
-        if const_expr(L.cluster_n == 1):
-            cy = Int32(0)
-        smem = cutlass.memory.SmemAllocator()
-        buf, mbar = self.alloc_reduction(smem)
-        self.init_cluster(mbar)
+        bidx, cy, buf, mbar, part = self.cta_setup(tc)
 
         M = cute.size(mX, mode=[0])
-        gX = cute.local_tile(mX, self.tiler(), (bidx, cy))
-        cX = cute.local_tile(cute.make_identity_tensor(mX.shape), self.tiler(), (bidx, cy))
-        thr = tc.get_slice(tidx)
-        tXgX = thr.partition_S(gX)
-        tXcX = thr.partition_S(cX)
+        tXgX = part(mX, bidx)
+        tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
         tXrX = cute.make_rmem_tensor_like(tXgX)
         tXrX.fill(0)
         row = tXcX[0][0]
