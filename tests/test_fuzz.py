@@ -77,3 +77,62 @@ def test_rmsnorm_kernels_gpu(shape, dtype, layout, seed, w_fp32):
     R.fused_add_rmsnorm_(xi, ri, w)
     assert torch.equal(res, ri)
     assert_close(x, xi, family="rmsnorm", dtype=dtype)
+
+
+# ---- every public op: the API against an independent float64 computation (CPU), and on the
+# GPU the same check through whatever the dispatch picks there (kernel or reference).
+def _ln64(x, w, b):
+    xd = x.double()
+    mu = xd.mean(-1, keepdim=True)
+    return (xd - mu) / torch.sqrt(((xd - mu) ** 2).mean(-1, keepdim=True) + 1e-6) * w.double() + b.double()
+
+
+def _check_every_op(M, N, dtype, layout, seed, device):
+    dt = _dt(dtype)
+    x = S.make_tensor(M, N, dt, layout, device=device, seed=seed)
+    dy = S.make_tensor(M, N, dt, layout, device=device, seed=seed + 1)
+    w = S.make_tensor(1, N, dt, "contiguous", device=device, seed=seed + 2)[0]
+    b = S.make_tensor(1, N, dt, "contiguous", device=device, seed=seed + 3)[0]
+    assert_close(oink.layernorm(x, w, b), _ln64(x, w, b), family="layernorm", dtype=dtype)
+    y64 = torch.softmax(x.double(), -1)
+    g64 = y64 * (dy.double() - (dy.double() * y64).sum(-1, keepdim=True))
+    assert_close(oink.softmax_backward(dy, y64.to(dt)), g64, family="norm_backward", dtype=dtype)
+    assert_close(oink.softmax_fwd_bwd(dy, x), g64, family="norm_backward", dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    target = torch.randint(0, N, (M,), generator=g, device=device)
+    target[::3] = -100
+    loss, lse = oink.cross_entropy_forward(x, target)
+    expect = torch.nn.functional.cross_entropy(x.double(), target, ignore_index=-100, reduction="none")
+    assert_close(loss, expect, family="cross_entropy_loss", dtype=torch.float32)
+    assert_close(lse, torch.logsumexp(x.double(), -1), family="cross_entropy_loss", dtype=torch.float32)
+    dl = oink.cross_entropy_backward(torch.ones(M, device=device), x, target, lse)
+    p = torch.softmax(x.double(), -1)
+    onehot = torch.zeros_like(p)
+    valid = target != -100
+    onehot[valid] = torch.nn.functional.one_hot(target[valid], N).double()
+    assert_close(dl, (p - onehot) * valid.unsqueeze(-1), family="norm_backward", dtype=dtype)
+    if N % 32 == 0:
+        gs = torch.tensor([100.0], device=device)
+        res = S.make_tensor(M, N, dt, "contiguous", device=device, seed=seed + 4)
+        r_ref = res.clone()
+        q, sf = oink.add_rmsnorm_fp4quant(x, res, w, gs)
+        rq, rsf = R.add_rmsnorm_fp4quant(x, r_ref, w, gs)
+        assert torch.equal(res, r_ref) and torch.equal(sf.view(torch.uint8), rsf.view(torch.uint8))
+        assert (q == rq).float().mean() >= 0.999 if q.numel() else True
+        q, sf = oink.silu_mul_fp4quant(x, gs)
+        d = oink.nvfp4_dequantize(q, sf, gs)
+        v = torch.nn.functional.silu(x[:, : N // 2].double()) * x[:, N // 2:].double()
+        blocks = v.reshape(M, -1, 16)
+        assert ((d.double().reshape(M, -1, 16) - blocks).abs()
+                <= blocks.abs().amax(-1, keepdim=True) * (1 / 6 + 1 / 16) + 1e-6).all()
+
+
+@given(shape=S.shapes("cross_entropy", max_m=64), dtype=S.dtypes(), layout=S.layouts(), seed=st.integers(0, 2**16))
+def test_every_op_cpu(shape, dtype, layout, seed):
+    _check_every_op(*shape, dtype, layout, seed, "cpu")
+
+
+@pytest.mark.gpu
+@given(shape=S.shapes("cross_entropy", max_m=2000), dtype=S.dtypes(), layout=S.layouts(), seed=st.integers(0, 2**16))
+def test_every_op_gpu(shape, dtype, layout, seed):
+    _check_every_op(*shape, dtype, layout, seed, "cuda")

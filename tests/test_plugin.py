@@ -305,3 +305,25 @@ providers.ALL_PROVIDERS = providers.ALL_PROVIDERS + ("crashes",)
     res.assert_outcomes(failed=2)
     res.stdout.fnmatch_lines(["*raised RuntimeError: boom*"])
     assert [r["status"] for r in csv.DictReader(open(tmp_path / "r.csv"))] == ["failed", "failed"]
+
+
+def test_pytest_benchmark_compare_fail_works_on_our_numbers(pytester, tmp_path, monkeypatch):
+    """Our samples are what pytest-benchmark stores, so its own --benchmark-compare-fail gates on
+    them: a 2x slower median (deterministic samples) fails a 5% threshold; equal ones pass."""
+    pytester.makepyfile('''
+import os
+from pytest_oink.timing import feed_benchmark
+
+def test_kernel(benchmark):
+    scale = float(os.environ["SCALE"])
+    feed_benchmark(benchmark, [s * scale for s in (1e-5, 1.1e-5, 0.9e-5, 1e-5, 1.05e-5)])
+''')
+    store = f"--benchmark-storage=file://{tmp_path}"
+    common = (store, "--benchmark-compare", "--benchmark-compare-fail=median:5%", *PLUGIN)
+    monkeypatch.setenv("SCALE", "1")
+    assert pytester.runpytest_subprocess(store, "--benchmark-autosave", *PLUGIN).ret == 0
+    assert pytester.runpytest_subprocess(*common).ret == 0
+    monkeypatch.setenv("SCALE", "2")
+    res = pytester.runpytest_subprocess(*common)
+    assert res.ret != 0
+    assert "Performance has regressed" in res.stdout.str() + res.stderr.str()
