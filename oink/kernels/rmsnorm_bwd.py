@@ -9,7 +9,6 @@ reduction slots so a fast CTA never overwrites a value a peer is still reading.
 from __future__ import annotations
 
 import os
-
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -20,7 +19,6 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
 from .reduction import RowLaunch, add, pick_row_launch
 from .rmsnorm import MAX_N, RMSNormForward
-
 
 # Tuning knobs, overridable for sweeps (scripts/bench_rmsnorm.py --sweep); defaults measured there.
 UNITS_PER_THREAD = 2
