@@ -41,6 +41,7 @@ KERNEL_MODULES: dict[str, str] = {
     "rmsnorm_forward": "oink.kernels.rmsnorm_ops",
     "fused_add_rmsnorm_": "oink.kernels.rmsnorm_ops",
     "rmsnorm_backward": "oink.kernels.rmsnorm_ops",
+    "layernorm": "oink.kernels.rmsnorm_ops",
 }
 
 

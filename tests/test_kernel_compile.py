@@ -99,3 +99,16 @@ def test_rmsnorm_backward_compiles(arch, dtype, w, has_db, dres):
     for N in NORM_WIDTHS:
         fn = compiled_backward(dtype, N, arch, wd, dtype, dtype if dres else None, has_db)
         assert callable(fn)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("w", ["same", "float32"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("stats", [False, True])
+def test_layernorm_forward_compiles(arch, dtype, w, bias, stats):
+    wd = dtype if w == "same" else w
+    for N in NORM_WIDTHS:
+        fn = compiled_forward(dtype, N, arch, wd, wd if bias else None, None, None, stats, layernorm=True,
+                              store_mean=stats)
+        assert callable(fn)

@@ -245,3 +245,47 @@ def test_module_trains_under_compile_and_graph_capture(seed):
     _close(y_g, y_e, torch.bfloat16, "graph fwd")
     _close_fam(rstd_holder["dx"], R.rmsnorm_backward(xg, wv, y_g, rstd_g)[0], "norm_backward", torch.bfloat16,
                "graph bwd")
+
+
+LN_NS = (64, 1000, 4096, 6144, 8192, 16384, 131072, 262144)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("w_fp32", [False, True], ids=["w_same", "w_fp32"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("N", LN_NS)
+@pytest.mark.parametrize("M", MS)
+def test_layernorm_forward(dtype, w_fp32, bias, N, M, seed):
+    """LayerNorm forward kernel (the RMSNorm kernel with the mean subtracted), outputs poisoned."""
+    from oink.kernels.host import prepare, vec_for
+    from oink.kernels.rmsnorm_ops import _launch
+
+    if M * N > MAX_ELEMS // 2:
+        pytest.skip(f"M*N = {M * N} > {MAX_ELEMS // 2}")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (_rows(M, N, torch.float32, True, g) * 2 + 0.5).to(dtype)  # offset mean: centring matters
+    wd = torch.float32 if w_fp32 else dtype
+    w = torch.randn(N, device="cuda", generator=g).to(wd)
+    b = torch.randn(N, device="cuda", generator=g).to(wd) if bias else None
+    nan = float("nan")
+    out = torch.full((M, N), nan, device="cuda", dtype=dtype)
+    rstd, mean = torch.full((M,), nan, device="cuda"), torch.full((M,), nan, device="cuda")
+    vec = vec_for(N, x)
+    _launch(_arch(), prepare(x, vec), prepare(w, vec), prepare(b, vec), None, out, None, rstd, 1e-6, mean,
+            layernorm=True)
+    y_ref, rstd_ref, mean_ref = R.layernorm(x, w, b, 1e-6, return_rstd=True, return_mean=True)
+    _close(out, y_ref, dtype, "y")
+    _close(rstd, rstd_ref, torch.float32, "rstd")
+    _close(mean, mean_ref, torch.float32, "mean")
+
+
+def test_layernorm_public_api_routes_to_kernel(seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(3, 7, 6144, device="cuda", generator=g).bfloat16()
+    w, b = torch.randn(6144, device="cuda", generator=g).bfloat16(), torch.randn(6144, device="cuda").bfloat16()
+    assert "kernel" in oink.explain("layernorm", x, w, b)
+    y, rstd, mean = oink.layernorm(x, w, b, return_rstd=True, return_mean=True)
+    ey, erstd, emean = R.layernorm(x, w, b, return_rstd=True, return_mean=True)
+    _close(y, ey, torch.bfloat16, "y")
+    assert rstd.shape == mean.shape == (3, 7)
+    _close(oink.layernorm(x, w), R.layernorm(x, w), torch.bfloat16, "y without bias or stats")

@@ -1,5 +1,6 @@
-"""RMSNorm family in CuTeDSL: forward (optional weight, bias, residual, rstd) and the fused
-add + RMSNorm in place (the forward kernel with its outputs aliased onto x and residual).
+"""RMSNorm family in CuTeDSL: forward (optional weight, bias, residual, rstd), the fused
+add + RMSNorm in place (the forward kernel with its outputs aliased onto x and residual), and
+the LayerNorm forward (the same kernel with the row mean subtracted first).
 
 One pass over memory: each thread loads its slice of a row into registers (128-bit accesses),
 the row's sum of squares is all-reduced (warp, block, cluster), and the results are stored from
@@ -28,12 +29,16 @@ def forward_launch(N: int, x_bits: int, arch: str) -> RowLaunch:
 
 
 class RMSNormForward(RowKernelBase):
+    """RMSNorm forward; with ``layernorm`` it subtracts the row mean first (LayerNorm), taking
+    two reductions: the mean, then the sum of squared deviations."""
+
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, b_dtype, res_dtype, out_dtype, res_out_dtype,
-                 store_rstd: bool):
-        super().__init__(launch)
+                 store_rstd: bool, layernorm: bool = False):
+        super().__init__(launch, num_reductions=2 if layernorm else 1)
         self.x_dtype, self.w_dtype, self.b_dtype = x_dtype, w_dtype, b_dtype
         self.res_dtype, self.out_dtype, self.res_out_dtype = res_dtype, out_dtype, res_out_dtype
         self.store_rstd = store_rstd
+        self.layernorm = layernorm
 
     def atom(self, dtype):
         bits = min(128, self.launch.vec * dtype.width)
@@ -59,8 +64,8 @@ class RMSNormForward(RowKernelBase):
     @cute.jit
     def __call__(self, px: cute.Pointer, pw: Optional[cute.Pointer], pb: Optional[cute.Pointer],
                  pres: Optional[cute.Pointer], pout: cute.Pointer, pres_out: Optional[cute.Pointer],
-                 prstd: Optional[cute.Pointer], M: Int32, ldx: Int64, ldres: Int64, ldout: Int64,
-                 ldres_out: Int64, eps: Float32, stream: cuda.CUstream):
+                 prstd: Optional[cute.Pointer], pmean: Optional[cute.Pointer], M: Int32, ldx: Int64,
+                 ldres: Int64, ldout: Int64, ldres_out: Int64, eps: Float32, stream: cuda.CUstream):
         mX = self.matrix(px, M, ldx)
         mO = self.matrix(pout, M, ldout)
         mRes = self.matrix(pres, M, ldres) if const_expr(pres is not None) else None
@@ -68,13 +73,14 @@ class RMSNormForward(RowKernelBase):
         mW = self.broadcast_rows(pw) if const_expr(pw is not None) else None
         mB = self.broadcast_rows(pb) if const_expr(pb is not None) else None
         mRstd = cute.make_tensor(prstd, cute.make_layout((M,))) if const_expr(prstd is not None) else None
-        self.kernel(mX, mW, mB, mRes, mO, mResO, mRstd, eps, self.tiled_copy(self.x_dtype)).launch(
+        mMean = cute.make_tensor(pmean, cute.make_layout((M,))) if const_expr(pmean is not None) else None
+        self.kernel(mX, mW, mB, mRes, mO, mResO, mRstd, mMean, eps, self.tiled_copy(self.x_dtype)).launch(
             grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mB: Optional[cute.Tensor],
                mRes: Optional[cute.Tensor], mO: cute.Tensor, mResO: Optional[cute.Tensor],
-               mRstd: Optional[cute.Tensor], eps: Float32, tc: cute.TiledCopy):
+               mRstd: Optional[cute.Tensor], mMean: Optional[cute.Tensor], eps: Float32, tc: cute.TiledCopy):
         L = self.launch
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
 
@@ -118,9 +124,17 @@ class RMSNormForward(RowKernelBase):
                 if row < M:
                     self.copy_row(rResO, tXgResO, tXcX, self.res_out_dtype)
 
-        ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
         self.wait_cluster()
-        ss = self.row_allreduce(ss, add, Float32(0.0), buf, mbar, 0)
+        mean = Float32(0.0)
+        if const_expr(self.layernorm):
+            total = h.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+            mean = self.row_allreduce(total, add, Float32(0.0), buf, mbar, 0) / L.N
+            h = h - mean
+        ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        ss = self.row_allreduce(ss, add, Float32(0.0), buf, mbar, 1 if const_expr(self.layernorm) else 0)
+        if const_expr(self.layernorm and not L.even_n):
+            # the row tile's padding columns hold 0 - mean after centring: remove their squares
+            ss = ss - (L.cols_per_cta * L.cluster_n - L.N) * mean * mean
         rstd = cute.math.rsqrt(ss / L.N + eps, fastmath=False)
 
         y = h * rstd
@@ -138,6 +152,12 @@ class RMSNormForward(RowKernelBase):
                 leader = leader and cy == 0
             if leader and row < M:
                 mRstd[row] = rstd
+        if const_expr(mMean is not None):
+            leader = tXcX[0][1] == 0
+            if const_expr(L.cluster_n > 1):
+                leader = leader and cy == 0
+            if leader and row < M:
+                mMean[row] = mean
 
 
 def _cute(name):
@@ -145,22 +165,25 @@ def _cute(name):
 
 
 def compiled_forward(x_dtype: str, N: int, arch: str, w_dtype: str | None = None, b_dtype: str | None = None,
-                     res_dtype: str | None = None, res_out_dtype: str | None = None, store_rstd: bool = False):
+                     res_dtype: str | None = None, res_out_dtype: str | None = None, store_rstd: bool = False,
+                     layernorm: bool = False, store_mean: bool = False):
     """Compile (or fetch) the forward for (dtypes, N, flags, arch). M, strides and eps are runtime."""
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the RMSNorm kernel handles 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
     launch = forward_launch(N, xd.width, arch)
-    key = ("rmsnorm_fwd", x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype, store_rstd, N, arch)
+    key = ("layernorm_fwd" if layernorm else "rmsnorm_fwd", x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype,
+           store_rstd, store_mean, N, arch)
 
     def build():
         dts = [_cute(d) for d in (w_dtype, b_dtype, res_dtype, res_out_dtype)]
-        kernel = RMSNormForward(launch, xd, *dts[:3], xd, dts[3], store_rstd)
+        kernel = RMSNormForward(launch, xd, *dts[:3], xd, dts[3], store_rstd, layernorm)
         ptr = lambda dt: None if dt is None else gmem_ptr(dt)  # noqa: E731
         one = Int64(launch.vec)
         return compile_kernel(
             kernel, gmem_ptr(xd), ptr(dts[0]), ptr(dts[1]), ptr(dts[2]), gmem_ptr(xd), ptr(dts[3]),
-            gmem_ptr(Float32, 4) if store_rstd else None, Int32(1), one, one, one, one, Float32(1e-6),
+            gmem_ptr(Float32, 4) if store_rstd else None, gmem_ptr(Float32, 4) if store_mean else None,
+            Int32(1), one, one, one, one, Float32(1e-6),
             fake_stream(), arch=arch)
 
     return CACHE.get(key, build)

@@ -1,4 +1,4 @@
-"""RMSNorm family as seen by the dispatch path: which inputs the kernels take (CHECKS) and how
+"""RMSNorm family (and the LayerNorm forward that shares its kernel) as seen by the dispatch path: which inputs the kernels take (CHECKS) and how
 they are launched on torch tensors (RUNNERS). Imported only on a supported GPU."""
 from __future__ import annotations
 
@@ -60,12 +60,29 @@ def run_fused_add(arch, x, residual, weight, eps=1e-6):
         _launch(arch, x2, prepare(weight, vec_for(N, x)), None, r2, x2, r2, None, eps)
 
 
-def _launch(arch, x, w, b, res, out, res_out, rstd, eps):
+def _launch(arch, x, w, b, res, out, res_out, rstd, eps, mean=None, layernorm=False):
     M, N = x.shape
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
-                          dtype_name(res_out), rstd is not None)
-    fn(ptr(x), ptr(w), ptr(b), ptr(res), ptr(out), ptr(res_out), ptr(rstd, 4), M, ld(x), ld(res), ld(out),
-       ld(res_out), float(eps), current_stream(x.device))
+                          dtype_name(res_out), rstd is not None, layernorm, mean is not None)
+    fn(ptr(x), ptr(w), ptr(b), ptr(res), ptr(out), ptr(res_out), ptr(rstd, 4), ptr(mean, 4), M, ld(x), ld(res),
+       ld(out), ld(res_out), float(eps), current_stream(x.device))
+
+
+def run_layernorm(arch, x, weight, bias=None, eps=1e-6, return_rstd=False, return_mean=False):
+    """LayerNorm forward; returns what the reference returns (y, or y with rstd and/or mean)."""
+    N = x.shape[-1]
+    lead = x.shape[:-1]
+    vec = vec_for(N, x)
+    x2 = prepare(x, vec)
+    M = x2.shape[0]
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    rstd = torch.empty(M, device=x.device, dtype=torch.float32) if return_rstd else None
+    mean = torch.empty(M, device=x.device, dtype=torch.float32) if return_mean else None
+    if M > 0:
+        _launch(arch, x2, prepare(weight, vec), prepare(bias, vec), None, out, None, rstd, eps, mean, layernorm=True)
+    extra = ([rstd.view(lead)] if return_rstd else []) + ([mean.view(lead)] if return_mean else [])
+    y = out.view(*lead, N)
+    return (y, *extra) if extra else y
 
 
 def run_backward(arch, x, weight, dout, rstd, dresidual_out=None, has_bias=False, has_residual=False):
@@ -104,7 +121,11 @@ def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas):
        ptr(db_part), M, ld(x2), ld(g2), ld(dr2), ld(dx), ctas, current_stream(x2.device))
 
 
+def check_layernorm(t: dict, arch: str) -> str | None:
+    return _width_reason(t["x"])
+
+
 CHECKS = {"rmsnorm_forward": check_forward, "fused_add_rmsnorm_": check_fused_add,
-          "rmsnorm_backward": check_backward}
+          "rmsnorm_backward": check_backward, "layernorm": check_layernorm}
 RUNNERS = {"rmsnorm_forward": run_forward, "fused_add_rmsnorm_": run_fused_add,
-           "rmsnorm_backward": run_backward}
+           "rmsnorm_backward": run_backward, "layernorm": run_layernorm}
