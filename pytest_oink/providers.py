@@ -230,11 +230,27 @@ def _quack_rms_bwd(device):
     return lambda a: m.rmsnorm_bwd(a["x"], a["weight"], a["dout"], a["rstd"])[:2]
 
 
-@provider("layernorm", "quack")
+@provider("layernorm", "quack", label="fp32 weight and bias (Quack requires them)")
 def _quack_ln(device):
     _needs_cuda(device)
     m = _peer("quack.rmsnorm", "quack-kernels")
-    return lambda a: (m.layernorm_fwd(a["x"], a["weight"], a["bias"], EPS),)
+    fp32 = {}  # Quack's LayerNorm asserts fp32 weight/bias: convert once per tensor, outside the timing
+
+    def as_fp32(t):
+        if t is None or t.dtype == torch_float32():
+            return t
+        key = (t.data_ptr(), t.dtype, t.numel())
+        if key not in fp32:
+            fp32[key] = t.float()
+        return fp32[key]
+
+    return lambda a: (m.layernorm_fwd(a["x"], as_fp32(a["weight"]), as_fp32(a["bias"]), EPS),)
+
+
+def torch_float32():
+    import torch
+
+    return torch.float32
 
 
 @provider("softmax_forward", "quack")
