@@ -112,3 +112,14 @@ def test_layernorm_forward_compiles(arch, dtype, w, bias, stats):
         fn = compiled_forward(dtype, N, arch, wd, wd if bias else None, None, None, stats, layernorm=True,
                               store_mean=stats)
         assert callable(fn)
+
+
+from oink.kernels.softmax import MODES, compiled_softmax  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("mode", MODES)
+def test_softmax_compiles(arch, dtype, mode):
+    for N in NORM_WIDTHS:
+        assert callable(compiled_softmax(mode, dtype, N, arch))

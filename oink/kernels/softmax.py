@@ -1,0 +1,106 @@
+"""Softmax over the last dim in CuTeDSL: forward, backward, and fused forward+backward.
+
+One pass over memory each: a row stays in registers between its load and its store.
+- forward: m = max(x); e = exp(x - m); y = e / sum(e)   (two reductions, one read of x)
+- backward: dx = y * (dy - sum(dy * y))
+- fused forward+backward: dx from x and dy with y kept in fp32 registers, never written.
+Columns past N (uneven widths) load as -inf for x (exp gives 0) and 0 for dy and y.
+
+Status: compiled for sm_90a and sm_100a in CI; not yet run on a GPU, so the dispatch path does
+not route to it (oink.softmax_* run the reference until tests/test_softmax_gpu.py passes).
+"""
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .reduction import RowLaunch, add, fmax, pick_row_launch
+from .rmsnorm import MAX_N, RMSNormForward
+
+MODES = ("forward", "backward", "fwd_bwd")
+LOG2E = math.log2(math.e)
+
+
+def softmax_launch(N: int, x_bits: int, arch: str) -> RowLaunch:
+    """Launch heuristic for the softmax family (the one place it is chosen)."""
+    return pick_row_launch(N, x_bits)
+
+
+class Softmax(RMSNormForward):
+    """Reuses the norm kernels' tiling and predicated 128-bit row copies."""
+
+    def __init__(self, launch: RowLaunch, dtype, mode: str):
+        RMSNormForward.__init__(self, launch, dtype, None, None, None, dtype, None, False)
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        self.mode = mode
+        self.num_reductions = {"forward": 2, "backward": 1, "fwd_bwd": 3}[mode]
+
+    @cute.jit
+    def __call__(self, pa: cute.Pointer, pb: cute.Pointer, pout: cute.Pointer, M: Int32, lda: Int64, ldb: Int64,
+                 ldout: Int64, stream: cuda.CUstream):
+        """forward: a = x (b unused); backward: a = y, b = dy; fwd_bwd: a = x, b = dy."""
+        mA = self.matrix(pa, M, lda)
+        mB = self.matrix(pb, M, ldb)
+        mO = self.matrix(pout, M, ldout)
+        self.kernel(mA, mB, mO, self.tiled_copy(self.x_dtype)).launch(
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mO: cute.Tensor, tc: cute.TiledCopy):
+        L = self.launch
+        bidx, cy, buf, mbar, part = self.cta_setup(tc)
+        M = cute.size(mA, mode=[0])
+        tXcX = part(cute.make_identity_tensor(mA.shape), bidx)
+        row = tXcX[0][0]
+        tXgA, tXgO = part(mA, bidx), part(mO, bidx)
+        rA = cute.make_rmem_tensor_like(tXgA)
+        rA.fill(-math.inf if const_expr(self.mode != "backward") else 0.0)
+        rB = cute.make_rmem_tensor_like(tXgA)
+        rB.fill(0.0)
+        if row < M:
+            self.copy_row(tXgA, rA, tXcX, self.x_dtype)
+            if const_expr(self.mode != "forward"):
+                self.copy_row(part(mB, bidx), rB, tXcX, self.x_dtype)
+        self.wait_cluster()
+        a = rA.load().to(Float32)
+        if const_expr(self.mode == "backward"):
+            y = a
+        else:
+            m = a.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
+            m = self.row_allreduce(m, fmax, Float32(-math.inf), buf, mbar, 0)
+            e = cute.math.exp2((a - m) * LOG2E, fastmath=True)
+            s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+            s = self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
+            y = e * cute.arch.rcp_approx(s)
+        if const_expr(self.mode == "forward"):
+            out = y
+        else:
+            g = rB.load().to(Float32)
+            dot = (g * y).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+            dot = self.row_allreduce(dot, add, Float32(0.0), buf, mbar, 0 if const_expr(self.mode == "backward") else 2)
+            out = y * (g - dot)
+        rO = cute.make_rmem_tensor_like(rA, self.x_dtype)
+        rO.store(out.to(self.x_dtype))
+        if row < M:
+            self.copy_row(rO, tXgO, tXcX, self.x_dtype)
+
+
+def compiled_softmax(mode: str, dtype: str, N: int, arch: str):
+    """Compile (or fetch) one softmax kernel for (mode, dtype, N, arch); M and strides are runtime."""
+    if not 1 <= N <= MAX_N:
+        raise ValueError(f"N={N}: the softmax kernels handle 1 <= N <= {MAX_N}")
+    dt = cute_dtype(dtype)
+    launch = softmax_launch(N, dt.width, arch)
+
+    def build():
+        one = Int64(launch.vec)
+        return compile_kernel(Softmax(launch, dt, mode), gmem_ptr(dt), gmem_ptr(dt), gmem_ptr(dt), Int32(1), one, one,
+                              one, fake_stream(), arch=arch)
+
+    return CACHE.get(("softmax", mode, dtype, N, arch, launch), build)

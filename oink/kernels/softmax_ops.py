@@ -1,0 +1,58 @@
+"""Softmax kernels on torch tensors (CHECKS/RUNNERS for the dispatch path).
+
+Not listed in ``dispatch.KERNEL_MODULES`` yet: the kernels have compiled in CI but not run on a
+GPU. Once tests/test_softmax_gpu.py passes on one, add softmax_forward, softmax_backward and
+softmax_fwd_bwd -> "oink.kernels.softmax_ops" there and flip the README table.
+"""
+from __future__ import annotations
+
+import torch
+
+from .compile import current_stream
+from .host import dtype_name, ld, prepare, ptr, vec_for
+from .softmax import MAX_N, compiled_softmax
+
+
+def _check(t: dict, arch: str) -> str | None:
+    x = t.get("x", t.get("y"))
+    if x.shape[-1] > MAX_N:
+        return f"N={x.shape[-1]} > {MAX_N}: wider rows use the reference"
+    other = t.get("dy")
+    if other is not None and other.dtype != x.dtype:
+        return "dy and x/y of different dtypes: reference"
+    return None
+
+
+def launch(mode, arch, a, b, out):
+    """a, b, out: kernel-ready [M, N] tensors of one dtype (b unused by the forward)."""
+    M, N = a.shape
+    if M == 0:
+        return out
+    fn = compiled_softmax(mode, dtype_name(a), N, arch)
+    fn(ptr(a), ptr(b), ptr(out), M, ld(a), ld(b), ld(out), current_stream(a.device))
+    return out
+
+
+def _run(mode, arch, a, b):
+    N = a.shape[-1]
+    vec = vec_for(N, a)
+    a2 = prepare(a, vec)
+    b2 = prepare(b, vec) if b is not None else a2
+    out = torch.empty(a2.shape, device=a.device, dtype=a.dtype)
+    return launch(mode, arch, a2, b2, out).view(a.shape)
+
+
+def run_forward(arch, x):
+    return _run("forward", arch, x, None)
+
+
+def run_backward(arch, dy, y):
+    return _run("backward", arch, y, dy)
+
+
+def run_fwd_bwd(arch, dy, x):
+    return _run("fwd_bwd", arch, x, dy)
+
+
+CHECKS = {"softmax_forward": _check, "softmax_backward": _check, "softmax_fwd_bwd": _check}
+RUNNERS = {"softmax_forward": run_forward, "softmax_backward": run_backward, "softmax_fwd_bwd": run_fwd_bwd}
