@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
@@ -53,7 +52,6 @@ class Softmax(RMSNormForward):
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mO: cute.Tensor, tc: cute.TiledCopy):
-        L = self.launch
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
         M = cute.size(mA, mode=[0])
         tXcX = part(cute.make_identity_tensor(mA.shape), bidx)
