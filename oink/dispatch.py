@@ -14,6 +14,7 @@ import inspect
 import logging
 import os
 from dataclasses import dataclass
+
 import torch
 
 from . import reference
@@ -50,12 +51,9 @@ def _kernel_module(op: str):
     return None if name is None else importlib.import_module(name)
 
 
-def kernel_ops() -> tuple[str, ...]:
-    return tuple(sorted(KERNEL_MODULES))
-
-
 @functools.lru_cache(maxsize=None)
-def _device_arch(index: int) -> tuple[str | None, str]:
+def device_arch(index: int) -> tuple[str | None, str]:
+    """(CuTeDSL target or None, "major.minor") of CUDA device ``index``."""
     major, minor = torch.cuda.get_device_capability(index)
     return arch_for_capability(major, minor), f"{major}.{minor}"
 
@@ -75,7 +73,7 @@ def route(op: str, tensors: dict) -> Route:
 def _route_device(op: str, device: torch.device, tensors: dict) -> Route:
     if device.type != "cuda":
         return Route(op, "reference", f"{device.type} tensors: kernels run on CUDA only")
-    arch, cap = _device_arch(device.index if device.index is not None else torch.cuda.current_device())
+    arch, cap = device_arch(device.index if device.index is not None else torch.cuda.current_device())
     if arch is None:
         return Route(op, "reference", f"compute capability {cap}: kernels target sm_90a and sm_100a")
     module = _kernel_module(op)

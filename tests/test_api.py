@@ -174,3 +174,17 @@ def test_mixed_devices_are_named():
         oink.rmsnorm_forward(x, w)
     with pytest.raises(ValueError, match="global_scale is on meta"):
         oink.nvfp4_quantize(x, torch.ones(1, device="meta"))
+
+
+def test_arch_choice_and_override(monkeypatch):
+    from oink.arch import arch_for_capability
+
+    monkeypatch.delenv("OINK_ARCH", raising=False)
+    assert arch_for_capability(9, 0) == "sm_90a"
+    assert arch_for_capability(10, 0) == "sm_100a"
+    assert arch_for_capability(8, 0) is None and arch_for_capability(12, 0) is None
+    monkeypatch.setenv("OINK_ARCH", "sm_100a")
+    assert arch_for_capability(9, 0) == "sm_100a"
+    monkeypatch.setenv("OINK_ARCH", "sm_80")
+    with pytest.raises(ValueError, match="OINK_ARCH"):
+        arch_for_capability(9, 0)

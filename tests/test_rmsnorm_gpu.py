@@ -17,9 +17,9 @@ MAX_ELEMS = 2**30  # keeps one case's tensors (and their fp32 reference) within 
 
 
 def _arch():
-    from oink.dispatch import _device_arch
+    from oink.dispatch import device_arch
 
-    return _device_arch(torch.cuda.current_device())[0]
+    return device_arch(torch.cuda.current_device())[0]
 
 
 def _close(actual, expected, dtype, what):

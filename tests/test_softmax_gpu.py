@@ -17,9 +17,9 @@ NS = (64, 1000, 4096, 6144, 8192, 32768, 50257, 128256, 262144)
 
 
 def _arch():
-    from oink.dispatch import _device_arch
+    from oink.dispatch import device_arch
 
-    return _device_arch(torch.cuda.current_device())[0]
+    return device_arch(torch.cuda.current_device())[0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -14,7 +14,7 @@ from typing import Callable, Hashable
 import cutlass
 import cutlass.cute as cute
 
-from ..arch import SUPPORTED_ARCHS, arch_for_capability
+from ..arch import SUPPORTED_ARCHS
 
 # torch dtype name -> CuTe numeric type, kept as strings so this module needs no torch.
 _CUTE_DTYPES = {
@@ -110,14 +110,6 @@ def compile_kernel(kernel_obj, *fake_args, arch: str):
     if launch is not None:
         BLOCK_THREADS[id(fn)] = launch.num_threads
     return fn
-
-
-@functools.lru_cache(maxsize=None)
-def device_arch(device_index: int) -> str | None:
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(device_index)
-    return arch_for_capability(major, minor)
 
 
 def current_stream(device):

@@ -72,14 +72,15 @@ def rowsumsq(x, out=None, arch: str | None = None):
     """sum(x**2, -1) in fp32 for a CUDA tensor x [M, N] (rows may be padded; last dim contiguous)."""
     import torch
 
-    from .compile import current_stream, device_arch, runtime_ptr
+    from ..dispatch import device_arch
+    from .compile import current_stream, runtime_ptr
 
     assert x.dim() == 2 and x.stride(1) == 1
     M, N = x.shape
     out = torch.empty(M, device=x.device, dtype=torch.float32) if out is None else out
     if M == 0:
         return out
-    arch = arch or device_arch(x.device.index)
+    arch = arch or device_arch(x.device.index)[0]
     fn = compiled_rowsumsq(str(x.dtype), N, arch)
     dt = cute_dtype(str(x.dtype))
     fn(runtime_ptr(dt, x.data_ptr()), runtime_ptr(Float32, out.data_ptr(), 4), M, x.stride(0),
