@@ -188,3 +188,27 @@ def test_arch_choice_and_override(monkeypatch):
     monkeypatch.setenv("OINK_ARCH", "sm_80")
     with pytest.raises(ValueError, match="OINK_ARCH"):
         arch_for_capability(9, 0)
+
+
+def test_routing_on_a_pretend_gpu(monkeypatch):
+    """The CUDA branch of the dispatch path, with the device capability faked (no GPU needed)."""
+    pytest.importorskip("cutlass", reason="kernel modules import nvidia-cutlass-dsl")
+    from oink import dispatch
+
+    dispatch.device_arch.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+    x, w = torch.randn(4, 4096), torch.randn(4096)
+    try:
+        r = dispatch._route_device("rmsnorm_forward", cuda, {"x": x, "weight": w})
+        assert (r.backend, r.arch) == ("kernel", "sm_90a")
+        wide = torch.randn(1, 262144 * 2)
+        r = dispatch._route_device("rmsnorm_forward", cuda, {"x": wide, "weight": None})
+        assert r.backend == "reference" and "262144" in r.reason
+        assert dispatch._route_device("softmax_forward", cuda, {"x": x}).reason == "no CuTeDSL kernel for softmax_forward yet"
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+        dispatch.device_arch.cache_clear()
+        r = dispatch._route_device("rmsnorm_forward", cuda, {"x": x, "weight": w})
+        assert r.backend == "reference" and "compute capability 8.0" in r.reason
+    finally:
+        dispatch.device_arch.cache_clear()
