@@ -87,6 +87,3 @@ def multiple_of_16(name: str, n: int) -> None:
     if n % 16:
         raise ValueError(f"{name}: last dim {n} must be a multiple of 16 for NVFP4 blocks")
 
-
-def last_dim_contiguous(t) -> bool:
-    return t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1

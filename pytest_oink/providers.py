@@ -232,12 +232,14 @@ def _quack_rms_bwd(device):
 
 @provider("layernorm", "quack", label="fp32 weight and bias (Quack requires them)")
 def _quack_ln(device):
+    import torch
+
     _needs_cuda(device)
     m = _peer("quack.rmsnorm", "quack-kernels")
     fp32 = {}  # Quack's LayerNorm asserts fp32 weight/bias: convert once per tensor, outside the timing
 
     def as_fp32(t):
-        if t is None or t.dtype == torch_float32():
+        if t is None or t.dtype == torch.float32:
             return t
         key = (t.data_ptr(), t.dtype, t.numel())
         if key not in fp32:
@@ -246,11 +248,6 @@ def _quack_ln(device):
 
     return lambda a: (m.layernorm_fwd(a["x"], as_fp32(a["weight"]), as_fp32(a["bias"]), EPS),)
 
-
-def torch_float32():
-    import torch
-
-    return torch.float32
 
 
 @provider("softmax_forward", "quack")

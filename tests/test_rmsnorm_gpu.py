@@ -35,7 +35,7 @@ def _rows(M, N, dtype, padded, gen):
 
 def run_poisoned(x, w, b, res, eps, store_rstd):
     """Launch the kernel directly into NaN-filled outputs (every element must be written)."""
-    from oink.kernels.host import prepare, vec_for
+    from oink.kernels.host import prepare_rows, prepare_vector, vec_for
     from oink.kernels.rmsnorm_ops import _launch
 
     M, N = x.shape
@@ -43,7 +43,8 @@ def run_poisoned(x, w, b, res, eps, store_rstd):
     out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
     res_out = torch.full((M, N), float("nan"), device="cuda", dtype=res.dtype) if res is not None else None
     rstd = torch.full((M,), float("nan"), device="cuda") if store_rstd else None
-    _launch(_arch(), prepare(x, vec), prepare(w, vec), prepare(b, vec), prepare(res, vec), out, res_out, rstd, eps)
+    _launch(_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_vector(b, vec), prepare_rows(res, vec), out,
+            res_out, rstd, eps)
     return out, rstd, res_out
 
 
@@ -118,6 +119,12 @@ def test_public_api_and_custom_op_route_to_kernel(seed):
     xs = x[..., ::2]  # non-contiguous last dim: copied, never read wrongly
     _close(oink.rmsnorm_forward(xs, w[:2048])[0], R.rmsnorm_forward(xs, w[:2048])[0], torch.bfloat16, "strided")
     assert oink.rmsnorm_forward(x[:0], w)[0].shape == (0, 5, 4096)
+    one = x[0, 0]  # a 1-D input is one row
+    y1, rstd1, _ = oink.rmsnorm_forward(one, w, store_rstd=True)
+    assert y1.shape == (4096,) and rstd1.shape == ()
+    _close(y1, R.rmsnorm_forward(one, w)[0], torch.bfloat16, "1-D input")
+    _close(oink.rmsnorm_backward(one, w, y1, rstd1)[0], R.rmsnorm_backward(one, w, y1, rstd1)[0],
+           torch.bfloat16, "1-D backward")
 
 
 def test_more_than_2_31_elements(seed):
@@ -152,7 +159,7 @@ def test_torch_compile_fullgraph_and_cuda_graph(seed):
 
 def run_backward_poisoned(x, w, dout, rstd, dres, has_bias):
     """The backward launched into NaN-filled dx and partial buffers."""
-    from oink.kernels.host import prepare, vec_for
+    from oink.kernels.host import prepare_rows, prepare_vector, vec_for
     from oink.kernels.rmsnorm_bwd import backward_launch, persistent_ctas
     from oink.kernels.rmsnorm_ops import launch_backward
 
@@ -165,7 +172,8 @@ def run_backward_poisoned(x, w, dout, rstd, dres, has_bias):
     dx = torch.full((M, N), nan, device="cuda", dtype=x.dtype)
     dw_part = torch.full((ctas * L.rows_per_cta, N), nan, device="cuda") if w is not None else None
     db_part = torch.full((ctas * L.rows_per_cta, N), nan, device="cuda") if has_bias else None
-    launch_backward(_arch(), prepare(x, vec), prepare(w, vec), prepare(dout, vec), rstd, prepare(dres, vec), dx,
+    launch_backward(_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_rows(dout, vec), rstd,
+                    prepare_rows(dres, vec), dx,
                     dw_part, db_part, ctas)
     dw = dw_part.sum(0).to(w.dtype) if w is not None else None
     db = db_part.sum(0).to(w.dtype if w is not None else x.dtype) if has_bias else None
@@ -257,7 +265,7 @@ LN_NS = (64, 1000, 4096, 6144, 8192, 16384, 131072, 262144)
 @pytest.mark.parametrize("M", MS)
 def test_layernorm_forward(dtype, w_fp32, bias, N, M, seed):
     """LayerNorm forward kernel (the RMSNorm kernel with the mean subtracted), outputs poisoned."""
-    from oink.kernels.host import prepare, vec_for
+    from oink.kernels.host import prepare_rows, prepare_vector, vec_for
     from oink.kernels.rmsnorm_ops import _launch
 
     if M * N > MAX_ELEMS // 2:
@@ -271,7 +279,7 @@ def test_layernorm_forward(dtype, w_fp32, bias, N, M, seed):
     out = torch.full((M, N), nan, device="cuda", dtype=dtype)
     rstd, mean = torch.full((M,), nan, device="cuda"), torch.full((M,), nan, device="cuda")
     vec = vec_for(N, x)
-    _launch(_arch(), prepare(x, vec), prepare(w, vec), prepare(b, vec), None, out, None, rstd, 1e-6, mean,
+    _launch(_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_vector(b, vec), None, out, None, rstd, 1e-6, mean,
             layernorm=True)
     y_ref, rstd_ref, mean_ref = R.layernorm(x, w, b, 1e-6, return_rstd=True, return_mean=True)
     _close(out, y_ref, dtype, "y")

@@ -27,7 +27,7 @@ def _arch():
 @pytest.mark.parametrize("M", MS)
 @pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
 def test_softmax_kernels(mode, dtype, N, M, seed):
-    from oink.kernels.host import prepare, vec_for
+    from oink.kernels.host import prepare_rows, vec_for
     from oink.kernels.softmax_ops import launch
 
     if M * N > 2**28:
@@ -40,7 +40,7 @@ def test_softmax_kernels(mode, dtype, N, M, seed):
                     "fwd_bwd": (x, dy, R.softmax_fwd_bwd(dy, x))}[mode]
     vec = vec_for(N, x)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-    launch(mode, _arch(), prepare(a, vec), prepare(b, vec), out)
+    launch(mode, _arch(), prepare_rows(a, vec), prepare_rows(b, vec), out)
     assert not torch.isnan(out).any()
     atol, rtol = tolerance("softmax" if mode == "forward" else "norm_backward", dtype)
     torch.testing.assert_close(out.float(), expect.float(), atol=atol, rtol=rtol)

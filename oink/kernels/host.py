@@ -38,15 +38,25 @@ def kernel_ready(t2d: torch.Tensor, vec: int) -> bool:
     return t2d.data_ptr() % 16 == 0
 
 
-def prepare(t: torch.Tensor | None, vec: int) -> torch.Tensor | None:
-    """An input as a kernel-ready [M, N] (or [N]) tensor, copying only when its layout demands."""
+def prepare_rows(t: torch.Tensor | None, vec: int) -> torch.Tensor | None:
+    """An activation [..., N] (a 1-D one is a single row) as a kernel-ready [M, N] tensor,
+    copying only when its layout demands."""
     if t is None:
         return None
-    v = rows_view(t) if t.dim() >= 2 else t
-    if v is None or not kernel_ready(v if v.dim() == 2 else v.view(1, -1), vec):
+    v = rows_view(t)
+    if v is None or not kernel_ready(v, vec):
         # clone, not contiguous(): a contiguous view at an odd offset must move to aligned memory
-        v = (t.reshape(-1, t.shape[-1]) if t.dim() >= 2 else t).clone(memory_format=torch.contiguous_format)
+        v = t.reshape(-1, t.shape[-1]).clone(memory_format=torch.contiguous_format)
     return v
+
+
+def prepare_vector(t: torch.Tensor | None, vec: int) -> torch.Tensor | None:
+    """A per-column parameter [N] (weight, bias) as a kernel-ready 1-D tensor."""
+    if t is None:
+        return None
+    if kernel_ready(t.view(1, -1), vec):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def ptr(t: torch.Tensor | None, align: int = 16):

@@ -146,18 +146,16 @@ class RMSNormForward(RowKernelBase):
         rO.store(y.to(self.out_dtype))
         if row < M:
             self.copy_row(rO, tXgO, tXcX, self.out_dtype)
-        if const_expr(mRstd is not None):
+        if const_expr(mRstd is not None or mMean is not None):
+            # one thread per row (column 0, first CTA of the cluster) writes the row statistics
             leader = tXcX[0][1] == 0
             if const_expr(L.cluster_n > 1):
                 leader = leader and cy == 0
             if leader and row < M:
-                mRstd[row] = rstd
-        if const_expr(mMean is not None):
-            leader = tXcX[0][1] == 0
-            if const_expr(L.cluster_n > 1):
-                leader = leader and cy == 0
-            if leader and row < M:
-                mMean[row] = mean
+                if const_expr(mRstd is not None):
+                    mRstd[row] = rstd
+                if const_expr(mMean is not None):
+                    mMean[row] = mean
 
 
 def _cute(name):

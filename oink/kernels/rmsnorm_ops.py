@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .compile import current_stream
-from .host import dtype_name, kernel_ready, ld, prepare, ptr, rows_view, vec_for
+from .host import dtype_name, kernel_ready, ld, prepare_rows, prepare_vector, ptr, rows_view, vec_for
 from .rmsnorm import MAX_N, compiled_forward
 from .rmsnorm_bwd import backward_launch, compiled_backward, persistent_ctas
 
@@ -36,18 +36,26 @@ def check_fused_add(t: dict, arch: str) -> str | None:
     return None
 
 
-def run_forward(arch, x, weight=None, bias=None, residual=None, eps=1e-6, store_rstd=False):
+def _rows_and_output(x):
+    """x as kernel-ready [M, N] rows, a fresh output like them, and what restores x's shape."""
     N = x.shape[-1]
-    lead = x.shape[:-1]
     vec = vec_for(N, x)
-    x2 = prepare(x, vec)
-    M = x2.shape[0]
-    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    rstd = torch.empty(M, device=x.device, dtype=torch.float32) if store_rstd else None
-    res2 = prepare(residual, vec)
+    x2 = prepare_rows(x, vec)
+    return x2, torch.empty(x2.shape, device=x.device, dtype=x.dtype), x.shape[:-1], vec
+
+
+def _row_stat(x2, wanted: bool):
+    return torch.empty(x2.shape[0], device=x2.device, dtype=torch.float32) if wanted else None
+
+
+def run_forward(arch, x, weight=None, bias=None, residual=None, eps=1e-6, store_rstd=False):
+    x2, out, lead, vec = _rows_and_output(x)
+    M, N = x2.shape
+    rstd = _row_stat(x2, store_rstd)
+    res2 = prepare_rows(residual, vec)
     res_out = torch.empty((M, N), device=x.device, dtype=residual.dtype) if residual is not None else None
     if M > 0:
-        _launch(arch, x2, prepare(weight, vec), prepare(bias, vec), res2, out, res_out, rstd, eps)
+        _launch(arch, x2, prepare_vector(weight, vec), prepare_vector(bias, vec), res2, out, res_out, rstd, eps)
     return (out.view(*lead, N), None if rstd is None else rstd.view(lead),
             None if res_out is None else res_out.view(*lead, N))
 
@@ -57,7 +65,7 @@ def run_fused_add(arch, x, residual, weight, eps=1e-6):
     x2, r2 = rows_view(x), rows_view(residual)
     if x2.shape[0] > 0:
         # Outputs alias the inputs: each element is read before it is overwritten, by one thread.
-        _launch(arch, x2, prepare(weight, vec_for(N, x)), None, r2, x2, r2, None, eps)
+        _launch(arch, x2, prepare_vector(weight, vec_for(N, x)), None, r2, x2, r2, None, eps)
 
 
 def _launch(arch, x, w, b, res, out, res_out, rstd, eps, mean=None, layernorm=False):
@@ -70,16 +78,12 @@ def _launch(arch, x, w, b, res, out, res_out, rstd, eps, mean=None, layernorm=Fa
 
 def run_layernorm(arch, x, weight, bias=None, eps=1e-6, return_rstd=False, return_mean=False):
     """LayerNorm forward; returns what the reference returns (y, or y with rstd and/or mean)."""
-    N = x.shape[-1]
-    lead = x.shape[:-1]
-    vec = vec_for(N, x)
-    x2 = prepare(x, vec)
-    M = x2.shape[0]
-    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    rstd = torch.empty(M, device=x.device, dtype=torch.float32) if return_rstd else None
-    mean = torch.empty(M, device=x.device, dtype=torch.float32) if return_mean else None
+    x2, out, lead, vec = _rows_and_output(x)
+    M, N = x2.shape
+    rstd, mean = _row_stat(x2, return_rstd), _row_stat(x2, return_mean)
     if M > 0:
-        _launch(arch, x2, prepare(weight, vec), prepare(bias, vec), None, out, None, rstd, eps, mean, layernorm=True)
+        _launch(arch, x2, prepare_vector(weight, vec), prepare_vector(bias, vec), None, out, None, rstd, eps, mean,
+                layernorm=True)
     extra = ([rstd.view(lead)] if return_rstd else []) + ([mean.view(lead)] if return_mean else [])
     y = out.view(*lead, N)
     return (y, *extra) if extra else y
@@ -88,8 +92,8 @@ def run_layernorm(arch, x, weight, bias=None, eps=1e-6, return_rstd=False, retur
 def run_backward(arch, x, weight, dout, rstd, dresidual_out=None, has_bias=False, has_residual=False):
     N = x.shape[-1]
     vec = vec_for(N, x)
-    x2, g2, dr2 = prepare(x, vec), prepare(dout, vec), prepare(dresidual_out, vec)
-    w = prepare(weight, vec)
+    x2, g2, dr2 = prepare_rows(x, vec), prepare_rows(dout, vec), prepare_rows(dresidual_out, vec)
+    w = prepare_vector(weight, vec)
     M = x2.shape[0]
     dx = torch.empty((M, N), device=x.device, dtype=x.dtype)
     launch = backward_launch(N, x.element_size() * 8, arch)

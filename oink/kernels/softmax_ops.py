@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .compile import current_stream
-from .host import dtype_name, ld, prepare, ptr, vec_for
+from .host import dtype_name, ld, prepare_rows, ptr, vec_for
 from .softmax import MAX_N, compiled_softmax
 
 
@@ -36,8 +36,8 @@ def launch(mode, arch, a, b, out):
 def _run(mode, arch, a, b):
     N = a.shape[-1]
     vec = vec_for(N, a)
-    a2 = prepare(a, vec)
-    b2 = prepare(b, vec) if b is not None else a2
+    a2 = prepare_rows(a, vec)
+    b2 = prepare_rows(b, vec) if b is not None else a2
     out = torch.empty(a2.shape, device=a.device, dtype=a.dtype)
     return launch(mode, arch, a2, b2, out).view(a.shape)
 
