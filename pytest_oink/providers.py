@@ -236,15 +236,17 @@ def _quack_ln(device):
 
     _needs_cuda(device)
     m = _peer("quack.rmsnorm", "quack-kernels")
-    fp32 = {}  # Quack's LayerNorm asserts fp32 weight/bias: convert once per tensor, outside the timing
+    # Quack's LayerNorm asserts fp32 weight/bias: convert once per tensor object, outside the
+    # timing. Keyed on id() with the source kept alive, so an id (or a freed tensor's address,
+    # reused by the next seed's weight) never maps to a stale conversion.
+    fp32 = {}
 
     def as_fp32(t):
         if t is None or t.dtype == torch.float32:
             return t
-        key = (t.data_ptr(), t.dtype, t.numel())
-        if key not in fp32:
-            fp32[key] = t.float()
-        return fp32[key]
+        if id(t) not in fp32:
+            fp32[id(t)] = (t, t.float())
+        return fp32[id(t)][1]
 
     return lambda a: (m.layernorm_fwd(a["x"], as_fp32(a["weight"]), as_fp32(a["bias"]), EPS),)
 

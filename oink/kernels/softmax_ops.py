@@ -1,9 +1,4 @@
-"""Softmax kernels on torch tensors (CHECKS/RUNNERS for the dispatch path).
-
-Not listed in ``dispatch.KERNEL_MODULES`` yet: the kernels have compiled in CI but not run on a
-GPU. Once tests/test_softmax_gpu.py passes on one, add softmax_forward, softmax_backward and
-softmax_fwd_bwd -> "oink.kernels.softmax_ops" there and flip the README table.
-"""
+"""Softmax kernels on torch tensors (CHECKS/RUNNERS for the dispatch path)."""
 from __future__ import annotations
 
 import torch
