@@ -43,6 +43,7 @@ KERNEL_MODULES: dict[str, str] = {
     "fused_add_rmsnorm_": "oink.kernels.rmsnorm_ops",
     "rmsnorm_backward": "oink.kernels.rmsnorm_ops",
     "layernorm": "oink.kernels.rmsnorm_ops",
+    "layernorm_backward": "oink.kernels.rmsnorm_ops",
     "softmax_forward": "oink.kernels.softmax_ops",
     "softmax_backward": "oink.kernels.softmax_ops",
     "softmax_fwd_bwd": "oink.kernels.softmax_ops",

@@ -1,4 +1,5 @@
-"""Differentiable functions and modules built on the custom ops (autograd registered in ops)."""
+"""Differentiable functions and modules built on the custom ops (autograd registered in ops).
+``oink.layernorm`` (in api) is differentiable too: its custom op carries autograd."""
 from __future__ import annotations
 
 import numbers
@@ -16,15 +17,40 @@ def rmsnorm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tenso
     return torch.ops.oink.rmsnorm_forward(x, weight, None, None, eps, True)[0]
 
 
+def softmax(x: Tensor) -> Tensor:
+    """Differentiable softmax over the last dim."""
+    validate.softmax_forward(x)
+    return torch.ops.oink.softmax_forward(x)
+
+
+def _as_tuple(normalized_shape) -> tuple:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (normalized_shape,)
+    return tuple(normalized_shape)
+
+
+def _flat_weight(w: Tensor | None, x: Tensor) -> Tensor | None:
+    """A (possibly multi-dim) parameter as the kernels' [N] vector in x's dtype or fp32."""
+    if w is None:
+        return None
+    w = w.reshape(-1)
+    return w if w.dtype in (x.dtype, torch.float32) else w.to(x.dtype)
+
+
+def _check_trailing(x: Tensor, shape: tuple) -> int:
+    k = len(shape)
+    if tuple(x.shape[-k:]) != shape:
+        raise ValueError(f"x: trailing shape {tuple(x.shape[-k:])} must be {shape}")
+    return k
+
+
 class RMSNorm(torch.nn.Module):
     """Drop-in for ``torch.nn.RMSNorm``: same constructor, parameters and state_dict keys."""
 
     def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True,
                  device=None, dtype=None):
         super().__init__()
-        if isinstance(normalized_shape, numbers.Integral):
-            normalized_shape = (normalized_shape,)
-        self.normalized_shape = tuple(normalized_shape)
+        self.normalized_shape = _as_tuple(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:
@@ -37,14 +63,47 @@ class RMSNorm(torch.nn.Module):
             torch.nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        k = len(self.normalized_shape)
-        if tuple(x.shape[-k:]) != self.normalized_shape:
-            raise ValueError(f"x: trailing shape {tuple(x.shape[-k:])} must be {self.normalized_shape}")
+        k = _check_trailing(x, self.normalized_shape)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        w = self.weight.reshape(-1) if self.weight is not None else None
-        if w is not None and w.dtype != x.dtype and w.dtype != torch.float32:
-            w = w.to(x.dtype)
-        y = rmsnorm(x.flatten(-k) if k > 1 else x, w, eps)
+        y = rmsnorm(x.flatten(-k) if k > 1 else x, _flat_weight(self.weight, x), eps)
+        return y.view(x.shape) if k > 1 else y
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class LayerNorm(torch.nn.Module):
+    """Drop-in for ``torch.nn.LayerNorm``: same constructor, parameters and state_dict keys.
+    Without affine parameters the kernels get a ones weight (a buffer outside the state_dict)."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        self.normalized_shape = _as_tuple(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+            self.bias = (torch.nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
+                         if bias else None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+            self.register_buffer("_ones", torch.ones(self.normalized_shape, device=device, dtype=dtype),
+                                 persistent=False)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.ones_(self.weight)
+        if self.bias is not None:
+            torch.nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        k = _check_trailing(x, self.normalized_shape)
+        w = self.weight if self.weight is not None else self._ones
+        x2, w2, b2 = x.flatten(-k) if k > 1 else x, _flat_weight(w, x), _flat_weight(self.bias, x)
+        validate.layernorm(x2, w2, b2)
+        y = torch.ops.oink.layernorm(x2, w2, b2, self.eps)[0]
         return y.view(x.shape) if k > 1 else y
 
     def extra_repr(self) -> str:

@@ -284,3 +284,32 @@ def _rmsnorm_backward(ctx, dy, drstd, dres_out):
 
 
 torch.library.register_autograd(f"{NS}::rmsnorm_forward", _rmsnorm_backward, setup_context=_rmsnorm_setup)
+
+
+def _layernorm_setup(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    _, rstd, mean = output
+    ctx.mark_non_differentiable(rstd, mean)  # statistics are outputs for reuse, not differentiated
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, weight, rstd, mean, bias)
+
+
+def _layernorm_backward(ctx, dy, _drstd, _dmean):
+    x, weight, rstd, mean, bias = ctx.saved_tensors
+    dx, dw, db = torch.ops.oink.layernorm_backward(dy.contiguous(), x, weight, rstd, mean, bias)
+    return dx, dw, (db if ctx.has_bias else None), None
+
+
+torch.library.register_autograd(f"{NS}::layernorm", _layernorm_backward, setup_context=_layernorm_setup)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _softmax_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return torch.ops.oink.softmax_backward(dy.contiguous(), y)
+
+
+torch.library.register_autograd(f"{NS}::softmax_forward", _softmax_backward, setup_context=_softmax_setup)

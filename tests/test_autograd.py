@@ -66,3 +66,58 @@ def test_module_compiles_fullgraph():
     x = torch.randn(5, 32, requires_grad=True)
     f(x).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_layernorm_grads_match_float64(bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(6, 96, generator=g) + 0.7).requires_grad_(True)
+    w = torch.randn(96, generator=g).requires_grad_(True)
+    b = torch.randn(96, generator=g).requires_grad_(True) if bias else None
+    dy = torch.randn(6, 96, generator=g)
+    y = oink.layernorm(x, w, b)
+    leaves = [x, w] + ([b] if bias else [])
+    got = torch.autograd.grad(y, leaves, dy)
+    ref = [t.detach().double().requires_grad_(True) for t in leaves]
+    y64 = torch.nn.functional.layer_norm(ref[0], (96,), ref[1], ref[2] if bias else None, 1e-6)
+    want = torch.autograd.grad(y64, ref, dy.double())
+    assert_close_to(y, y64, "rmsnorm", torch.float32)
+    assert_close_to(got[0], want[0], "norm_backward", torch.float32)
+    for a, e in zip(got[1:], want[1:]):
+        assert_close_to(a, e, "weight_grad", torch.float32)
+
+
+def test_layernorm_module_is_a_drop_in_for_torch_layernorm():
+    ref = torch.nn.LayerNorm((4, 16))
+    torch.nn.init.normal_(ref.weight)
+    torch.nn.init.normal_(ref.bias)
+    mod = oink.LayerNorm((4, 16))
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 7, 4, 16, requires_grad=True)
+    torch.testing.assert_close(mod(x), ref(x), atol=1e-5, rtol=1e-5)
+    mod(x).sum().backward()
+    assert mod.weight.grad is not None and mod.bias.grad is not None
+    plain, plain_ref = oink.LayerNorm(64, elementwise_affine=False), torch.nn.LayerNorm(64, elementwise_affine=False)
+    assert plain.state_dict().keys() == plain_ref.state_dict().keys()
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(plain(x), plain_ref(x), atol=1e-5, rtol=1e-5)
+    assert oink.LayerNorm(64, bias=False).bias is None
+
+
+def test_softmax_grads_match_float64(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(5, 77, generator=g) * 3).requires_grad_(True)
+    dy = torch.randn(5, 77, generator=g)
+    (gx,) = torch.autograd.grad(oink.softmax(x), [x], dy)
+    x64 = x.detach().double().requires_grad_(True)
+    (ex,) = torch.autograd.grad(torch.softmax(x64, -1), [x64], dy.double())
+    assert_close_to(gx, ex, "norm_backward", torch.float32)
+
+
+def test_layernorm_and_softmax_compile_fullgraph():
+    torch._dynamo.reset()
+    m = torch.nn.Sequential(torch.nn.Linear(32, 32), oink.LayerNorm(32))
+    f = torch.compile(lambda t: oink.softmax(m(t)), fullgraph=True)
+    x = torch.randn(5, 32, requires_grad=True)
+    f(x).square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

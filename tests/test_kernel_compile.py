@@ -114,6 +114,16 @@ def test_layernorm_forward_compiles(arch, dtype, w, bias, stats):
         assert callable(fn)
 
 
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("w", ["same", "float32"])
+@pytest.mark.parametrize("has_db", [False, True])
+def test_layernorm_backward_compiles(arch, dtype, w, has_db):
+    wd = dtype if w == "same" else w
+    for N in NORM_WIDTHS:
+        assert callable(compiled_backward(dtype, N, arch, wd, dtype, None, has_db, layernorm=True))
+
+
 from oink.kernels.softmax import MODES, compiled_softmax  # noqa: E402
 
 

@@ -6,31 +6,12 @@ import torch
 
 import oink
 from oink import reference as R
-from pytest_oink.tolerances import tolerance
+from tests.gpu_helpers import (DTYPES, MAX_ELEMS, MS, assert_close_poisoned, close_family, cuda_arch, random_rows,
+                               run_backward_poisoned)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MS = (1, 3, 128, 4097, 65536)
 NS = (64, 128, 1000, 4096, 6144, 7168, 8192, 16384, 32768, 131072, 262144)
-MAX_ELEMS = 2**30  # keeps one case's tensors (and their fp32 reference) within a few GB
-
-
-def _arch():
-    from oink.dispatch import device_arch
-
-    return device_arch(torch.cuda.current_device())[0]
-
-
-def _close(actual, expected, dtype, what):
-    atol, rtol = tolerance("rmsnorm", dtype)
-    assert not torch.isnan(actual).any(), f"{what}: NaN (unwritten output?)"
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
-
-
-def _rows(M, N, dtype, padded, gen):
-    width = N + (8 if padded else 0)
-    return torch.randn(M, width, device="cuda", dtype=torch.float32, generator=gen).to(dtype)[:, :N]
 
 
 def run_poisoned(x, w, b, res, eps, store_rstd):
@@ -43,7 +24,7 @@ def run_poisoned(x, w, b, res, eps, store_rstd):
     out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
     res_out = torch.full((M, N), float("nan"), device="cuda", dtype=res.dtype) if res is not None else None
     rstd = torch.full((M,), float("nan"), device="cuda") if store_rstd else None
-    _launch(_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_vector(b, vec), prepare_rows(res, vec), out,
+    _launch(cuda_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_vector(b, vec), prepare_rows(res, vec), out,
             res_out, rstd, eps)
     return out, rstd, res_out
 
@@ -57,13 +38,13 @@ def test_forward_with_residual(dtype, w_fp32, N, M, padded, seed):
     if M * N > MAX_ELEMS:
         pytest.skip(f"M*N = {M * N} > {MAX_ELEMS}")
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x, res = _rows(M, N, dtype, padded, g), _rows(M, N, dtype, padded, g)
+    x, res = random_rows(M, N, dtype, padded, g), random_rows(M, N, dtype, padded, g)
     w = torch.randn(N, device="cuda", generator=g).to(torch.float32 if w_fp32 else dtype)
     out, rstd, res_out = run_poisoned(x, w, None, res, 1e-6, True)
     y_ref, rstd_ref, res_ref = R.rmsnorm_forward(x, w, None, res, 1e-6, True)
     assert torch.equal(res_out, res_ref), "residual_out must be exactly round(x + residual)"
-    _close(out, y_ref, dtype, "y")
-    _close(rstd, rstd_ref, torch.float32, "rstd")
+    assert_close_poisoned(out, y_ref, dtype, "y")
+    assert_close_poisoned(rstd, rstd_ref, torch.float32, "rstd")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -77,15 +58,15 @@ def test_forward_flags(dtype, w, bias, residual, store_rstd, M, N, seed):
         pytest.skip("bias without weight is not a configuration anyone uses")
     g = torch.Generator(device="cuda").manual_seed(seed)
     wd = torch.float32 if w == "fp32" else dtype
-    x = _rows(M, N, dtype, False, g)
+    x = random_rows(M, N, dtype, False, g)
     wt = torch.randn(N, device="cuda", generator=g).to(wd) if w != "none" else None
     bt = torch.randn(N, device="cuda", generator=g).to(wd) if bias else None
-    rt = _rows(M, N, dtype, False, g) if residual else None
+    rt = random_rows(M, N, dtype, False, g) if residual else None
     out, rstd, res_out = run_poisoned(x, wt, bt, rt, 1e-5, store_rstd)
     y_ref, rstd_ref, res_ref = R.rmsnorm_forward(x, wt, bt, rt, 1e-5, True)
-    _close(out, y_ref, dtype, "y")
+    assert_close_poisoned(out, y_ref, dtype, "y")
     if store_rstd:
-        _close(rstd, rstd_ref, torch.float32, "rstd")
+        assert_close_poisoned(rstd, rstd_ref, torch.float32, "rstd")
     if residual:
         assert torch.equal(res_out, res_ref)
 
@@ -97,14 +78,14 @@ def test_fused_add_in_place(dtype, N, M, seed):
     if M * N > MAX_ELEMS:
         pytest.skip(f"M*N = {M * N} > {MAX_ELEMS}")
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x, res = _rows(M, N, dtype, True, g), _rows(M, N, dtype, True, g)  # padded rows, in place
+    x, res = random_rows(M, N, dtype, True, g), random_rows(M, N, dtype, True, g)  # padded rows, in place
     w = torch.randn(N, device="cuda", generator=g).to(dtype)
     xr, rr = x.clone(), res.clone()
     assert "kernel" in oink.explain("fused_add_rmsnorm_", x, res, w)
     oink.fused_add_rmsnorm_(x, res, w, 1e-6)
     R.fused_add_rmsnorm_(xr, rr, w, 1e-6)
     assert torch.equal(res, rr), "residual must be exactly round(x + residual)"
-    _close(x, xr, dtype, "x")
+    assert_close_poisoned(x, xr, dtype, "x")
 
 
 def test_public_api_and_custom_op_route_to_kernel(seed):
@@ -113,17 +94,17 @@ def test_public_api_and_custom_op_route_to_kernel(seed):
     w = torch.randn(4096, device="cuda", generator=g).bfloat16()
     assert "kernel" in oink.explain("rmsnorm_forward", x, w)
     y = torch.ops.oink.rmsnorm(x, w, 1e-6)
-    _close(y, R.rmsnorm_forward(x, w)[0], torch.bfloat16, "torch.ops.oink.rmsnorm")
+    assert_close_poisoned(y, R.rmsnorm_forward(x, w)[0], torch.bfloat16, "torch.ops.oink.rmsnorm")
     y2, rstd, _ = oink.rmsnorm_forward(x[..., ::2].contiguous()[..., :2048], w[:2048], store_rstd=True)
     assert rstd.shape == (2, 5)
     xs = x[..., ::2]  # non-contiguous last dim: copied, never read wrongly
-    _close(oink.rmsnorm_forward(xs, w[:2048])[0], R.rmsnorm_forward(xs, w[:2048])[0], torch.bfloat16, "strided")
+    assert_close_poisoned(oink.rmsnorm_forward(xs, w[:2048])[0], R.rmsnorm_forward(xs, w[:2048])[0], torch.bfloat16, "strided")
     assert oink.rmsnorm_forward(x[:0], w)[0].shape == (0, 5, 4096)
     one = x[0, 0]  # a 1-D input is one row
     y1, rstd1, _ = oink.rmsnorm_forward(one, w, store_rstd=True)
     assert y1.shape == (4096,) and rstd1.shape == ()
-    _close(y1, R.rmsnorm_forward(one, w)[0], torch.bfloat16, "1-D input")
-    _close(oink.rmsnorm_backward(one, w, y1, rstd1)[0], R.rmsnorm_backward(one, w, y1, rstd1)[0],
+    assert_close_poisoned(y1, R.rmsnorm_forward(one, w)[0], torch.bfloat16, "1-D input")
+    assert_close_poisoned(oink.rmsnorm_backward(one, w, y1, rstd1)[0], R.rmsnorm_backward(one, w, y1, rstd1)[0],
            torch.bfloat16, "1-D backward")
 
 
@@ -134,7 +115,7 @@ def test_more_than_2_31_elements(seed):
     w = torch.randn(N, device="cuda", generator=g, dtype=torch.bfloat16)
     y = oink.rmsnorm_forward(x, w)[0]
     tail = slice(M - 200, M)
-    _close(y[tail], R.rmsnorm_forward(x[tail], w)[0], torch.bfloat16, "rows past 2^31 elements")
+    assert_close_poisoned(y[tail], R.rmsnorm_forward(x[tail], w)[0], torch.bfloat16, "rows past 2^31 elements")
 
 
 def test_torch_compile_fullgraph_and_cuda_graph(seed):
@@ -142,7 +123,7 @@ def test_torch_compile_fullgraph_and_cuda_graph(seed):
     x = torch.randn(512, 7168, device="cuda", generator=g, dtype=torch.bfloat16)
     w = torch.randn(7168, device="cuda", generator=g, dtype=torch.bfloat16)
     f = torch.compile(lambda a, b: torch.ops.oink.rmsnorm(a, b, 1e-6) + 1, fullgraph=True)
-    _close(f(x, w), R.rmsnorm_forward(x, w)[0].float() + 1, torch.bfloat16, "compiled")
+    assert_close_poisoned(f(x, w), R.rmsnorm_forward(x, w)[0].float() + 1, torch.bfloat16, "compiled")
     res = torch.randn_like(x)
     xg, rg = x.clone(), res.clone()
     oink.fused_add_rmsnorm_(xg, rg, w)  # warm up (compiles) outside capture
@@ -154,38 +135,7 @@ def test_torch_compile_fullgraph_and_cuda_graph(seed):
     xr, rr = x.clone(), res.clone()
     R.fused_add_rmsnorm_(xr, rr, w)
     assert torch.equal(rg, rr)
-    _close(xg, xr, torch.bfloat16, "graph replay")
-
-
-def run_backward_poisoned(x, w, dout, rstd, dres, has_bias):
-    """The backward launched into NaN-filled dx and partial buffers."""
-    from oink.kernels.host import prepare_rows, prepare_vector, vec_for
-    from oink.kernels.rmsnorm_bwd import backward_launch, persistent_ctas
-    from oink.kernels.rmsnorm_ops import launch_backward
-
-    M, N = x.shape
-    vec = vec_for(N, x)
-    L = backward_launch(N, x.element_size() * 8, _arch())
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    ctas = max(1, min(-(-M // L.rows_per_cta), persistent_ctas(L, sms)))
-    nan = float("nan")
-    dx = torch.full((M, N), nan, device="cuda", dtype=x.dtype)
-    dw_part = torch.full((ctas * L.rows_per_cta, N), nan, device="cuda") if w is not None else None
-    db_part = torch.full((ctas * L.rows_per_cta, N), nan, device="cuda") if has_bias else None
-    launch_backward(_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_rows(dout, vec), rstd,
-                    prepare_rows(dres, vec), dx,
-                    dw_part, db_part, ctas)
-    dw = dw_part.sum(0).to(w.dtype) if w is not None else None
-    db = db_part.sum(0).to(w.dtype if w is not None else x.dtype) if has_bias else None
-    return dx, dw, db
-
-
-def _close_fam(actual, expected, family, dtype, what):
-    atol, rtol = tolerance(family, dtype)
-    assert not torch.isnan(actual).any(), f"{what}: NaN (unwritten output?)"
-    scale = max(1.0, expected.float().abs().max().item()) if family == "weight_grad" else 1.0
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol * scale, rtol=rtol,
-                               msg=lambda m: f"{what}: {m}")
+    assert_close_poisoned(xg, xr, torch.bfloat16, "graph replay")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -196,18 +146,18 @@ def test_backward(dtype, w, N, M, seed):
     if M * N > MAX_ELEMS // 2:
         pytest.skip(f"M*N = {M * N} > {MAX_ELEMS // 2}")
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x, dout, dres = (_rows(M, N, dtype, True, g) for _ in range(3))
+    x, dout, dres = (random_rows(M, N, dtype, True, g) for _ in range(3))
     wt = None if w == "none" else torch.randn(N, device="cuda", generator=g).to(
         torch.float32 if w == "fp32" else dtype)
     has_bias = w == "same"
     _, rstd, _ = R.rmsnorm_forward(x, wt, store_rstd=True)
     dx, dw, db = run_backward_poisoned(x, wt, dout, rstd, dres, has_bias)
     ex, ew, eb, _ = R.rmsnorm_backward(x, wt, dout, rstd, dres, has_bias=has_bias)
-    _close_fam(dx, ex, "norm_backward", dtype, "dx")
+    close_family(dx, ex, "norm_backward", dtype, "dx")
     if wt is not None:
-        _close_fam(dw, ew, "weight_grad", wt.dtype, "dw")
+        close_family(dw, ew, "weight_grad", wt.dtype, "dw")
     if has_bias:
-        _close_fam(db, eb, "weight_grad", wt.dtype, "db")
+        close_family(db, eb, "weight_grad", wt.dtype, "db")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -221,8 +171,8 @@ def test_autograd_matches_reference_autograd(dtype, seed):
     xr, wr = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
     yr = xr * torch.rsqrt(xr.square().mean(-1, keepdim=True) + 1e-6) * wr
     ex, ew = torch.autograd.grad(yr, [xr, wr], dy.float())
-    _close_fam(gx, ex, "norm_backward", dtype, "dx")
-    _close_fam(gw, ew, "weight_grad", dtype, "dw")
+    close_family(gx, ex, "norm_backward", dtype, "dx")
+    close_family(gw, ew, "weight_grad", dtype, "dw")
 
 
 def test_module_trains_under_compile_and_graph_capture(seed):
@@ -236,8 +186,8 @@ def test_module_trains_under_compile_and_graph_capture(seed):
     y.float().square().mean().backward()
     yr = ref(x)
     yr.float().square().mean().backward()
-    _close(y, yr, torch.bfloat16, "module output")
-    _close_fam(m[1].weight.grad, ref[1].weight.grad, "weight_grad", torch.bfloat16, "module dw")
+    assert_close_poisoned(y, yr, torch.bfloat16, "module output")
+    close_family(m[1].weight.grad, ref[1].weight.grad, "weight_grad", torch.bfloat16, "module dw")
     # every op captured in a CUDA graph
     xg = x.clone()
     wv = m[1].weight.detach()
@@ -250,50 +200,6 @@ def test_module_trains_under_compile_and_graph_capture(seed):
         rstd_holder["dx"] = oink.rmsnorm_backward(xg, wv, y_g, rstd_g)[0]
     graph.replay()
     y_e, rstd_e, _ = R.rmsnorm_forward(xg, wv, store_rstd=True)
-    _close(y_g, y_e, torch.bfloat16, "graph fwd")
-    _close_fam(rstd_holder["dx"], R.rmsnorm_backward(xg, wv, y_g, rstd_g)[0], "norm_backward", torch.bfloat16,
+    assert_close_poisoned(y_g, y_e, torch.bfloat16, "graph fwd")
+    close_family(rstd_holder["dx"], R.rmsnorm_backward(xg, wv, y_g, rstd_g)[0], "norm_backward", torch.bfloat16,
                "graph bwd")
-
-
-LN_NS = (64, 1000, 4096, 6144, 8192, 16384, 131072, 262144)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("w_fp32", [False, True], ids=["w_same", "w_fp32"])
-@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("N", LN_NS)
-@pytest.mark.parametrize("M", MS)
-def test_layernorm_forward(dtype, w_fp32, bias, N, M, seed):
-    """LayerNorm forward kernel (the RMSNorm kernel with the mean subtracted), outputs poisoned."""
-    from oink.kernels.host import prepare_rows, prepare_vector, vec_for
-    from oink.kernels.rmsnorm_ops import _launch
-
-    if M * N > MAX_ELEMS // 2:
-        pytest.skip(f"M*N = {M * N} > {MAX_ELEMS // 2}")
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = (_rows(M, N, torch.float32, True, g) * 2 + 0.5).to(dtype)  # offset mean: centring matters
-    wd = torch.float32 if w_fp32 else dtype
-    w = torch.randn(N, device="cuda", generator=g).to(wd)
-    b = torch.randn(N, device="cuda", generator=g).to(wd) if bias else None
-    nan = float("nan")
-    out = torch.full((M, N), nan, device="cuda", dtype=dtype)
-    rstd, mean = torch.full((M,), nan, device="cuda"), torch.full((M,), nan, device="cuda")
-    vec = vec_for(N, x)
-    _launch(_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_vector(b, vec), None, out, None, rstd, 1e-6, mean,
-            layernorm=True)
-    y_ref, rstd_ref, mean_ref = R.layernorm(x, w, b, 1e-6, return_rstd=True, return_mean=True)
-    _close(out, y_ref, dtype, "y")
-    _close(rstd, rstd_ref, torch.float32, "rstd")
-    _close(mean, mean_ref, torch.float32, "mean")
-
-
-def test_layernorm_public_api_routes_to_kernel(seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(3, 7, 6144, device="cuda", generator=g).bfloat16()
-    w, b = torch.randn(6144, device="cuda", generator=g).bfloat16(), torch.randn(6144, device="cuda").bfloat16()
-    assert "kernel" in oink.explain("layernorm", x, w, b)
-    y, rstd, mean = oink.layernorm(x, w, b, return_rstd=True, return_mean=True)
-    ey, erstd, emean = R.layernorm(x, w, b, return_rstd=True, return_mean=True)
-    _close(y, ey, torch.bfloat16, "y")
-    assert rstd.shape == mean.shape == (3, 7)
-    _close(oink.layernorm(x, w), R.layernorm(x, w), torch.bfloat16, "y without bias or stats")

@@ -6,18 +6,11 @@ import torch
 
 from oink import reference as R
 from pytest_oink.tolerances import tolerance
+from tests.gpu_helpers import DTYPES, MS, cuda_arch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MS = (1, 3, 128, 4097, 65536)
 NS = (64, 1000, 4096, 6144, 8192, 32768, 50257, 128256, 262144)
-
-
-def _arch():
-    from oink.dispatch import device_arch
-
-    return device_arch(torch.cuda.current_device())[0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -38,7 +31,7 @@ def test_softmax_kernels(mode, dtype, N, M, seed):
                     "fwd_bwd": (x, dy, R.softmax_fwd_bwd(dy, x))}[mode]
     vec = vec_for(N, x)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-    launch(mode, _arch(), prepare_rows(a, vec), prepare_rows(b, vec), out)
+    launch(mode, cuda_arch(), prepare_rows(a, vec), prepare_rows(b, vec), out)
     assert not torch.isnan(out).any()
     atol, rtol = tolerance("softmax" if mode == "forward" else "norm_backward", dtype)
     torch.testing.assert_close(out.float(), expect.float(), atol=atol, rtol=rtol)

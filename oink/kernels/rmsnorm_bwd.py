@@ -1,10 +1,14 @@
-"""RMSNorm backward in CuTeDSL: dx per row, dweight/dbias as per-CTA fp32 partials.
+"""RMSNorm and LayerNorm backward in CuTeDSL: dx per row, dweight/dbias as per-CTA fp32 partials.
 
 A persistent grid walks the row tiles; each thread keeps running sums of dout*xhat (and dout)
 for its columns in registers, and writes them once at the end as one row of a partial buffer
 [ctas * rows_per_cta, N]. Summing that buffer over rows (a device op, no host round trip)
 gives dweight and dbias. Wide rows use a cluster per row tile; successive tiles alternate two
 reduction slots so a fast CTA never overwrites a value a peer is still reading.
+
+With xhat = (x - mean) * rstd (mean = 0 for RMSNorm) and wdy = dout * weight:
+  RMSNorm:   dx = (wdy - xhat * mean(wdy * xhat)) * rstd
+  LayerNorm: dx = (wdy - xhat * mean(wdy * xhat) - mean(wdy)) * rstd   (a second row reduction)
 """
 from __future__ import annotations
 
@@ -39,33 +43,40 @@ def persistent_ctas(launch: RowLaunch, sm_count: int) -> int:
 
 
 class RMSNormBackward(RMSNormForward):
-    """Reuses the forward's tiling and row copies; two reduction slots for the tile loop."""
+    """Reuses the forward's tiling and row copies; two reduction slots per reduction for the tile
+    loop (slots 0/1: the dot product; LayerNorm adds 2/3: the sum of wdy)."""
 
-    def __init__(self, launch: RowLaunch, x_dtype, w_dtype, dout_dtype, dres_dtype, has_dw: bool, has_db: bool):
-        RMSNormForward.__init__(self, launch, x_dtype, w_dtype, None, None, x_dtype, None, False)
-        self.num_reductions = 2
+    def __init__(self, launch: RowLaunch, x_dtype, w_dtype, dout_dtype, dres_dtype, has_dw: bool, has_db: bool,
+                 layernorm: bool = False):
+        RMSNormForward.__init__(self, launch, x_dtype, w_dtype, None, None, x_dtype, None, False, layernorm)
+        self.num_reductions = 4 if layernorm else 2
         self.dout_dtype, self.dres_dtype = dout_dtype, dres_dtype
         self.has_dw, self.has_db = has_dw, has_db
 
     @cute.jit
-    def load_tile(self, mX: cute.Tensor, mDout: cute.Tensor, mRstd: cute.Tensor, tile: Int32, num_tiles: Int32,
-                  rX: cute.Tensor, rG: cute.Tensor, rRstd: cute.Tensor, slot: cutlass.Constexpr[int], part,
-                  ident: cute.Tensor, M: Int32):
-        """x, dout and rstd of one row tile into registers; zeros past M or past the last tile."""
+    def load_tile(self, mX: cute.Tensor, mDout: cute.Tensor, mRstd: cute.Tensor, mMean: Optional[cute.Tensor],
+                  tile: Int32, num_tiles: Int32, rX: cute.Tensor, rG: cute.Tensor, rStat: cute.Tensor,
+                  slot: cutlass.Constexpr[int], part, ident: cute.Tensor, M: Int32):
+        """x, dout, rstd (and mean) of one row tile into registers; zeros past M or past the last
+        tile. rStat[slot, 0] is rstd, rStat[slot, 1] the mean."""
         rX.fill(0)
         rG.fill(0)
-        rRstd[slot] = Float32(0.0)
+        rStat[slot, 0] = Float32(0.0)
+        rStat[slot, 1] = Float32(0.0)
         if tile < num_tiles:
             tXcX = part(ident, tile)
             row = tXcX[0][0]
             if row < M:
                 self.copy_row(part(mX, tile), rX, tXcX, self.x_dtype)
                 self.copy_row(part(mDout, tile), rG, tXcX, self.dout_dtype)
-                rRstd[slot] = mRstd[row]
+                rStat[slot, 0] = mRstd[row]
+                if const_expr(mMean is not None):
+                    rStat[slot, 1] = mMean[row]
 
     @cute.jit
     def __call__(self, px: cute.Pointer, pw: Optional[cute.Pointer], pdout: cute.Pointer, prstd: cute.Pointer,
-                 pdres: Optional[cute.Pointer], pdx: cute.Pointer, pdw: Optional[cute.Pointer],
+                 pmean: Optional[cute.Pointer], pdres: Optional[cute.Pointer], pdx: cute.Pointer,
+                 pdw: Optional[cute.Pointer],
                  pdb: Optional[cute.Pointer], M: Int32, ldx: Int64, lddout: Int64, lddres: Int64, lddx: Int64,
                  num_ctas: Int32, stream: cuda.CUstream):
         L = self.launch
@@ -75,16 +86,17 @@ class RMSNormBackward(RMSNormForward):
         mDres = self.matrix(pdres, M, lddres) if const_expr(pdres is not None) else None
         mW = self.broadcast_rows(pw) if const_expr(pw is not None) else None
         mRstd = cute.make_tensor(prstd, cute.make_layout((M,)))
+        mMean = cute.make_tensor(pmean, cute.make_layout((M,))) if const_expr(pmean is not None) else None
         parts = num_ctas * L.rows_per_cta
         row_major = cute.make_layout((parts, L.N), stride=(L.N, 1))
         mDw = cute.make_tensor(pdw, row_major) if const_expr(pdw is not None) else None
         mDb = cute.make_tensor(pdb, row_major) if const_expr(pdb is not None) else None
-        self.kernel(mX, mW, mDout, mRstd, mDres, mDx, mDw, mDb, self.tiled_copy(self.x_dtype)).launch(
+        self.kernel(mX, mW, mDout, mRstd, mMean, mDres, mDx, mDw, mDb, self.tiled_copy(self.x_dtype)).launch(
             grid=[num_ctas, L.cluster_n, 1], block=[L.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mDout: cute.Tensor, mRstd: cute.Tensor,
-               mDres: Optional[cute.Tensor], mDx: cute.Tensor, mDw: Optional[cute.Tensor],
+               mMean: Optional[cute.Tensor], mDres: Optional[cute.Tensor], mDx: cute.Tensor, mDw: Optional[cute.Tensor],
                mDb: Optional[cute.Tensor], tc: cute.TiledCopy):
         L = self.launch
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
@@ -112,25 +124,35 @@ class RMSNormBackward(RMSNormForward):
             rDres = cute.make_rmem_tensor_like(proto, self.dres_dtype)
         self.wait_cluster()
 
-        # Software pipeline: the next tile's x, dout and rstd are loaded into a second set of
+        # Software pipeline: the next tile's x, dout and row statistics are loaded into a second set of
         # registers before this tile's reduction, so each thread keeps two rows' loads in flight.
         rXn = cute.make_rmem_tensor_like(proto)
         rGn = cute.make_rmem_tensor_like(proto, self.dout_dtype)
-        rRstd = cute.make_rmem_tensor(cute.make_layout((2,)), Float32)
+        rStat = cute.make_rmem_tensor(cute.make_layout((2, 2), stride=(2, 1)), Float32)
         num_tiles = cute.ceil_div(M, L.rows_per_cta)
-        self.load_tile(mX, mDout, mRstd, bidx, num_tiles, rX, rG, rRstd, 0, part, ident, M)
+        self.load_tile(mX, mDout, mRstd, mMean, bidx, num_tiles, rX, rG, rStat, 0, part, ident, M)
         it = Int32(0)
         for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
-            self.load_tile(mX, mDout, mRstd, tile + gdim, num_tiles, rXn, rGn, rRstd, 1, part, ident, M)
+            self.load_tile(mX, mDout, mRstd, mMean, tile + gdim, num_tiles, rXn, rGn, rStat, 1, part, ident, M)
             tXcX = part(ident, tile)
             row = tXcX[0][0]
-            rstd = rRstd[0]
-            xhat = rX.load().to(Float32) * rstd
+            rstd = rStat[0, 0]
+            if const_expr(self.layernorm):
+                # padding columns get xhat = -mean * rstd but wdy = 0 there (dout loads as 0)
+                xhat = (rX.load().to(Float32) - rStat[0, 1]) * rstd
+            else:
+                xhat = rX.load().to(Float32) * rstd
             g = rG.load().to(Float32)
             wdy = g * rW.load().to(Float32) if const_expr(mW is not None) else g
+            phase = (it // 2) % 2
             dot = (xhat * wdy).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-            dot = self.row_allreduce(dot, add, Float32(0.0), buf, mbar, it % 2, (it // 2) % 2)
-            dx = (wdy - xhat * (dot / L.N)) * rstd
+            dot = self.row_allreduce(dot, add, Float32(0.0), buf, mbar, it % 2, phase)
+            if const_expr(self.layernorm):
+                total = wdy.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+                total = self.row_allreduce(total, add, Float32(0.0), buf, mbar, 2 + it % 2, phase)
+                dx = (wdy - xhat * (dot / L.N) - total / L.N) * rstd
+            else:
+                dx = (wdy - xhat * (dot / L.N)) * rstd
             if const_expr(mDres is not None):
                 rDres.fill(0)
                 if row < M:
@@ -145,7 +167,8 @@ class RMSNormBackward(RMSNormForward):
                 acc_db.store(acc_db.load() + g)
             rX.store(rXn.load())
             rG.store(rGn.load())
-            rRstd[0] = rRstd[1]
+            rStat[0, 0] = rStat[1, 0]
+            rStat[0, 1] = rStat[1, 1]
             it += 1
 
         # One partial row per (CTA, row slot): row index bidx * rows_per_cta + this thread's row.
@@ -157,21 +180,24 @@ class RMSNormBackward(RMSNormForward):
 
 
 def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout_dtype: str,
-                      dres_dtype: str | None, has_db: bool):
+                      dres_dtype: str | None, has_db: bool, layernorm: bool = False):
+    """Compile (or fetch) the RMSNorm (or, with ``layernorm``, LayerNorm) backward; M is runtime."""
     if not 1 <= N <= MAX_N:
-        raise ValueError(f"N={N}: the RMSNorm kernel handles 1 <= N <= {MAX_N}")
+        raise ValueError(f"N={N}: the norm kernels handle 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
     launch = backward_launch(N, xd.width, arch)
-    key = ("rmsnorm_bwd", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N, arch, launch)
+    key = ("layernorm_bwd" if layernorm else "rmsnorm_bwd", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N,
+           arch, launch)
 
     def build():
         wd = None if w_dtype is None else cute_dtype(w_dtype)
         gd = cute_dtype(dout_dtype)
         rd = None if dres_dtype is None else cute_dtype(dres_dtype)
-        kernel = RMSNormBackward(launch, xd, wd, gd, rd, w_dtype is not None, has_db)
+        kernel = RMSNormBackward(launch, xd, wd, gd, rd, w_dtype is not None, has_db, layernorm)
         one = Int64(launch.vec)
         return compile_kernel(
             kernel, gmem_ptr(xd), None if wd is None else gmem_ptr(wd), gmem_ptr(gd), gmem_ptr(Float32, 4),
+            gmem_ptr(Float32, 4) if layernorm else None,
             None if rd is None else gmem_ptr(rd), gmem_ptr(xd),
             gmem_ptr(Float32) if w_dtype is not None else None, gmem_ptr(Float32) if has_db else None,
             Int32(1), one, one, one, one, Int32(1), fake_stream(), arch=arch)

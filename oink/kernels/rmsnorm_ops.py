@@ -1,4 +1,4 @@
-"""RMSNorm family (and the LayerNorm forward that shares its kernel) as seen by the dispatch path: which inputs the kernels take (CHECKS) and how
+"""RMSNorm family (and the LayerNorm that shares its kernels) as seen by the dispatch path: which inputs the kernels take (CHECKS) and how
 they are launched on torch tensors (RUNNERS). Imported only on a supported GPU."""
 from __future__ import annotations
 
@@ -90,6 +90,16 @@ def run_layernorm(arch, x, weight, bias=None, eps=1e-6, return_rstd=False, retur
 
 
 def run_backward(arch, x, weight, dout, rstd, dresidual_out=None, has_bias=False, has_residual=False):
+    dx, dw, db = _backward(arch, x, weight, dout, rstd, None, dresidual_out, has_bias)
+    return dx, dw, db, (dx if has_residual else None)
+
+
+def run_layernorm_backward(arch, dout, x, weight, rstd, mean, bias=None):
+    return _backward(arch, x, weight, dout, rstd, mean, None, bias is not None)
+
+
+def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias):
+    """dx, and dw/db summed from per-CTA fp32 partials (a device sum, no host round trip)."""
     N = x.shape[-1]
     vec = vec_for(N, x)
     x2, g2, dr2 = prepare_rows(x, vec), prepare_rows(dout, vec), prepare_rows(dresidual_out, vec)
@@ -104,7 +114,7 @@ def run_backward(arch, x, weight, dout, rstd, dresidual_out=None, has_bias=False
     dw_part = torch.empty((parts, N), device=x.device, dtype=torch.float32) if weight is not None else None
     db_part = torch.empty((parts, N), device=x.device, dtype=torch.float32) if has_bias else None
     if M > 0:
-        launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas)
+        launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean)
     else:
         for t in (dw_part, db_part):
             if t is not None:
@@ -112,16 +122,17 @@ def run_backward(arch, x, weight, dout, rstd, dresidual_out=None, has_bias=False
     wdtype = weight.dtype if weight is not None else x.dtype
     dw = dw_part.sum(0).to(wdtype) if weight is not None else None
     db = db_part.sum(0).to(wdtype) if has_bias else None
-    dx = dx.view(x.shape)
-    return dx, dw, db, (dx if has_residual else None)
+    return dx.view(x.shape), dw, db
 
 
-def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas):
-    """Launch into given outputs; dw_part/db_part have ctas * rows_per_cta rows."""
+def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean=None):
+    """Launch into given outputs; dw_part/db_part have ctas * rows_per_cta rows. With ``mean``
+    (per-row fp32) it is the LayerNorm backward."""
     M, N = x2.shape
     fn = compiled_backward(dtype_name(x2), N, arch, dtype_name(w), dtype_name(g2), dtype_name(dr2),
-                           db_part is not None)
-    fn(ptr(x2), ptr(w), ptr(g2), ptr(rstd.reshape(-1).contiguous(), 4), ptr(dr2), ptr(dx), ptr(dw_part),
+                           db_part is not None, mean is not None)
+    stat = lambda t: None if t is None else ptr(t.reshape(-1).contiguous(), 4)  # noqa: E731
+    fn(ptr(x2), ptr(w), ptr(g2), stat(rstd), stat(mean), ptr(dr2), ptr(dx), ptr(dw_part),
        ptr(db_part), M, ld(x2), ld(g2), ld(dr2), ld(dx), ctas, current_stream(x2.device))
 
 
@@ -130,6 +141,7 @@ def check_layernorm(t: dict, arch: str) -> str | None:
 
 
 CHECKS = {"rmsnorm_forward": check_forward, "fused_add_rmsnorm_": check_fused_add,
-          "rmsnorm_backward": check_backward, "layernorm": check_layernorm}
+          "rmsnorm_backward": check_backward, "layernorm": check_layernorm, "layernorm_backward": check_layernorm}
 RUNNERS = {"rmsnorm_forward": run_forward, "fused_add_rmsnorm_": run_fused_add,
-           "rmsnorm_backward": run_backward, "layernorm": run_layernorm}
+           "rmsnorm_backward": run_backward, "layernorm": run_layernorm,
+           "layernorm_backward": run_layernorm_backward}

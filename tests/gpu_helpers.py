@@ -1,0 +1,57 @@
+"""Helpers shared by the GPU test files: the device's arch, poisoned-output comparisons, rows."""
+from __future__ import annotations
+
+import torch
+
+from pytest_oink.tolerances import tolerance
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MS = (1, 3, 128, 4097, 65536)
+MAX_ELEMS = 2**30  # keeps one case's tensors (and their fp32 reference) within a few GB
+
+
+def cuda_arch():
+    from oink.dispatch import device_arch
+
+    return device_arch(torch.cuda.current_device())[0]
+
+
+def assert_close_poisoned(actual, expected, dtype, what):
+    atol, rtol = tolerance("rmsnorm", dtype)
+    assert not torch.isnan(actual).any(), f"{what}: NaN (unwritten output?)"
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def random_rows(M, N, dtype, padded, gen):
+    width = N + (8 if padded else 0)
+    return torch.randn(M, width, device="cuda", dtype=torch.float32, generator=gen).to(dtype)[:, :N]
+
+
+def close_family(actual, expected, family, dtype, what):
+    atol, rtol = tolerance(family, dtype)
+    assert not torch.isnan(actual).any(), f"{what}: NaN (unwritten output?)"
+    scale = max(1.0, expected.float().abs().max().item()) if family == "weight_grad" else 1.0
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol * scale, rtol=rtol,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def run_backward_poisoned(x, w, dout, rstd, dres, has_bias, mean=None):
+    """The norm backward (LayerNorm with ``mean``) launched into NaN-filled dx and partial buffers."""
+    from oink.kernels.host import prepare_rows, prepare_vector, vec_for
+    from oink.kernels.rmsnorm_bwd import backward_launch, persistent_ctas
+    from oink.kernels.rmsnorm_ops import launch_backward
+
+    M, N = x.shape
+    vec = vec_for(N, x)
+    L = backward_launch(N, x.element_size() * 8, cuda_arch())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ctas = max(1, min(-(-M // L.rows_per_cta), persistent_ctas(L, sms)))
+    nan = float("nan")
+    dx = torch.full((M, N), nan, device="cuda", dtype=x.dtype)
+    dw_part = torch.full((ctas * L.rows_per_cta, N), nan, device="cuda") if w is not None else None
+    db_part = torch.full((ctas * L.rows_per_cta, N), nan, device="cuda") if has_bias else None
+    launch_backward(cuda_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_rows(dout, vec), rstd,
+                    prepare_rows(dres, vec), dx, dw_part, db_part, ctas, mean)
+    dw = dw_part.sum(0).to(w.dtype) if w is not None else None
+    db = db_part.sum(0).to(w.dtype if w is not None else x.dtype) if has_bias else None
+    return dx, dw, db

@@ -1,0 +1,120 @@
+"""LayerNorm kernels on the GPU against the fp32 reference (outputs poisoned with NaN first)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oink
+from oink import reference as R
+from tests.gpu_helpers import (DTYPES, MAX_ELEMS, MS, assert_close_poisoned, close_family, cuda_arch, random_rows,
+                               run_backward_poisoned)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
+
+LN_NS = (64, 1000, 4096, 6144, 8192, 16384, 131072, 262144)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("w_fp32", [False, True], ids=["w_same", "w_fp32"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("N", LN_NS)
+@pytest.mark.parametrize("M", MS)
+def test_layernorm_forward(dtype, w_fp32, bias, N, M, seed):
+    """LayerNorm forward kernel (the RMSNorm kernel with the mean subtracted), outputs poisoned."""
+    from oink.kernels.host import prepare_rows, prepare_vector, vec_for
+    from oink.kernels.rmsnorm_ops import _launch
+
+    if M * N > MAX_ELEMS // 2:
+        pytest.skip(f"M*N = {M * N} > {MAX_ELEMS // 2}")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (random_rows(M, N, torch.float32, True, g) * 2 + 0.5).to(dtype)  # offset mean: centring matters
+    wd = torch.float32 if w_fp32 else dtype
+    w = torch.randn(N, device="cuda", generator=g).to(wd)
+    b = torch.randn(N, device="cuda", generator=g).to(wd) if bias else None
+    nan = float("nan")
+    out = torch.full((M, N), nan, device="cuda", dtype=dtype)
+    rstd, mean = torch.full((M,), nan, device="cuda"), torch.full((M,), nan, device="cuda")
+    vec = vec_for(N, x)
+    _launch(cuda_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_vector(b, vec), None, out, None, rstd, 1e-6, mean,
+            layernorm=True)
+    y_ref, rstd_ref, mean_ref = R.layernorm(x, w, b, 1e-6, return_rstd=True, return_mean=True)
+    assert_close_poisoned(out, y_ref, dtype, "y")
+    assert_close_poisoned(rstd, rstd_ref, torch.float32, "rstd")
+    assert_close_poisoned(mean, mean_ref, torch.float32, "mean")
+
+
+def test_layernorm_public_api_routes_to_kernel(seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(3, 7, 6144, device="cuda", generator=g).bfloat16()
+    w, b = torch.randn(6144, device="cuda", generator=g).bfloat16(), torch.randn(6144, device="cuda").bfloat16()
+    assert "kernel" in oink.explain("layernorm", x, w, b)
+    y, rstd, mean = oink.layernorm(x, w, b, return_rstd=True, return_mean=True)
+    ey, erstd, emean = R.layernorm(x, w, b, return_rstd=True, return_mean=True)
+    assert_close_poisoned(y, ey, torch.bfloat16, "y")
+    assert rstd.shape == mean.shape == (3, 7)
+    assert_close_poisoned(oink.layernorm(x, w), R.layernorm(x, w), torch.bfloat16, "y without bias or stats")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("w_fp32", [False, True], ids=["w_same", "w_fp32"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("N", LN_NS)
+@pytest.mark.parametrize("M", MS)
+def test_layernorm_backward(dtype, w_fp32, bias, N, M, seed):
+    if M * N > MAX_ELEMS // 2:
+        pytest.skip(f"M*N = {M * N} > {MAX_ELEMS // 2}")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (random_rows(M, N, torch.float32, True, g) * 2 + 0.5).to(dtype)
+    dout = random_rows(M, N, dtype, True, g)
+    wd = torch.float32 if w_fp32 else dtype
+    w = torch.randn(N, device="cuda", generator=g).to(wd)
+    b = torch.randn(N, device="cuda", generator=g).to(wd) if bias else None
+    _, rstd, mean = R.layernorm(x, w, b, return_rstd=True, return_mean=True)
+    dx, dw, db = run_backward_poisoned(x, w, dout, rstd, None, bias, mean)
+    ex, ew, eb = R.layernorm_backward(dout, x, w, rstd, mean, b)
+    close_family(dx, ex, "norm_backward", dtype, "dx")
+    close_family(dw, ew, "weight_grad", wd, "dw")
+    if bias:
+        close_family(db, eb, "weight_grad", wd, "db")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layernorm_autograd_and_module(dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ref = torch.nn.LayerNorm(7168, device="cuda", dtype=dtype)
+    torch.nn.init.normal_(ref.weight)
+    torch.nn.init.normal_(ref.bias)
+    mod = oink.LayerNorm(7168, device="cuda", dtype=dtype)
+    mod.load_state_dict(ref.state_dict())
+    x = (torch.randn(300, 7168, device="cuda", generator=g) + 1).to(dtype).requires_grad_(True)
+    dy = torch.randn(300, 7168, device="cuda", generator=g).to(dtype)
+    assert "kernel" in oink.explain("layernorm_backward", dy, x, mod.weight, torch.ones(300, device="cuda"),
+                                    torch.ones(300, device="cuda"))
+    y = mod(x)
+    gx, gw, gb = torch.autograd.grad(y, [x, mod.weight, mod.bias], dy)
+    x32 = x.detach().float().requires_grad_(True)
+    w32, b32 = (p.detach().float().requires_grad_(True) for p in (ref.weight, ref.bias))
+    y32 = torch.nn.functional.layer_norm(x32, (7168,), w32, b32, 1e-5)
+    ex, ew, eb = torch.autograd.grad(y32, [x32, w32, b32], dy.float())
+    assert_close_poisoned(y, y32, dtype, "y")
+    close_family(gx, ex, "norm_backward", dtype, "dx")
+    close_family(gw, ew, "weight_grad", dtype, "dw")
+    close_family(gb, eb, "weight_grad", dtype, "db")
+
+
+def test_layernorm_under_compile_and_graph_capture(seed):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(4096, 4096), oink.LayerNorm(4096)).cuda().bfloat16()
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    f = torch.compile(m, fullgraph=True)
+    f(x).float().square().mean().backward()
+    assert torch.isfinite(m[1].weight.grad).all()
+    w, b = m[1].weight.detach(), m[1].bias.detach()
+    oink.layernorm_backward(x, x, w, torch.ones(64, device="cuda"), torch.zeros(64, device="cuda"), b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, rstd, mean = oink.layernorm(x, w, b, return_rstd=True, return_mean=True)
+        dx = oink.layernorm_backward(y, x, w, rstd, mean, b)[0]
+    graph.replay()
+    assert_close_poisoned(y, R.layernorm(x, w, b), torch.bfloat16, "graph fwd")
+    close_family(dx, R.layernorm_backward(y, x, w, rstd, mean, b)[0], "norm_backward", torch.bfloat16, "graph bwd")
