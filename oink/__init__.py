@@ -16,7 +16,7 @@ _API = (
     "cross_entropy_forward", "cross_entropy_backward", "cross_entropy_fwd_bwd",
     "nvfp4_quantize", "nvfp4_dequantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant", "explain",
 )
-_NN = ("rmsnorm", "RMSNorm", "LayerNorm", "softmax")
+_NN = ("rmsnorm", "RMSNorm", "LayerNorm", "softmax", "cross_entropy")
 __all__ = [*_API, *_NN, "reference", "register"]
 
 _TRUTHY = ("1", "true", "yes", "on")

@@ -47,6 +47,10 @@ KERNEL_MODULES: dict[str, str] = {
     "softmax_forward": "oink.kernels.softmax_ops",
     "softmax_backward": "oink.kernels.softmax_ops",
     "softmax_fwd_bwd": "oink.kernels.softmax_ops",
+    "cross_entropy_forward": "oink.kernels.cross_entropy_ops",
+    "cross_entropy_backward": "oink.kernels.cross_entropy_ops",
+    "cross_entropy_backward_": "oink.kernels.cross_entropy_ops",
+    "cross_entropy_fwd_bwd": "oink.kernels.cross_entropy_ops",
 }
 
 

@@ -23,6 +23,34 @@ def softmax(x: Tensor) -> Tensor:
     return torch.ops.oink.softmax_forward(x)
 
 
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, inplace_backward):
+        loss, lse = torch.ops.oink.cross_entropy_forward(logits, target, ignore_index, reduction)
+        ctx.ignore_index, ctx.reduction, ctx.inplace = ignore_index, reduction, inplace_backward
+        ctx.save_for_backward(logits, target, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        logits, target, lse = ctx.saved_tensors
+        if ctx.reduction == "mean":  # a device division: no host read of the count
+            dloss = dloss / (target != ctx.ignore_index).sum().clamp_min(1).to(dloss.dtype)
+        if ctx.inplace:
+            torch.ops.oink.cross_entropy_backward_(dloss, logits, target, lse, ctx.ignore_index)
+            return logits, None, None, None, None
+        return torch.ops.oink.cross_entropy_backward(dloss, logits, target, lse, ctx.ignore_index), None, None, None, None
+
+
+def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
+                  inplace_backward: bool = False) -> Tensor:
+    """Differentiable cross-entropy of logits [M, V] against int targets [M]; fp32 loss.
+    ``inplace_backward=True`` writes dlogits over the logits in the backward (saves an [M, V]
+    buffer, as Quack's option does): the logits' values are gone after ``backward()``."""
+    validate.cross_entropy_forward(logits, target, ignore_index, reduction)
+    return _CrossEntropy.apply(logits, target, ignore_index, reduction, inplace_backward)
+
+
 def _as_tuple(normalized_shape) -> tuple:
     if isinstance(normalized_shape, numbers.Integral):
         return (normalized_shape,)

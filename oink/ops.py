@@ -181,6 +181,19 @@ def _(dloss, logits, target, lse, ignore_index):
     return torch.empty_like(logits)
 
 
+@torch.library.custom_op(f"{NS}::cross_entropy_backward_", mutates_args=("logits",))
+def cross_entropy_backward_(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int) -> None:
+    """dlogits written over the logits (no second [M, V] buffer)."""
+    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index)
+    validate.target_values(logits, target, ignore_index)
+    call("cross_entropy_backward_", dloss=dloss, logits=logits, target=target, lse=lse, ignore_index=ignore_index)
+
+
+@cross_entropy_backward_.register_fake
+def _(dloss, logits, target, lse, ignore_index):
+    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index)
+
+
 @torch.library.custom_op(f"{NS}::cross_entropy_fwd_bwd", mutates_args=())
 def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     validate.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index)
@@ -258,7 +271,7 @@ def _(x, global_scale, swizzled):
 ALL_OPS = (
     rmsnorm, fused_add_rms_norm, rmsnorm_forward, rmsnorm_backward, layernorm, layernorm_backward,
     softmax_forward, softmax_backward, softmax_fwd_bwd, cross_entropy_forward, cross_entropy_backward,
-    cross_entropy_fwd_bwd, nvfp4_quantize, nvfp4_dequantize, add_rmsnorm_fp4quant, silu_mul_fp4quant,
+    cross_entropy_backward_, cross_entropy_fwd_bwd, nvfp4_quantize, nvfp4_dequantize, add_rmsnorm_fp4quant, silu_mul_fp4quant,
 )
 
 

@@ -67,6 +67,36 @@ def _ce_inputs(M, N, dtype, device, gen):
                 target=torch.randint(0, N, (M,), generator=gen, device=device))
 
 
+def _ln_bwd_inputs(M, N, dtype, device, gen):
+    a = _ln_inputs(M, N, dtype, device, gen)
+    _, rstd, mean = _R().layernorm(a["x"], a["weight"], a["bias"], EPS, return_rstd=True, return_mean=True)
+    return dict(dout=_rand((M, N), dtype, device, gen), rstd=rstd, mean=mean, **a)
+
+
+def _softmax_bwd_inputs(M, N, dtype, device, gen):
+    y = _R().softmax_forward(_rand((M, N), dtype, device, gen, 3.0))
+    return dict(dy=_rand((M, N), dtype, device, gen), y=y)
+
+
+def _softmax_fwd_bwd_inputs(M, N, dtype, device, gen):
+    return dict(dy=_rand((M, N), dtype, device, gen), x=_rand((M, N), dtype, device, gen, 3.0))
+
+
+def _ce_bwd_inputs(M, N, dtype, device, gen):
+    import torch
+
+    a = _ce_inputs(M, N, dtype, device, gen)
+    a["lse"] = _R().cross_entropy_forward(a["logits"], a["target"])[1]
+    a["dloss"] = torch.rand(M, generator=gen, device=device)
+    return a
+
+
+def _ce_fwd_bwd_inputs(M, N, dtype, device, gen):
+    a = _ce_bwd_inputs(M, N, dtype, device, gen)
+    del a["lse"]
+    return a
+
+
 def _fp4_inputs(M, N, dtype, device, gen):
     import torch
 
@@ -92,11 +122,33 @@ SPECS = {
     "layernorm": OpSpec("layernorm", _ln_inputs,
                         lambda a: (_R().layernorm(a["x"], a["weight"], a["bias"], EPS),),
                         lambda M, N, e: 2 * M * N * e + 2 * N * e),
+    # read x, dout, weight, mean, rstd; write dx, dweight, dbias
+    "layernorm_backward": OpSpec(("norm_backward", "weight_grad", "weight_grad"), _ln_bwd_inputs,
+                                 lambda a: _R().layernorm_backward(a["dout"], a["x"], a["weight"], a["rstd"],
+                                                                   a["mean"], a["bias"]),
+                                 lambda M, N, e: 3 * M * N * e + 8 * M + 3 * N * e),
     "softmax_forward": OpSpec("softmax", _norm_inputs, lambda a: (_R().softmax_forward(a["x"]),),
                               lambda M, N, e: 2 * M * N * e),
+    "softmax_backward": OpSpec("norm_backward", _softmax_bwd_inputs,
+                               lambda a: (_R().softmax_backward(a["dy"], a["y"]),),
+                               lambda M, N, e: 3 * M * N * e),
+    # fused: read x and dy, write dx (y never touches memory)
+    "softmax_fwd_bwd": OpSpec("norm_backward", _softmax_fwd_bwd_inputs,
+                              lambda a: (_R().softmax_fwd_bwd(a["dy"], a["x"]),),
+                              lambda M, N, e: 3 * M * N * e),
+    # read logits and int64 targets; write fp32 loss and lse
     "cross_entropy_forward": OpSpec("cross_entropy_loss", _ce_inputs,
                                     lambda a: (_R().cross_entropy_forward(a["logits"], a["target"])[0],),
                                     lambda M, N, e: M * N * e + 8 * M + 4 * M),
+    # read logits, targets, lse, dloss; write dlogits
+    "cross_entropy_backward": OpSpec("softmax", _ce_bwd_inputs,
+                                     lambda a: (_R().cross_entropy_backward(a["dloss"], a["logits"], a["target"],
+                                                                            a["lse"]),),
+                                     lambda M, N, e: 2 * M * N * e + 16 * M),
+    # read logits, targets, dloss; write loss and dlogits
+    "cross_entropy_fwd_bwd": OpSpec(("cross_entropy_loss", "softmax"), _ce_fwd_bwd_inputs,
+                                    lambda a: _R().cross_entropy_fwd_bwd(a["dloss"], a["logits"], a["target"]),
+                                    lambda M, N, e: 2 * M * N * e + 16 * M),
     "nvfp4_quantize": OpSpec("nvfp4", _fp4_inputs, lambda a: _R().nvfp4_quantize(a["x"], a["global_scale"]),
                              lambda M, N, e: M * N * e + M * N // 2 + M * N // 16),
 }
@@ -137,25 +189,28 @@ def _compiled(fn):
     return torch.compile(fn)
 
 
-# Oink: every op through the public API.
+# Oink: every op through the public API, outputs in the reference's order.
+_OINK_CALLS = {
+    "rmsnorm_forward": lambda f, a: (f(a["x"], a["weight"], eps=EPS)[0],),
+    "fused_add_rmsnorm_": lambda f, a: (f(a["x"], a["residual"], a["weight"], EPS), a["x"], a["residual"])[1:],
+    "rmsnorm_backward": lambda f, a: f(a["x"], a["weight"], a["dout"], a["rstd"])[:2],
+    "layernorm": lambda f, a: (f(a["x"], a["weight"], a["bias"], EPS),),
+    "layernorm_backward": lambda f, a: f(a["dout"], a["x"], a["weight"], a["rstd"], a["mean"], a["bias"]),
+    "softmax_forward": lambda f, a: (f(a["x"]),),
+    "softmax_backward": lambda f, a: (f(a["dy"], a["y"]),),
+    "softmax_fwd_bwd": lambda f, a: (f(a["dy"], a["x"]),),
+    "cross_entropy_forward": lambda f, a: (f(a["logits"], a["target"])[0],),
+    "cross_entropy_backward": lambda f, a: (f(a["dloss"], a["logits"], a["target"], a["lse"]),),
+    "cross_entropy_fwd_bwd": lambda f, a: f(a["dloss"], a["logits"], a["target"]),
+    "nvfp4_quantize": lambda f, a: f(a["x"], a["global_scale"]),
+}
+
 for _op in SPECS:
     def _oink_builder(device, _op=_op):
         import oink
 
-        f = getattr(oink, _op)
-        if _op == "rmsnorm_forward":
-            return lambda a: (f(a["x"], a["weight"], eps=EPS)[0],)
-        if _op == "fused_add_rmsnorm_":
-            return lambda a: (f(a["x"], a["residual"], a["weight"], EPS), a["x"], a["residual"])[1:]
-        if _op == "rmsnorm_backward":
-            return lambda a: f(a["x"], a["weight"], a["dout"], a["rstd"])[:2]
-        if _op == "layernorm":
-            return lambda a: (f(a["x"], a["weight"], a["bias"], EPS),)
-        if _op == "softmax_forward":
-            return lambda a: (f(a["x"]),)
-        if _op == "cross_entropy_forward":
-            return lambda a: (f(a["logits"], a["target"])[0],)
-        return lambda a: f(a["x"], a["global_scale"])
+        f, call = getattr(oink, _op), _OINK_CALLS[_op]
+        return lambda a: call(f, a)
 
     provider(_op, "oink")(_oink_builder)
 
@@ -230,15 +285,12 @@ def _quack_rms_bwd(device):
     return lambda a: m.rmsnorm_bwd(a["x"], a["weight"], a["dout"], a["rstd"])[:2]
 
 
-@provider("layernorm", "quack", label="fp32 weight and bias (Quack requires them)")
-def _quack_ln(device):
+def _fp32_once():
+    """Quack's LayerNorm asserts fp32 weight/bias: a converter that runs once per tensor object,
+    outside the timing. Keyed on id() with the source kept alive, so an id (or a freed tensor's
+    address, reused by the next seed's weight) never maps to a stale conversion."""
     import torch
 
-    _needs_cuda(device)
-    m = _peer("quack.rmsnorm", "quack-kernels")
-    # Quack's LayerNorm asserts fp32 weight/bias: convert once per tensor object, outside the
-    # timing. Keyed on id() with the source kept alive, so an id (or a freed tensor's address,
-    # reused by the next seed's weight) never maps to a stale conversion.
     fp32 = {}
 
     def as_fp32(t):
@@ -248,8 +300,23 @@ def _quack_ln(device):
             fp32[id(t)] = (t, t.float())
         return fp32[id(t)][1]
 
-    return lambda a: (m.layernorm_fwd(a["x"], as_fp32(a["weight"]), as_fp32(a["bias"]), EPS),)
+    return as_fp32
 
+
+@provider("layernorm", "quack", label="fp32 weight and bias (Quack requires them)")
+def _quack_ln(device):
+    _needs_cuda(device)
+    m = _peer("quack.rmsnorm", "quack-kernels")
+    f32 = _fp32_once()
+    return lambda a: (m.layernorm_fwd(a["x"], f32(a["weight"]), f32(a["bias"]), EPS),)
+
+
+@provider("layernorm_backward", "quack", label="fp32 weight (Quack requires it)")
+def _quack_ln_bwd(device):
+    _needs_cuda(device)
+    m = _peer("quack.rmsnorm", "quack-kernels")
+    f32 = _fp32_once()
+    return lambda a: m.layernorm_bwd(a["x"], f32(a["weight"]), a["dout"], a["rstd"], a["mean"], has_bias=True)
 
 
 @provider("softmax_forward", "quack")
@@ -259,11 +326,44 @@ def _quack_softmax(device):
     return lambda a: (m.softmax_fwd(a["x"]),)
 
 
+@provider("softmax_backward", "quack")
+def _quack_softmax_bwd(device):
+    _needs_cuda(device)
+    m = _peer("quack.softmax", "quack-kernels")
+    return lambda a: (m.softmax_bwd(a["dy"], a["y"]),)
+
+
+@provider("softmax_fwd_bwd", "quack", label="forward then backward (Quack has no fused kernel)")
+def _quack_softmax_fwd_then_bwd(device):
+    _needs_cuda(device)
+    m = _peer("quack.softmax", "quack-kernels")
+    return lambda a: (m.softmax_bwd(a["dy"], m.softmax_fwd(a["x"])),)
+
+
 @provider("cross_entropy_forward", "quack")
 def _quack_ce(device):
     _needs_cuda(device)
     m = _peer("quack.cross_entropy", "quack-kernels")
     return lambda a: (m.cross_entropy_fwd(a["logits"], a["target"]),)
+
+
+@provider("cross_entropy_backward", "quack")
+def _quack_ce_bwd(device):
+    _needs_cuda(device)
+    m = _peer("quack.cross_entropy", "quack-kernels")
+    return lambda a: (m.cross_entropy_bwd(a["logits"], a["target"], a["dloss"], a["lse"]),)
+
+
+@provider("cross_entropy_fwd_bwd", "quack", label="forward then backward")
+def _quack_ce_fwd_then_bwd(device):
+    _needs_cuda(device)
+    m = _peer("quack.cross_entropy", "quack-kernels")
+
+    def run(a):
+        loss, lse = m.cross_entropy_fwd(a["logits"], a["target"], return_lse=True)
+        return loss, m.cross_entropy_bwd(a["logits"], a["target"], a["dloss"], lse)
+
+    return run
 
 
 @provider("rmsnorm_forward", "liger")

@@ -4,8 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Ops the benchmark knows how to drive (see providers.py); suites pick among them.
-BENCH_OPS = ("rmsnorm_forward", "fused_add_rmsnorm_", "rmsnorm_backward", "layernorm", "softmax_forward",
-             "cross_entropy_forward", "nvfp4_quantize")
+BENCH_OPS = ("rmsnorm_forward", "fused_add_rmsnorm_", "rmsnorm_backward", "layernorm", "layernorm_backward",
+             "softmax_forward", "softmax_backward", "softmax_fwd_bwd", "cross_entropy_forward",
+             "cross_entropy_backward", "cross_entropy_fwd_bwd", "nvfp4_quantize")
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,30 @@ def test_softmax_compiles(arch, dtype, mode):
         assert callable(compiled_softmax(mode, dtype, N, arch))
 
 
+from oink.kernels.cross_entropy import MODES as CE_MODES  # noqa: E402
+from oink.kernels.cross_entropy import compiled_cross_entropy  # noqa: E402
+
+# vocabularies: one warp, odd (scalar loads), GPT-2's odd 50257 (a cluster of 8 scalar loads),
+# Llama-3's 128256 (cluster of 2) and the widest (cluster of 4 in 16-bit dtypes, 8 in fp32)
+CE_WIDTHS = [64, 1000, 3072, 50257, 128256, 262144]
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("mode", CE_MODES)
+def test_cross_entropy_compiles(arch, dtype, mode):
+    for N in CE_WIDTHS:
+        assert callable(compiled_cross_entropy(mode, dtype, "int64", N, arch))
+    assert callable(compiled_cross_entropy(mode, dtype, "int32", 4096, arch))
+
+
+def test_cross_entropy_launch_covers_clusters():
+    from oink.kernels.cross_entropy import cross_entropy_launch
+
+    assert {cross_entropy_launch(N, 16, "sm_90a").cluster_n for N in CE_WIDTHS} >= {1, 2, 4, 8}
+    assert cross_entropy_launch(262144, 32, "sm_90a").cluster_n == 8
+
+
 def test_host_prepare_rows_and_vectors():
     """Activations become [M, N] rows (a 1-D input is one row); only layouts the 128-bit loads
     can't read are copied, into aligned memory."""

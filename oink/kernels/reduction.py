@@ -134,20 +134,20 @@ class RowKernelBase:
         width = L.warps_per_row * L.cluster_n
         buf = None
         mbar = None
-        if const_expr(width > 1):
+        if const_expr(width > 1 and self.num_reductions > 0):
             buf = smem.allocate_tensor(
                 Float32,
                 cute.make_ordered_layout((L.rows_per_cta, width, self.num_reductions), order=(1, 0, 2)),
                 byte_alignment=16,
             )
-        if const_expr(L.cluster_n > 1):
+        if const_expr(L.cluster_n > 1 and self.num_reductions > 0):
             mbar = smem.allocate_array(Int64, num_elems=self.num_reductions)
         return buf, mbar
 
     @cute.jit
     def init_cluster(self, mbar):
         """Initialise the cluster barriers; peers must see them before any remote store."""
-        if const_expr(self.launch.cluster_n > 1):
+        if const_expr(self.launch.cluster_n > 1 and self.num_reductions > 0):
             tidx, _, _ = cute.arch.thread_idx()
             if tidx < self.num_reductions:
                 cute.arch.mbarrier_init(mbar + tidx, 1)
@@ -156,7 +156,7 @@ class RowKernelBase:
 
     @cute.jit
     def wait_cluster(self):
-        if const_expr(self.launch.cluster_n > 1):
+        if const_expr(self.launch.cluster_n > 1 and self.num_reductions > 0):
             cute.arch.cluster_wait()
 
     @cute.jit

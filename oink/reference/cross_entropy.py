@@ -54,3 +54,9 @@ def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor,
     """-> (loss fp32 [M], dlogits) in one call, per-row loss (reduction "none")."""
     loss, lse, _, _ = _per_row(logits, target, ignore_index)
     return loss, cross_entropy_backward(dloss, logits, target, lse, ignore_index)
+
+
+def cross_entropy_backward_(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
+                            ignore_index: int = -100) -> None:
+    """In place: logits <- dlogits (the memory-saving backward of ``oink.cross_entropy``)."""
+    logits.copy_(cross_entropy_backward(dloss, logits, target, lse, ignore_index))

@@ -1,0 +1,135 @@
+"""CrossEntropy over the last dim in CuTeDSL: forward, backward, and fused forward+backward.
+
+One pass over the logits each; a row stays in registers between its load and its store.
+- forward: m = max(x); lse = m + log(sum(exp(x - m))); loss = lse - x[target] (0 if ignored)
+- backward: dx = dloss[row] * (exp(x - lse) - onehot(target)) (0 on ignored rows); no reduction
+- fused: the forward's two reductions, then the backward from the lse just computed (no lse
+  round trip through memory); writes loss and dx.
+Columns past N load as -inf (exp gives 0). x[target] for the loss is one scalar load by the
+row's leader thread: the row was just read, so it hits cache. ``dx`` may alias ``x`` (in-place
+backward): every element is read before it is written, by the same thread.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .reduction import RowLaunch, add, fmax, pick_row_launch
+from .rmsnorm import MAX_N, RMSNormForward
+
+MODES = ("forward", "backward", "fwd_bwd")
+LOG2E = math.log2(math.e)
+
+
+def cross_entropy_launch(N: int, x_bits: int, arch: str) -> RowLaunch:
+    """Launch heuristic for the cross-entropy family (the one place it is chosen)."""
+    return pick_row_launch(N, x_bits)
+
+
+class CrossEntropy(RMSNormForward):
+    """Reuses the norm kernels' tiling and predicated 128-bit row copies."""
+
+    def __init__(self, launch: RowLaunch, dtype, target_dtype, mode: str):
+        RMSNormForward.__init__(self, launch, dtype, None, None, None, dtype, None, False)
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        self.mode = mode
+        self.target_dtype = target_dtype
+        self.num_reductions = 0 if mode == "backward" else 2
+
+    @cute.jit
+    def __call__(self, px: cute.Pointer, ptarget: cute.Pointer, pdloss: Optional[cute.Pointer],
+                 plse_in: Optional[cute.Pointer], ploss: Optional[cute.Pointer], plse_out: Optional[cute.Pointer],
+                 pdx: Optional[cute.Pointer], M: Int32, ldx: Int64, lddx: Int64, ignore_index: Int32,
+                 stream: cuda.CUstream):
+        vector = lambda p: cute.make_tensor(p, cute.make_layout((M,))) if const_expr(p is not None) else None  # noqa: E731
+        mX = self.matrix(px, M, ldx)
+        mDx = self.matrix(pdx, M, lddx) if const_expr(pdx is not None) else None
+        self.kernel(mX, vector(ptarget), vector(pdloss), vector(plse_in), vector(ploss), vector(plse_out), mDx,
+                    ignore_index, self.tiled_copy(self.x_dtype)).launch(
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mDloss: Optional[cute.Tensor],
+               mLseIn: Optional[cute.Tensor], mLoss: Optional[cute.Tensor], mLseOut: Optional[cute.Tensor],
+               mDx: Optional[cute.Tensor], ignore_index: Int32, tc: cute.TiledCopy):
+        L = self.launch
+        bidx, cy, buf, mbar, part = self.cta_setup(tc)
+        M = cute.size(mX, mode=[0])
+        tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
+        row = tXcX[0][0]
+        tXgX = part(mX, bidx)
+        rX = cute.make_rmem_tensor_like(tXgX)
+        rX.fill(-math.inf)
+        target = Int32(0)
+        if row < M:
+            self.copy_row(tXgX, rX, tXcX, self.x_dtype)
+            target = Int32(mTarget[row])
+        valid = target != ignore_index
+        self.wait_cluster()
+        x = rX.load().to(Float32)
+
+        if const_expr(self.mode == "backward"):
+            lse = Float32(0.0)
+            if row < M:
+                lse = mLseIn[row]
+        else:
+            m = x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
+            m = self.row_allreduce(m, fmax, Float32(-math.inf), buf, mbar, 0)
+            e = cute.math.exp2((x - m) * LOG2E, fastmath=True)
+            s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+            s = self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
+            lse = m + cute.math.log(s, fastmath=False)
+            # the row's leader (column 0, first CTA of the cluster) writes the row's loss and lse
+            leader = tXcX[0][1] == 0
+            if const_expr(L.cluster_n > 1):
+                leader = leader and cy == 0
+            if leader and row < M:
+                loss = Float32(0.0)
+                if valid:
+                    loss = lse - Float32(mX[row, target])
+                mLoss[row] = loss
+                if const_expr(mLseOut is not None):
+                    mLseOut[row] = lse
+
+        if const_expr(self.mode != "forward"):
+            scale = Float32(0.0)
+            if row < M and valid:
+                scale = mDloss[row]
+            rD = cute.make_rmem_tensor_like(rX, Float32)
+            rD.store(cute.math.exp2((x - lse) * LOG2E, fastmath=True) * scale)
+            for i in cutlass.range_constexpr(cute.size(rD)):
+                if tXcX[i][1] == target:  # ignored rows have scale 0, so no column needs the guard
+                    rD[i] = rD[i] - scale
+            rO = cute.make_rmem_tensor_like(rX, self.x_dtype)
+            rO.store(rD.load().to(self.x_dtype))
+            if row < M:
+                self.copy_row(rO, part(mDx, bidx), tXcX, self.x_dtype)
+
+
+def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arch: str, store_lse: bool = True):
+    """Compile (or fetch) one kernel for (mode, dtypes, N, flags, arch); M, strides and
+    ignore_index are runtime."""
+    if not 1 <= N <= MAX_N:
+        raise ValueError(f"N={N}: the cross-entropy kernels handle 1 <= N <= {MAX_N}")
+    dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
+    launch = cross_entropy_launch(N, dt.width, arch)
+    store_lse = store_lse and mode == "forward"
+
+    def build():
+        one = Int64(launch.vec)
+        f32 = gmem_ptr(Float32, 4)
+        fwd, bwd = mode != "backward", mode != "forward"
+        return compile_kernel(
+            CrossEntropy(launch, dt, tt, mode), gmem_ptr(dt), gmem_ptr(tt, tt.width // 8),
+            f32 if bwd else None, f32 if mode == "backward" else None, f32 if fwd else None,
+            f32 if store_lse else None, gmem_ptr(dt) if bwd else None, Int32(1), one, one, Int32(-100),
+            fake_stream(), arch=arch)
+
+    return CACHE.get(("cross_entropy", mode, dtype, target_dtype, store_lse, N, arch, launch), build)

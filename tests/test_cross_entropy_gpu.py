@@ -1,0 +1,113 @@
+"""CrossEntropy kernels on the GPU against the fp32 reference (outputs poisoned with NaN first;
+about 30% of the rows ignored)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oink
+from oink import reference as R
+from pytest_oink.tolerances import tolerance
+from tests.gpu_helpers import DTYPES, MS, cuda_arch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
+
+NS = (64, 1000, 3072, 6144, 50257, 128256, 262144)
+IGNORE = -100
+
+
+def _case(M, N, dtype, seed, target_dtype=torch.int64):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = (torch.randn(M, N, device="cuda", generator=g) * 4).to(dtype)
+    target = torch.randint(0, N, (M,), device="cuda", generator=g)
+    target[torch.rand(M, device="cuda", generator=g) < 0.3] = IGNORE
+    dloss = torch.randn(M, device="cuda", generator=g)
+    return logits, target.to(target_dtype), dloss
+
+
+def _close(actual, expected, family, dtype, what):
+    atol, rtol = tolerance(family, dtype)
+    assert not torch.isnan(actual).any(), f"{what}: NaN (unwritten output?)"
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", NS)
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
+def test_cross_entropy_kernels(mode, dtype, N, M, seed):
+    from oink.kernels.cross_entropy_ops import launch
+
+    if M * N > 2**28:
+        pytest.skip("keeps one case within a few GB")
+    logits, target, dloss = _case(M, N, dtype, seed)
+    loss_ref, lse_ref = R.cross_entropy_forward(logits, target, IGNORE)
+    nan = float("nan")
+    loss = torch.full((M,), nan, device="cuda")
+    lse = torch.full((M,), nan, device="cuda")
+    dx = torch.full((M, N), nan, device="cuda", dtype=dtype)
+    if mode == "forward":
+        launch(mode, cuda_arch(), logits, target, IGNORE, loss=loss, lse_out=lse)
+        _close(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
+    elif mode == "backward":
+        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, lse_in=lse_ref, dx=dx)
+    else:
+        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, loss=loss, dx=dx)
+    if mode != "backward":
+        _close(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
+        assert torch.all(loss[target == IGNORE] == 0)
+    if mode != "forward":
+        dx_ref = R.cross_entropy_backward(dloss, logits, target, lse_ref, IGNORE)
+        _close(dx, dx_ref, "softmax", dtype, "dlogits")
+        assert torch.all(dx[target == IGNORE] == 0)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("target_dtype", [torch.int32, torch.int64], ids=str)
+def test_public_api_routes_to_kernel(reduction, target_dtype, seed):
+    logits, target, dloss = _case(4097, 50257, torch.bfloat16, seed, target_dtype)
+    assert "kernel" in oink.explain("cross_entropy_forward", logits, target, IGNORE, reduction)
+    loss, lse = oink.cross_entropy_forward(logits, target, IGNORE, reduction)
+    loss_ref, lse_ref = R.cross_entropy_forward(logits, target, IGNORE, reduction)
+    _close(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
+    _close(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
+    scalar = torch.tensor(0.5, device="cuda")
+    _close(oink.cross_entropy_backward(scalar, logits, target, lse), R.cross_entropy_backward(
+        scalar, logits, target, lse_ref), "softmax", torch.bfloat16, "dlogits with a scalar dloss")
+    loss2, dx2 = oink.cross_entropy_fwd_bwd(dloss, logits, target, IGNORE)
+    _close(loss2, R.cross_entropy_forward(logits, target, IGNORE)[0], "cross_entropy_loss", torch.float32, "fused")
+    _close(dx2, R.cross_entropy_fwd_bwd(dloss, logits, target, IGNORE)[1], "softmax", torch.bfloat16, "fused dx")
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_differentiable_cross_entropy(inplace, seed):
+    logits, target, _ = _case(1000, 128256, torch.bfloat16, seed)
+    leaf = logits.clone().requires_grad_(True)
+    work = leaf * 1  # a non-leaf whose storage the in-place backward may take over
+    loss = oink.cross_entropy(work, target, inplace_backward=inplace)
+    (got,) = torch.autograd.grad(loss, [leaf])
+    x = logits.float().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(x, target, ignore_index=IGNORE)
+    (want,) = torch.autograd.grad(ref, [x])
+    _close(loss, ref, "cross_entropy_loss", torch.float32, "loss")
+    _close(got, want, "softmax", torch.bfloat16, "dlogits")
+
+
+def test_out_of_range_target_raises():
+    logits = torch.randn(4, 64, device="cuda")
+    with pytest.raises(ValueError, match="outside"):
+        oink.cross_entropy_forward(logits, torch.tensor([0, 64, 1, 2], device="cuda"))
+
+
+def test_cuda_graph_capture(seed):
+    logits, target, dloss = _case(256, 32000, torch.bfloat16, seed)
+    oink.cross_entropy_fwd_bwd(dloss, logits, target)  # compile outside capture
+    from oink.kernels.cross_entropy_ops import run_fwd_bwd
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the kernel runner: the op's target check reads the data on the host
+        loss, dx = run_fwd_bwd(cuda_arch(), dloss, logits, target)
+    graph.replay()
+    ref_loss, ref_dx = R.cross_entropy_fwd_bwd(dloss, logits, target)
+    _close(loss, ref_loss, "cross_entropy_loss", torch.float32, "graph loss")
+    _close(dx, ref_dx, "softmax", torch.bfloat16, "graph dx")
