@@ -37,7 +37,7 @@ class Route:
 
 
 # op -> module implementing it. A kernel module (imported only on a supported GPU, since it
-# imports cutlass) exposes CHECKS[op](tensors, arch) -> None | reason, and RUNNERS[op](arch, **args).
+# imports cutlass) exposes CHECKS[op](args, arch) -> None | reason, and RUNNERS[op](arch, **args).
 KERNEL_MODULES: dict[str, str] = {
     "rmsnorm_forward": "oink.kernels.rmsnorm_ops",
     "fused_add_rmsnorm_": "oink.kernels.rmsnorm_ops",
@@ -72,13 +72,14 @@ def route(op: str, tensors: dict) -> Route:
         r = Route(op, "reference", "forced by OINK_FORCE_REFERENCE")
     else:
         device = next(iter(present.values())).device if present else torch.device("cpu")
-        r = _route_device(op, device, present)
+        r = _route_device(op, device, tensors)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s", r)
     return r
 
 
-def _route_device(op: str, device: torch.device, tensors: dict) -> Route:
+def _route_device(op: str, device: torch.device, args: dict) -> Route:
+    """``args``: the op's arguments by name (tensors and scalars; the kernel checks read both)."""
     if device.type != "cuda":
         return Route(op, "reference", f"{device.type} tensors: kernels run on CUDA only")
     arch, cap = device_arch(device.index if device.index is not None else torch.cuda.current_device())
@@ -87,7 +88,7 @@ def _route_device(op: str, device: torch.device, tensors: dict) -> Route:
     module = _kernel_module(op)
     if module is None:
         return Route(op, "reference", f"no CuTeDSL kernel for {op} yet", arch)
-    why = module.CHECKS[op](tensors, arch)
+    why = module.CHECKS[op](args, arch)
     if why:
         return Route(op, "reference", why, arch)
     return Route(op, "kernel", f"CuTeDSL {arch}", arch)

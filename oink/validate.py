@@ -116,7 +116,11 @@ def cross_entropy_fwd_bwd(dloss, logits, target, ignore_index=-100):
 
 
 def target_values(logits, target, ignore_index) -> None:
-    """Value check (reads the data, so not for fake tensors): targets in [0, V) or ignored."""
+    """Value check (reads the data, so not for fake tensors): targets in [0, V) or ignored.
+    It costs one host sync, which CUDA-graph capture forbids: while the stream is capturing it
+    is skipped, and the kernels answer such a row with a NaN loss and NaN dlogits instead."""
+    if target.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
     V = logits.shape[-1]
     bad = ((target < 0) | (target >= V)) & (target != ignore_index)
     if bool(bad.any()):

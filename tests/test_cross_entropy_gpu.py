@@ -100,14 +100,22 @@ def test_out_of_range_target_raises():
 
 
 def test_cuda_graph_capture(seed):
+    """The public ops capture (the host target check is skipped while capturing); a bad target
+    then gives its row a NaN loss and NaN dlogits instead of an out-of-bounds read."""
     logits, target, dloss = _case(256, 32000, torch.bfloat16, seed)
     oink.cross_entropy_fwd_bwd(dloss, logits, target)  # compile outside capture
-    from oink.kernels.cross_entropy_ops import run_fwd_bwd
-
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # the kernel runner: the op's target check reads the data on the host
-        loss, dx = run_fwd_bwd(cuda_arch(), dloss, logits, target)
+    with torch.cuda.graph(graph):
+        loss, dx = oink.cross_entropy_fwd_bwd(dloss, logits, target)
+        fwd_loss, lse = oink.cross_entropy_forward(logits, target)
     graph.replay()
     ref_loss, ref_dx = R.cross_entropy_fwd_bwd(dloss, logits, target)
     _close(loss, ref_loss, "cross_entropy_loss", torch.float32, "graph loss")
+    _close(fwd_loss, ref_loss, "cross_entropy_loss", torch.float32, "graph forward loss")
     _close(dx, ref_dx, "softmax", torch.bfloat16, "graph dx")
+    target[5], target[7] = 32000, -3  # out of range, not ignored
+    graph.replay()
+    assert loss[[5, 7]].isnan().all() and dx[[5, 7]].isnan().all() and fwd_loss[[5, 7]].isnan().all()
+    keep = torch.ones(256, dtype=torch.bool, device="cuda")
+    keep[[5, 7]] = False
+    _close(loss[keep], ref_loss[keep], "cross_entropy_loss", torch.float32, "other rows")

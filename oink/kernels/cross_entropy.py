@@ -6,7 +6,9 @@ One pass over the logits each; a row stays in registers between its load and its
 - fused: the forward's two reductions, then the backward from the lse just computed (no lse
   round trip through memory); writes loss and dx.
 Columns past N load as -inf (exp gives 0). x[target] for the loss is one scalar load by the
-row's leader thread: the row was just read, so it hits cache. ``dx`` may alias ``x`` (in-place
+row's leader thread: the row was just read, so it hits cache. A target outside [0, N) that is
+not ignore_index (the host check is skipped under CUDA-graph capture) gives a NaN loss and
+NaN dlogits for its row, never an out-of-bounds read. ``dx`` may alias ``x`` (in-place
 backward): every element is read before it is written, by the same thread.
 """
 from __future__ import annotations
@@ -72,6 +74,7 @@ class CrossEntropy(RMSNormForward):
             self.copy_row(tXgX, rX, tXcX, self.x_dtype)
             target = Int32(mTarget[row])
         valid = target != ignore_index
+        bad = valid and (target < 0 or target >= L.N)
         self.wait_cluster()
         x = rX.load().to(Float32)
 
@@ -92,7 +95,9 @@ class CrossEntropy(RMSNormForward):
                 leader = leader and cy == 0
             if leader and row < M:
                 loss = Float32(0.0)
-                if valid:
+                if bad:
+                    loss = Float32(math.nan)
+                elif valid:
                     loss = lse - Float32(mX[row, target])
                 mLoss[row] = loss
                 if const_expr(mLseOut is not None):
@@ -102,6 +107,8 @@ class CrossEntropy(RMSNormForward):
             scale = Float32(0.0)
             if row < M and valid:
                 scale = mDloss[row]
+            if bad:
+                scale = Float32(math.nan)
             rD = cute.make_rmem_tensor_like(rX, Float32)
             rD.store(cute.math.exp2((x - lse) * LOG2E, fastmath=True) * scale)
             for i in cutlass.range_constexpr(cute.size(rD)):
