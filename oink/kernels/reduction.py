@@ -167,37 +167,62 @@ class RowKernelBase:
         Every thread of the row gets the result. ``slot`` picks the buffer and mbarrier; a
         loop that reduces repeatedly alternates two slots (so no one overwrites a slot still
         being read) and passes each slot's mbarrier ``phase`` (0, 1, 0, ... per reuse)."""
+        return self.row_allreduce_pair(val, None, op, init, buf, mbar, slot, None, phase)[0]
+
+    @cute.jit
+    def row_allreduce_pair(self, a: Float32, b, op: cutlass.Constexpr, init: Float32, buf, mbar, slot_a,
+                           slot_b, phase=0):
+        """``row_allreduce`` of two independent values (b may be None) sharing one barrier round,
+        each through its own slot. -> (a, b) reduced."""
         L = self.launch
-        val = cute.arch.warp_reduction(val, op, threads_in_group=min(L.threads_per_row, WARP))
+        group = min(L.threads_per_row, WARP)
+        a = cute.arch.warp_reduction(a, op, threads_in_group=group)
+        if const_expr(b is not None):
+            b = cute.arch.warp_reduction(b, op, threads_in_group=group)
         width = const_expr(L.warps_per_row * L.cluster_n)
         if const_expr(width > 1):
             lane = cute.arch.lane_idx()
             warp = cute.arch.warp_idx()
             row = warp // L.warps_per_row
             col = warp % L.warps_per_row
-            sbuf = buf[None, None, slot]
+            buf_a = buf[None, None, slot_a]
+            buf_b = buf[None, None, slot_b] if const_expr(b is not None) else None
             if const_expr(L.cluster_n == 1):
                 if lane == 0:
-                    sbuf[row, col] = val
+                    buf_a[row, col] = a
+                    if const_expr(b is not None):
+                        buf_b[row, col] = b
                 cute.arch.barrier()
             else:
                 rank = cute.arch.block_idx_in_cluster()
+                nbytes = L.rows_per_cta * width * 4
                 if warp == 0:
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(
-                            mbar + slot, L.rows_per_cta * width * 4
-                        )
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + slot_a, nbytes)
+                        if const_expr(b is not None):
+                            cute.arch.mbarrier_arrive_and_expect_tx(mbar + slot_b, nbytes)
                 if lane < L.cluster_n:
-                    dst = sbuf.iterator + cute.crd2idx((row, col + rank * L.warps_per_row), sbuf.layout)
-                    _store_remote_f32(val, dst, mbar + slot, lane)
-                cute.arch.mbarrier_wait(mbar + slot, phase=phase)
-            acc = init
-            for i in cutlass.range_constexpr(cute.ceil_div(width, WARP)):
-                idx = lane + i * WARP
-                if idx < width:
-                    acc = op(acc, sbuf[row, idx])
-            val = cute.arch.warp_reduction(acc, op)
-        return val
+                    at = cute.crd2idx((row, col + rank * L.warps_per_row), buf_a.layout)
+                    _store_remote_f32(a, buf_a.iterator + at, mbar + slot_a, lane)
+                    if const_expr(b is not None):
+                        _store_remote_f32(b, buf_b.iterator + at, mbar + slot_b, lane)
+                cute.arch.mbarrier_wait(mbar + slot_a, phase=phase)
+                if const_expr(b is not None):
+                    cute.arch.mbarrier_wait(mbar + slot_b, phase=phase)
+            a = self._combine(buf_a, row, lane, width, op, init)
+            if const_expr(b is not None):
+                b = self._combine(buf_b, row, lane, width, op, init)
+        return a, b
+
+    @cute.jit
+    def _combine(self, sbuf, row, lane, width: cutlass.Constexpr, op: cutlass.Constexpr, init: Float32) -> Float32:
+        """Reduce the ``width`` partials of a row held in shared memory (every lane gets it)."""
+        acc = init
+        for i in cutlass.range_constexpr(cute.ceil_div(width, WARP)):
+            idx = lane + i * WARP
+            if idx < width:
+                acc = op(acc, sbuf[row, idx])
+        return cute.arch.warp_reduction(acc, op)
 
 
 @cutlass.cutlass_dsl.dsl_user_op

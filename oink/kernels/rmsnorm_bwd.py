@@ -8,7 +8,7 @@ reduction slots so a fast CTA never overwrites a value a peer is still reading.
 
 With xhat = (x - mean) * rstd (mean = 0 for RMSNorm) and wdy = dout * weight:
   RMSNorm:   dx = (wdy - xhat * mean(wdy * xhat)) * rstd
-  LayerNorm: dx = (wdy - xhat * mean(wdy * xhat) - mean(wdy)) * rstd   (a second row reduction)
+  LayerNorm: dx = (wdy - xhat * mean(wdy * xhat) - mean(wdy)) * rstd   (two reductions, one barrier)
 """
 from __future__ import annotations
 
@@ -146,12 +146,13 @@ class RMSNormBackward(RMSNormForward):
             wdy = g * rW.load().to(Float32) if const_expr(mW is not None) else g
             phase = (it // 2) % 2
             dot = (xhat * wdy).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-            dot = self.row_allreduce(dot, add, Float32(0.0), buf, mbar, it % 2, phase)
             if const_expr(self.layernorm):
                 total = wdy.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-                total = self.row_allreduce(total, add, Float32(0.0), buf, mbar, 2 + it % 2, phase)
+                dot, total = self.row_allreduce_pair(dot, total, add, Float32(0.0), buf, mbar, it % 2, 2 + it % 2,
+                                                     phase)
                 dx = (wdy - xhat * (dot / L.N) - total / L.N) * rstd
             else:
+                dot = self.row_allreduce(dot, add, Float32(0.0), buf, mbar, it % 2, phase)
                 dx = (wdy - xhat * (dot / L.N)) * rstd
             if const_expr(mDres is not None):
                 rDres.fill(0)
