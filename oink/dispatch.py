@@ -51,6 +51,9 @@ KERNEL_MODULES: dict[str, str] = {
     "cross_entropy_backward": "oink.kernels.cross_entropy_ops",
     "cross_entropy_backward_": "oink.kernels.cross_entropy_ops",
     "cross_entropy_fwd_bwd": "oink.kernels.cross_entropy_ops",
+    "nvfp4_quantize": "oink.kernels.nvfp4_ops",
+    "add_rmsnorm_fp4quant": "oink.kernels.nvfp4_ops",
+    "silu_mul_fp4quant": "oink.kernels.nvfp4_ops",
 }
 
 

@@ -28,6 +28,21 @@ class OpSpec:
     reference: Callable  # args -> tuple of outputs (fp32 arithmetic)
     nbytes: Callable  # (M, N, elem_size) -> bytes moved
     mutates: tuple = ()  # in-place ops: names of the args that are the outputs
+    gate_view: Callable | None = None  # outputs -> what the gate compares (both sides), if not the outputs
+
+
+def _fp4_code_steps(outputs):
+    """(q, sf) -> (signed E2M1 magnitude index per element, scale byte as a number): one step
+    of either is 1.0 (E4M3 bytes of positive scales are ordered), and -0/+0 codes compare equal.
+    The fused ops compute v in another order than the reference, and the unfused peer rounds y
+    to x's dtype before quantizing, so the gate holds both to one step; the GPU tests hold the
+    fused kernels to exact scales and >= 99.9% exact codes."""
+    import torch
+
+    q, sf = outputs[0], outputs[1]
+    codes = torch.stack([q & 0xF, q >> 4], -1).reshape(q.shape[0], -1).float()
+    signed = torch.where(codes >= 8, -(codes - 8), codes)
+    return signed, sf.view(torch.uint8).float()
 
 
 def _rand(shape, dtype, device, gen, scale=1.0):
@@ -103,6 +118,18 @@ def _fp4_inputs(M, N, dtype, device, gen):
     return dict(x=_rand((M, N), dtype, device, gen), global_scale=torch.tensor([448 * 6 / 5.0], device=device))
 
 
+def _silu_fp4_inputs(M, N, dtype, device, gen):
+    a = _fp4_inputs(M, 2 * N, dtype, device, gen)  # N is the quantized width K: x is [M, 2K]
+    a["x"] = a["x"] * 2
+    return a
+
+
+def _add_rms_fp4_inputs(M, N, dtype, device, gen):
+    import torch
+
+    return dict(_fused_inputs(M, N, dtype, device, gen), global_scale=torch.tensor([448.0], device=device))
+
+
 def _fused_reference(a):
     x, r = a["x"].clone(), a["residual"].clone()
     _R().fused_add_rmsnorm_(x, r, a["weight"], EPS)
@@ -149,8 +176,20 @@ SPECS = {
     "cross_entropy_fwd_bwd": OpSpec(("cross_entropy_loss", "softmax"), _ce_fwd_bwd_inputs,
                                     lambda a: _R().cross_entropy_fwd_bwd(a["dloss"], a["logits"], a["target"]),
                                     lambda M, N, e: 2 * M * N * e + 16 * M),
+    # read x; write codes (half a byte an element) and one scale byte per 16
     "nvfp4_quantize": OpSpec("nvfp4", _fp4_inputs, lambda a: _R().nvfp4_quantize(a["x"], a["global_scale"]),
                              lambda M, N, e: M * N * e + M * N // 2 + M * N // 16),
+    # read x and residual, write residual (in place), codes and scales; read the weight
+    "add_rmsnorm_fp4quant": OpSpec("nvfp4_code_step", _add_rms_fp4_inputs,
+                                   lambda a: _R().add_rmsnorm_fp4quant(a["x"], a["residual"], a["weight"],
+                                                                       a["global_scale"], EPS),
+                                   lambda M, N, e: 3 * M * N * e + M * N // 2 + M * N // 16 + N * e,
+                                   gate_view=_fp4_code_steps),
+    # read x [M, 2N]; write codes and scales of the N-wide product
+    "silu_mul_fp4quant": OpSpec("nvfp4_code_step", _silu_fp4_inputs,
+                                lambda a: _R().silu_mul_fp4quant(a["x"], a["global_scale"]),
+                                lambda M, N, e: 2 * M * N * e + M * N // 2 + M * N // 16,
+                                gate_view=_fp4_code_steps),
 }
 
 
@@ -203,6 +242,8 @@ _OINK_CALLS = {
     "cross_entropy_backward": lambda f, a: (f(a["dloss"], a["logits"], a["target"], a["lse"]),),
     "cross_entropy_fwd_bwd": lambda f, a: f(a["dloss"], a["logits"], a["target"]),
     "nvfp4_quantize": lambda f, a: f(a["x"], a["global_scale"]),
+    "add_rmsnorm_fp4quant": lambda f, a: f(a["x"], a["residual"], a["weight"], a["global_scale"], EPS),
+    "silu_mul_fp4quant": lambda f, a: f(a["x"], a["global_scale"]),
 }
 
 for _op in SPECS:
@@ -406,7 +447,31 @@ def _fi_fused(device):
     return run
 
 
-ALL_PROVIDERS = ("oink", "quack", "liger", "flashinfer", "torch", "torch.compile")
+@provider("add_rmsnorm_fp4quant", "oink-unfused", label="oink fused_add_rmsnorm_ then oink nvfp4_quantize")
+def _oink_unfused_add_rms_fp4(device):
+    import oink
+
+    def run(a):
+        oink.fused_add_rmsnorm_(a["x"], a["residual"], a["weight"], EPS)
+        return oink.nvfp4_quantize(a["x"], a["global_scale"])
+
+    return run
+
+
+@provider("silu_mul_fp4quant", "oink-unfused", label="torch silu * up then oink nvfp4_quantize")
+def _oink_unfused_silu_fp4(device):
+    import torch
+
+    import oink
+
+    def run(a):
+        K = a["x"].shape[-1] // 2
+        return oink.nvfp4_quantize(torch.nn.functional.silu(a["x"][:, :K]) * a["x"][:, K:], a["global_scale"])
+
+    return run
+
+
+ALL_PROVIDERS = ("oink", "oink-unfused", "quack", "liger", "flashinfer", "torch", "torch.compile")
 
 
 def providers_for(op: str, wanted=None) -> list[str]:

@@ -98,8 +98,10 @@ def speedups(rows):
 def summary_markdown(rows, roofline=None) -> str:
     lines = ["# Oink benchmark summary", ""]
     if roofline is not None:
+        floor = (f"; launch floor (one tiny kernel, graph-replayed) {roofline.launch_floor_us:.2f} us"
+                 if roofline.launch_floor_us else "")
         lines += [f"Device: {roofline.device}; measured copy {roofline.copy_tbs:.3f} TB/s, triad "
-                  f"{roofline.triad_tbs:.3f} TB/s ({roofline.method}).", ""]
+                  f"{roofline.triad_tbs:.3f} TB/s ({roofline.method}){floor}.", ""]
     sp = speedups(rows)
     ops = sorted({r.op for r in rows})
     for op in ops:

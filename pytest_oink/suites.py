@@ -6,7 +6,9 @@ from dataclasses import dataclass
 # Ops the benchmark knows how to drive (see providers.py); suites pick among them.
 BENCH_OPS = ("rmsnorm_forward", "fused_add_rmsnorm_", "rmsnorm_backward", "layernorm", "layernorm_backward",
              "softmax_forward", "softmax_backward", "softmax_fwd_bwd", "cross_entropy_forward",
-             "cross_entropy_backward", "cross_entropy_fwd_bwd", "nvfp4_quantize")
+             "cross_entropy_backward", "cross_entropy_fwd_bwd", "nvfp4_quantize", "add_rmsnorm_fp4quant",
+             "silu_mul_fp4quant")
+FP4_OPS = ("nvfp4_quantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant")
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,15 @@ def _dsv3_shapes(op: str):
     return [(M, N) for M in (4096, 16384, 65536) for N in (6144, 7168, 8192)]
 
 
+def _nvfp4_shapes(op: str):
+    # the optimizer study's shapes (8x256x7168 is 2048 rows), then M x N at scale
+    study = [(128, 2048), (128, 4096), (128, 8192), (128, 14336), (2048, 7168)]
+    return study + [(M, N) for M in (4096, 16384, 65536) for N in (2048, 4096, 7168, 8192, 14336)]
+
+
 SUITES = {
     "quack": lambda op: _quack_shapes(),
+    "nvfp4": _nvfp4_shapes,
     "dsv3": _dsv3_shapes,
     "smoke": lambda op: [(4, 128), (64, 1024)],
 }
@@ -68,7 +77,7 @@ def expand(suite: str, ops=None, configs=None, dtype: str = "bfloat16") -> list[
     for op in ops or BENCH_OPS:
         shapes = parse_configs(configs) if configs else SUITES[suite](op)
         for M, N in shapes:
-            if op == "nvfp4_quantize" and N % 16:
+            if op in FP4_OPS and N % 16:
                 continue
             cases.append(Case(suite, op, M, N, dtype))
     return cases

@@ -148,6 +148,7 @@ class Roofline:
     triad_tbs: float
     device: str
     method: str
+    launch_floor_us: float | None = None  # one tiny kernel's graph-replayed time: small shapes' floor
 
     @property
     def ceiling_tbs(self) -> float:
@@ -173,7 +174,9 @@ def measure_roofline(device) -> Roofline:
                                        replays=7).samples)
             best["triad"] = max(best["triad"], 3 * n * e / t / 1e12)
             del a, b, c
-        return Roofline(best["copy"], best["triad"], torch.cuda.get_device_name(device), "cuda-graph")
+        one = torch.zeros(1, device=device)
+        floor = median(time_cuda_graph(lambda _: one.zero_(), rot, calls_per_replay=20, replays=7).samples) * 1e6
+        return Roofline(best["copy"], best["triad"], torch.cuda.get_device_name(device), "cuda-graph", floor)
     n = 2**23
     a = torch.randn(n, dtype=torch.float32)
     b, c = torch.empty_like(a), torch.randn_like(a)

@@ -159,6 +159,42 @@ def test_cross_entropy_launch_covers_clusters():
     assert cross_entropy_launch(262144, 32, "sm_90a").cluster_n == 8
 
 
+from oink.kernels.nvfp4 import MODES as FP4_MODES  # noqa: E402
+from oink.kernels.nvfp4 import compiled_add_rmsnorm_fp4, compiled_fp4, fp4_launch  # noqa: E402
+
+# one block, one warp, an odd block count (uneven rows), the study's widths, cluster widths
+FP4_WIDTHS = [16, 64, 1008, 4096, 14336, 131072, 262144]
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("mode", FP4_MODES)
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_nvfp4_kernels_compile(arch, dtype, mode, swizzled):
+    for N in FP4_WIDTHS:
+        assert callable(compiled_fp4(mode, dtype, N, arch, swizzled))
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("w", ["same", "float32"])
+@pytest.mark.parametrize("swizzled", [False, True])
+@pytest.mark.parametrize("store_y", [False, True])
+def test_add_rmsnorm_fp4_compiles(arch, dtype, w, swizzled, store_y):
+    wd = dtype if w == "same" else w
+    for N in FP4_WIDTHS if (swizzled, store_y) == (False, False) else [1008, 7168]:
+        assert callable(compiled_add_rmsnorm_fp4(dtype, dtype, wd, N, arch, swizzled, store_y))
+
+
+def test_nvfp4_launch_units_are_scale_blocks():
+    for N in FP4_WIDTHS:
+        L = fp4_launch(N, "sm_90a")
+        assert L.vec == 16 and L.iters <= 4
+    assert {fp4_launch(N, "sm_90a").cluster_n for N in FP4_WIDTHS} >= {1, 2, 4}
+    with pytest.raises(ValueError, match="multiple of 16"):
+        compiled_fp4("quantize", "bfloat16", 1000, "sm_90a", False)
+
+
 def test_host_prepare_rows_and_vectors():
     """Activations become [M, N] rows (a 1-D input is one row); only layouts the 128-bit loads
     can't read are copied, into aligned memory."""

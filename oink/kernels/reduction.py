@@ -91,7 +91,8 @@ class RowKernelBase:
 
     def tiled_copy(self, dtype):
         L = self.launch
-        bits = L.vec * dtype.width
+        # a vector wider than 128 bits (NVFP4's 16-element units) becomes several 128-bit copies
+        bits = min(128, L.vec * dtype.width)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
         thr = cute.make_ordered_layout((L.rows_per_cta, L.threads_per_row), order=(1, 0))
         val = cute.make_layout((1, L.vec))

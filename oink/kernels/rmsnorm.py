@@ -83,12 +83,33 @@ class RMSNormForward(RowKernelBase):
                mRstd: Optional[cute.Tensor], mMean: Optional[cute.Tensor], eps: Float32, tc: cute.TiledCopy):
         L = self.launch
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
-
         M = cute.size(mX, mode=[0])
-        tXgX = part(mX, bidx)
-        tXgO = part(mO, bidx)
         tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
         row = tXcX[0][0]
+        y, rX, rstd, mean = self.normalize(mX, mW, mB, mRes, mResO, eps, bidx, buf, mbar, part, tXcX, row, M)
+        rO = cute.make_rmem_tensor_like(rX, self.out_dtype)
+        rO.store(y.to(self.out_dtype))
+        if row < M:
+            self.copy_row(rO, part(mO, bidx), tXcX, self.out_dtype)
+        if const_expr(mRstd is not None or mMean is not None):
+            # one thread per row (column 0, first CTA of the cluster) writes the row statistics
+            leader = tXcX[0][1] == 0
+            if const_expr(L.cluster_n > 1):
+                leader = leader and cy == 0
+            if leader and row < M:
+                if const_expr(mRstd is not None):
+                    mRstd[row] = rstd
+                if const_expr(mMean is not None):
+                    mMean[row] = mean
+
+    @cute.jit
+    def normalize(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mB: Optional[cute.Tensor],
+                  mRes: Optional[cute.Tensor], mResO: Optional[cute.Tensor], eps: Float32, bidx: Int32, buf, mbar,
+                  part, tXcX: cute.Tensor, row: Int32, M: Int32):
+        """Load this thread's slice of its row (and residual, weight, bias), store the residual
+        sum, reduce, and return (y in fp32, the x registers, rstd, mean); traced into the kernel."""
+        L = self.launch
+        tXgX = part(mX, bidx)
 
         # Loads: rows past M load nothing (their values stay 0 and are never stored).
         rX = cute.make_rmem_tensor_like(tXgX)
@@ -142,20 +163,7 @@ class RMSNormForward(RowKernelBase):
             y = y * rW.load().to(Float32)
         if const_expr(mB is not None):
             y = y + rB.load().to(Float32)
-        rO = cute.make_rmem_tensor_like(rX, self.out_dtype)
-        rO.store(y.to(self.out_dtype))
-        if row < M:
-            self.copy_row(rO, tXgO, tXcX, self.out_dtype)
-        if const_expr(mRstd is not None or mMean is not None):
-            # one thread per row (column 0, first CTA of the cluster) writes the row statistics
-            leader = tXcX[0][1] == 0
-            if const_expr(L.cluster_n > 1):
-                leader = leader and cy == 0
-            if leader and row < M:
-                if const_expr(mRstd is not None):
-                    mRstd[row] = rstd
-                if const_expr(mMean is not None):
-                    mMean[row] = mean
+        return y, rX, rstd, mean
 
 
 def _cute(name):

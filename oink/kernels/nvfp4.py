@@ -1,0 +1,287 @@
+"""NVFP4 quantization kernels in CuTeDSL: ``nvfp4_quantize``, ``silu_mul_fp4quant`` and the
+fused ``add_rmsnorm_fp4quant`` (the RMSNorm forward kernel with this quantizing epilogue).
+
+Semantics are exactly ``oink.reference.nvfp4`` (bit-exact for the plain quantizer). Tiling: a
+thread's unit is one 16-element scale block (two or four 128-bit loads), so a block's amax,
+its E4M3 scale and its eight code bytes are all computed in one thread's registers.
+- E4M3 scale: the hardware ``cvt.rn.satfinite.e4m3x2.f32`` (SM89+: Hopper and Blackwell);
+  satfinite clamps at 448 exactly as the reference's min(., 448); decoded back with
+  ``cvt.rn.f16x2.e4m3x2`` (exact).
+- E2M1 codes: on SM90 in software, branch-free: the magnitude is a count of the round-to-
+  nearest-even thresholds below |v| (ties at 0.25, 1.25, 2.5, 5 round down; at 0.75, 1.75,
+  3.5 up), the sign is v's sign bit; NaN compares false everywhere, so it gets magnitude 0.
+  On SM100 the hardware ``cvt.rn.satfinite.e2m1x2.f32`` gives the magnitudes; NaN lanes are
+  then set to magnitude 0 to keep the reference's NaN policy (compile-checked only: no SM100
+  GPU has run it).
+Codes are stored as two 32-bit words a block (element 2j in the low nibble of byte j); scales
+as one byte a block, row-major or in the 128x4 swizzled layout (``swizzled_offset``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .reduction import RowKernelBase, RowLaunch, pick_row_launch
+from .rmsnorm import MAX_N, RMSNormForward
+
+BLOCK = 16
+ONE_SIXTH = 0.1666666716337204  # float32(1/6), as the reference uses it
+MODES = ("quantize", "silu_mul")
+
+
+def fp4_launch(N: int, arch: str, units_per_thread: int = 2) -> RowLaunch:
+    """Launch heuristic for the NVFP4 kernels (the one place it is chosen): one unit is one
+    16-element scale block (``widest_bits=8`` makes pick_row_launch's vector 16 elements)."""
+    return pick_row_launch(N, 8, units_per_thread=units_per_thread, max_units_per_thread=4)
+
+
+def _asm(res_type, ptx: str, constraints: str, args, loc=None, ip=None):
+    """Pure (side-effect free) inline PTX: LLVM may schedule, CSE and drop it like arithmetic."""
+    return llvm.inline_asm(res_type, args, ptx, constraints, has_side_effects=False, is_align_stack=False,
+                           loc=loc, ip=ip)
+
+
+@dsl_user_op
+def e4m3_code(x: Float32, *, loc=None, ip=None) -> Int32:
+    """float8_e4m3fn bits of x: round to nearest even, saturating at 448."""
+    return Int32(_asm(T.i32(), "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $2, $1; cvt.u32.u16 $0, t; }",
+                      "=r,f,f", [Float32(x).ir_value(loc=loc, ip=ip), Float32(0.0).ir_value(loc=loc, ip=ip)],
+                      loc, ip)) & 0xFF
+
+
+@dsl_user_op
+def e4m3_value(code: Int32, *, loc=None, ip=None) -> Float32:
+    """The fp32 value of float8_e4m3fn bits (exact)."""
+    return Float32(_asm(
+        T.f32(),
+        "{ .reg .b16 t, lo, hi; .reg .b32 h2; cvt.u16.u32 t, $1; cvt.rn.f16x2.e4m3x2 h2, t; "
+        "mov.b32 {lo, hi}, h2; cvt.f32.f16 $0, lo; }",
+        "=f,r", [Int32(code).ir_value(loc=loc, ip=ip)], loc, ip))
+
+
+@dsl_user_op
+def f32_bits(x: Float32, *, loc=None, ip=None) -> Uint32:
+    return Uint32(_asm(T.i32(), "mov.b32 $0, $1;", "=r,f", [Float32(x).ir_value(loc=loc, ip=ip)], loc, ip))
+
+
+@dsl_user_op
+def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """IEEE round-to-nearest division (the reference's fp32 ``/``), whatever the fast-math flags."""
+    return Float32(_asm(T.f32(), "div.rn.f32 $0, $1, $2;", "=f,f,f",
+                        [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)], loc, ip))
+
+
+@dsl_user_op
+def e2m1x2_hw(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """SM100: two E2M1 codes in one byte (lo in bits 0-3), hardware round-to-nearest-even."""
+    return Uint32(_asm(T.i32(), "{ .reg .b8 t; cvt.rn.satfinite.e2m1x2.f32 t, $2, $1; cvt.u32.u8 $0, t; }",
+                       "=r,f,f", [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+                       loc, ip))
+
+
+@cute.jit
+def e2m1_sw(y: Float32) -> Uint32:
+    """E2M1 code of y (software, branch-free): threshold count | sign bit."""
+    a = cute.arch.fmax(y, -y)
+    mag = (Uint32(a > 0.25) + Uint32(a >= 0.75) + Uint32(a > 1.25) + Uint32(a >= 1.75) + Uint32(a > 2.5)
+           + Uint32(a >= 3.5) + Uint32(a > 5.0))
+    return mag | ((f32_bits(y) >> 28) & 0x8)
+
+
+class Fp4Epilogue:
+    """Quantize the fp32 values a thread holds (units of one 16-element block) and store the
+    codes and scales. Mixed into row kernels whose launch has ``vec == 16``."""
+
+    arch: str
+    swizzled: bool
+
+    def fp4_tensors(self, pq, psf, M):
+        """Codes as uint32 words [M, N/8]; scales as bytes, [M, N/16] or the flat swizzled buffer."""
+        N = self.launch.N
+        mQ = cute.make_tensor(pq, cute.make_layout((M, N // 8), stride=(N // 8, 1)))
+        if const_expr(self.swizzled):
+            mSF = cute.make_tensor(psf, cute.make_layout((cute.round_up(M, 128) * self.padded_cols(),)))
+        else:
+            mSF = cute.make_tensor(psf, cute.make_layout((M, N // BLOCK), stride=(N // BLOCK, 1)))
+        return mQ, mSF
+
+    def padded_cols(self) -> int:
+        return -(-self.launch.N // BLOCK // 4) * 4
+
+    @cute.jit
+    def store_scale(self, mSF: cute.Tensor, row: Int32, k: Int32, code: Int32):
+        if const_expr(self.swizzled):
+            tile = (row // 128) * (self.padded_cols() // 4) + k // 4
+            mSF[tile * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + (k % 4)] = Uint8(code)
+        else:
+            mSF[row, k] = Uint8(code)
+
+    @cute.jit
+    def quantize_store(self, rV: cute.Tensor, tXcX: cute.Tensor, row: Int32, M: Int32, gs: Float32,
+                       mQ: cute.Tensor, mSF: cute.Tensor):
+        """rV: this thread's fp32 values, shape (16-element unit, 1, units)."""
+        L = self.launch
+        for i in cutlass.range_constexpr(cute.size(rV, mode=[2])):
+            col0 = tXcX[(0, 0), 0, i][1]
+            if row < M and col0 < L.N:
+                blk = rV[None, None, i]
+                amax = Float32(0.0)
+                for j in cutlass.range_constexpr(BLOCK):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(blk[j], -blk[j]))  # max.f32 skips NaN
+                code = e4m3_code(gs * (amax * ONE_SIXTH))
+                sf = e4m3_value(code)
+                s = div_rn(gs, sf)
+                w0, w1 = Uint32(0), Uint32(0)
+                if sf != 0.0:  # a zero scale gives all-zero codes
+                    if const_expr(self.arch.startswith("sm_100")):
+                        for j in cutlass.range_constexpr(4):
+                            w0 = w0 | (self.hw_pair(blk[2 * j] * s, blk[2 * j + 1] * s) << (8 * j))
+                            w1 = w1 | (self.hw_pair(blk[8 + 2 * j] * s, blk[9 + 2 * j] * s) << (8 * j))
+                    else:
+                        for j in cutlass.range_constexpr(8):
+                            w0 = w0 | (e2m1_sw(blk[j] * s) << (4 * j))
+                            w1 = w1 | (e2m1_sw(blk[8 + j] * s) << (4 * j))
+                word = col0 // 8
+                mQ[row, word] = w0
+                mQ[row, word + 1] = w1
+                self.store_scale(mSF, row, col0 // BLOCK, code)
+
+    @cute.jit
+    def hw_pair(self, lo: Float32, hi: Float32) -> Uint32:
+        """SM100 byte of two codes; NaN lanes become magnitude 0 with their sign (reference policy)."""
+        byte = e2m1x2_hw(lo, hi)
+        if lo != lo:
+            byte = (byte & 0xF0) | ((f32_bits(lo) >> 28) & 0x8)
+        if hi != hi:
+            byte = (byte & 0x0F) | ((f32_bits(hi) >> 24) & 0x80)
+        return byte
+
+
+class Fp4Quantize(Fp4Epilogue, RowKernelBase):
+    """nvfp4_quantize (v = x) and silu_mul_fp4quant (v = silu(gate) * up, x = [gate | up])."""
+
+    def __init__(self, launch: RowLaunch, dtype, mode: str, swizzled: bool, arch: str):
+        super().__init__(launch, num_reductions=0)
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        self.dtype, self.mode, self.swizzled, self.arch = dtype, mode, swizzled, arch
+
+    @cute.jit
+    def __call__(self, px: cute.Pointer, pgs: cute.Pointer, pq: cute.Pointer, psf: cute.Pointer, M: Int32,
+                 ldx: Int64, stream: cuda.CUstream):
+        mX = self.matrix(px, M, ldx)
+        mUp = self.matrix(px + self.launch.N, M, ldx) if const_expr(self.mode == "silu_mul") else None
+        mQ, mSF = self.fp4_tensors(pq, psf, M)
+        mGS = cute.make_tensor(pgs, cute.make_layout((1,)))
+        self.kernel(mX, mUp, mGS, mQ, mSF, self.tiled_copy(self.dtype)).launch(
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mUp: Optional[cute.Tensor], mGS: cute.Tensor, mQ: cute.Tensor,
+               mSF: cute.Tensor, tc: cute.TiledCopy):
+        L = self.launch
+        bidx, cy, buf, mbar, part = self.cta_setup(tc)
+        M = cute.size(mX, mode=[0])
+        tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
+        row = tXcX[0][0]
+        tXgX = part(mX, bidx)
+        rX = cute.make_rmem_tensor_like(tXgX)
+        rX.fill(0)
+        rUp = None
+        if const_expr(mUp is not None):
+            rUp = cute.make_rmem_tensor_like(tXgX)
+            rUp.fill(0)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        if row < M:
+            for i in cutlass.range_constexpr(cute.size(tXgX, mode=[2])):
+                if const_expr(L.even_n) or tXcX[(0, 0), 0, i][1] < L.N:
+                    cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
+                    if const_expr(mUp is not None):
+                        cute.copy(atom, part(mUp, bidx)[None, None, i], rUp[None, None, i])
+        gs = mGS[0]
+        v = rX.load().to(Float32)
+        if const_expr(self.mode == "silu_mul"):
+            v = v / (1.0 + cute.math.exp(-v, fastmath=False)) * rUp.load().to(Float32)
+        rV = cute.make_rmem_tensor_like(rX, Float32)
+        rV.store(v)
+        self.quantize_store(rV, tXcX, row, M, gs, mQ, mSF)
+
+
+class AddRMSNormFp4(Fp4Epilogue, RMSNormForward):
+    """add_rmsnorm_fp4quant: residual <- x + residual (in place), v = rmsnorm(residual) * weight
+    in fp32, quantized; optionally y = v in x's dtype. The RMSNorm forward's ``normalize``."""
+
+    def __init__(self, launch: RowLaunch, x_dtype, res_dtype, w_dtype, swizzled: bool, arch: str, store_y: bool):
+        RMSNormForward.__init__(self, launch, x_dtype, w_dtype, None, res_dtype, x_dtype, res_dtype, False)
+        self.swizzled, self.arch, self.store_y = swizzled, arch, store_y
+
+    @cute.jit
+    def __call__(self, px: cute.Pointer, pres: cute.Pointer, pw: cute.Pointer, pgs: cute.Pointer,
+                 py: Optional[cute.Pointer], pq: cute.Pointer, psf: cute.Pointer, M: Int32, ldx: Int64, ldres: Int64,
+                 ldy: Int64, eps: Float32, stream: cuda.CUstream):
+        mX = self.matrix(px, M, ldx)
+        mRes = self.matrix(pres, M, ldres)
+        mY = self.matrix(py, M, ldy) if const_expr(py is not None) else None
+        mQ, mSF = self.fp4_tensors(pq, psf, M)
+        mGS = cute.make_tensor(pgs, cute.make_layout((1,)))
+        self.kernel(mX, mRes, self.broadcast_rows(pw), mGS, mY, mQ, mSF, eps, self.tiled_copy(self.x_dtype)).launch(
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mW: cute.Tensor, mGS: cute.Tensor, mY: Optional[cute.Tensor],
+               mQ: cute.Tensor, mSF: cute.Tensor, eps: Float32, tc: cute.TiledCopy):
+        bidx, cy, buf, mbar, part = self.cta_setup(tc)
+        M = cute.size(mX, mode=[0])
+        tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
+        row = tXcX[0][0]
+        # the residual output aliases the residual: each element is read before it is written
+        v, rX, _, _ = self.normalize(mX, mW, None, mRes, mRes, eps, bidx, buf, mbar, part, tXcX, row, M)
+        gs = mGS[0]
+        if const_expr(mY is not None):
+            rY = cute.make_rmem_tensor_like(rX, self.x_dtype)
+            rY.store(v.to(self.x_dtype))
+            if row < M:
+                self.copy_row(rY, part(mY, bidx), tXcX, self.x_dtype)
+        rV = cute.make_rmem_tensor_like(rX, Float32)
+        rV.store(v)
+        self.quantize_store(rV, tXcX, row, M, gs, mQ, mSF)
+
+
+def compiled_add_rmsnorm_fp4(x_dtype: str, res_dtype: str, w_dtype: str, N: int, arch: str, swizzled: bool,
+                             store_y: bool):
+    if N % BLOCK or not BLOCK <= N <= MAX_N:
+        raise ValueError(f"N={N}: the NVFP4 kernels take a multiple of {BLOCK} up to {MAX_N}")
+    xd, rd, wd = cute_dtype(x_dtype), cute_dtype(res_dtype), cute_dtype(w_dtype)
+    launch = fp4_launch(N, arch)
+
+    def build():
+        one = Int64(launch.vec)
+        return compile_kernel(AddRMSNormFp4(launch, xd, rd, wd, swizzled, arch, store_y), gmem_ptr(xd), gmem_ptr(rd),
+                              gmem_ptr(wd), gmem_ptr(Float32, 4), gmem_ptr(xd) if store_y else None,
+                              gmem_ptr(Uint32, 8), gmem_ptr(Uint8, 1), Int32(1), one, one, one, Float32(1e-6),
+                              fake_stream(), arch=arch)
+
+    return CACHE.get(("add_rmsnorm_fp4", x_dtype, res_dtype, w_dtype, swizzled, store_y, N, arch, launch), build)
+
+
+def compiled_fp4(mode: str, dtype: str, N: int, arch: str, swizzled: bool):
+    """Compile (or fetch) one NVFP4 kernel; N is the quantized width (K for silu_mul)."""
+    if N % BLOCK or not BLOCK <= N <= MAX_N:
+        raise ValueError(f"N={N}: the NVFP4 kernels take a multiple of {BLOCK} up to {MAX_N}")
+    dt = cute_dtype(dtype)
+    launch = fp4_launch(N, arch)
+
+    def build():
+        return compile_kernel(Fp4Quantize(launch, dt, mode, swizzled, arch), gmem_ptr(dt), gmem_ptr(Float32, 4),
+                              gmem_ptr(Uint32, 8), gmem_ptr(Uint8, 1), Int32(1), Int64(launch.vec), fake_stream(),
+                              arch=arch)
+
+    return CACHE.get(("nvfp4", mode, dtype, swizzled, N, arch, launch), build)
+

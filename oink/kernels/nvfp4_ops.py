@@ -1,0 +1,97 @@
+"""NVFP4 kernels on torch tensors (CHECKS/RUNNERS for the dispatch path). Codes are written
+through a 32-bit view of q; scales as raw bytes viewed as float8_e4m3fn afterwards."""
+from __future__ import annotations
+
+import cutlass
+import torch
+
+from .compile import current_stream, runtime_ptr
+from .host import dtype_name, kernel_ready, ld, prepare_rows, prepare_vector, ptr, rows_view
+from .nvfp4 import BLOCK, compiled_add_rmsnorm_fp4, compiled_fp4
+from .rmsnorm import MAX_N
+
+UNIT = 16  # elements per kernel unit (one scale block): row strides must be multiples of it
+
+
+def _round_up(a: int, b: int) -> int:
+    return (a + b - 1) // b * b
+
+
+def _width_reason(N: int) -> str | None:
+    return f"N={N} > {MAX_N}: wider rows use the reference" if N > MAX_N else None
+
+
+def check_quantize(t: dict, arch: str) -> str | None:
+    return _width_reason(t["x"].shape[-1])
+
+
+def check_silu_mul(t: dict, arch: str) -> str | None:
+    return _width_reason(t["x"].shape[-1] // 2)
+
+
+def check_add_rmsnorm(t: dict, arch: str) -> str | None:
+    why = _width_reason(t["x"].shape[-1])
+    if why:
+        return why
+    v = rows_view(t["residual"])
+    if v is None or not kernel_ready(v, UNIT):
+        return "residual rows are not 16-byte aligned 16-element multiples (in place: no copy possible): reference"
+    return None
+
+
+def _outputs(M: int, N: int, device, swizzled: bool):
+    """q [M, N/2] uint8 and the scale bytes (swizzled padding zeroed, as the layout promises)."""
+    K = N // BLOCK
+    q = torch.empty((M, N // 2), device=device, dtype=torch.uint8)
+    if swizzled:
+        Mp, Kp = _round_up(M, 128), _round_up(K, 4)
+        sf = (torch.zeros if (Mp, Kp) != (M, K) else torch.empty)((Mp, Kp), device=device, dtype=torch.uint8)
+    else:
+        sf = torch.empty((M, K), device=device, dtype=torch.uint8)
+    return q, sf
+
+
+def _fp4_ptrs(q, sf, global_scale):
+    gs = global_scale.reshape(1).float().contiguous()
+    return (runtime_ptr(cutlass.Float32, gs.data_ptr(), 4), runtime_ptr(cutlass.Uint32, q.data_ptr(), 8),
+            runtime_ptr(cutlass.Uint8, sf.data_ptr(), 1), gs)
+
+
+def _run_rows(mode, arch, x, N, global_scale, swizzled):
+    x2 = prepare_rows(x, UNIT)
+    q, sf = _outputs(x2.shape[0], N, x.device, swizzled)
+    if x2.shape[0] > 0:
+        fn = compiled_fp4(mode, dtype_name(x2), N, arch, swizzled)
+        pgs, pq, psf, _keep = _fp4_ptrs(q, sf, global_scale)
+        fn(ptr(x2), pgs, pq, psf, x2.shape[0], ld(x2), current_stream(x.device))
+    return q, sf.view(torch.float8_e4m3fn)
+
+
+def run_quantize(arch, x, global_scale, swizzled=False):
+    return _run_rows("quantize", arch, x, x.shape[-1], global_scale, swizzled)
+
+
+def run_silu_mul(arch, x, global_scale, swizzled=False):
+    return _run_rows("silu_mul", arch, x, x.shape[-1] // 2, global_scale, swizzled)
+
+
+def run_add_rmsnorm(arch, x, residual, weight, global_scale, eps=1e-6, swizzled=False, return_y=False):
+    N = x.shape[-1]
+    x2, r2 = prepare_rows(x, UNIT), rows_view(residual)
+    w = prepare_vector(weight, UNIT)
+    M = x2.shape[0]
+    q, sf = _outputs(M, N, x.device, swizzled)
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype) if return_y else None
+    if M > 0:
+        fn = compiled_add_rmsnorm_fp4(dtype_name(x2), dtype_name(r2), dtype_name(w), N, arch, swizzled, return_y)
+        pgs, pq, psf, _keep = _fp4_ptrs(q, sf, global_scale)
+        fn(ptr(x2), ptr(r2), ptr(w), pgs, ptr(y), pq, psf, M, ld(x2), ld(r2), ld(y), float(eps),
+           current_stream(x.device))
+    sf = sf.view(torch.float8_e4m3fn)
+    return (q, sf, y.view(x.shape)) if return_y else (q, sf)
+
+
+CHECKS = {"nvfp4_quantize": check_quantize, "silu_mul_fp4quant": check_silu_mul,
+          "add_rmsnorm_fp4quant": check_add_rmsnorm}
+RUNNERS = {"nvfp4_quantize": run_quantize, "silu_mul_fp4quant": run_silu_mul,
+           "add_rmsnorm_fp4quant": run_add_rmsnorm}

@@ -1,0 +1,193 @@
+"""NVFP4 kernels on the GPU. ``nvfp4_quantize``: bit-exact against the reference (codes and
+scale bytes, both layouts, swizzled padding included). The fused ops compute v in a different
+order than the reference (reduction order, exp rounding), so against the reference evaluated
+in float64 then rounded to fp32 they owe: scales exact, >= 99.9% of codes exact, every other
+code one E2M1 step away with the same sign."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oink
+from oink import reference as R
+from oink.reference.nvfp4 import _quantize_rows, unswizzle
+from tests.gpu_helpers import DTYPES, cuda_arch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
+
+MS = (1, 3, 128, 4097)
+NS = (16, 64, 1008, 2048, 7168, 14336)
+DISTRIBUTIONS = ("normal", "uniform", "heavy", "ties", "saturate", "subnormal", "zeros", "nan")
+
+
+def _values(kind, M, N, g):
+    """fp32 data of one kind, with its global scale."""
+    dev = "cuda"
+    if kind == "normal":
+        return torch.randn(M, N, device=dev, generator=g), 448 * 6 / 4.0
+    if kind == "uniform":
+        return torch.rand(M, N, device=dev, generator=g) * 2 - 1, 448 * 6 / 1.0
+    if kind == "heavy":  # Student-t-like: a few huge values per row
+        return torch.randn(M, N, device=dev, generator=g) / torch.rand(M, N, device=dev, generator=g).clamp_min(1e-3), 50.0
+    if kind == "ties":  # global scale 1 and block amax 6: sf = 1, s = 1, so v * s hits every tie exactly
+        ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0,
+                             -0.0], device=dev)
+        perm = torch.argsort(torch.rand(M, N // 16, 16, device=dev, generator=g), -1)
+        return ties[perm].reshape(M, N), 1.0
+    if kind == "saturate":  # gs * amax / 6 far above 448: scales saturate
+        return torch.randn(M, N, device=dev, generator=g) * 100, 1e4
+    if kind == "subnormal":  # E4M3 subnormal scales, some rounding to 0
+        return torch.randn(M, N, device=dev, generator=g) * 1e-3, 1.0
+    if kind == "zeros":  # every other block all zero
+        v = torch.randn(M, N, device=dev, generator=g).view(M, N // 16, 16)
+        v[:, ::2] = 0
+        return v.reshape(M, N), 448 * 6 / 4.0
+    v = torch.randn(M, N, device=dev, generator=g)  # NaN policy: amax skips NaN, NaN codes 0 with sign
+    v.view(-1)[torch.randperm(M * N, device=dev, generator=g)[: max(1, M * N // 50)]] = float("nan")
+    v.view(-1)[:1] = -float("nan")
+    return v, 448 * 6 / 4.0
+
+
+def _bytes(sf):
+    return sf.view(torch.uint8)
+
+
+def _poison_allocator(nbytes=1 << 26):
+    """Fill memory the caching allocator will hand out next with 0xFF (the kernels allocate
+    their outputs themselves): a byte a kernel forgets to write then shows up as 0xFF."""
+    junk = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device="cuda")
+    del junk
+
+
+@pytest.mark.parametrize("kind", DISTRIBUTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", NS)
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("swizzled", [False, True], ids=["rowmajor", "swizzled"])
+def test_quantize_bit_exact(kind, dtype, N, M, swizzled, seed):
+    from oink.kernels.nvfp4_ops import run_quantize
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    v, gs = _values(kind, M, N, g)
+    x = v.to(dtype)
+    gs_t = torch.tensor([gs], device="cuda", dtype=torch.float32)
+    _poison_allocator()
+    q, sf = run_quantize(cuda_arch(), x, gs_t, swizzled)
+    eq, esf = R.nvfp4_quantize(x, gs_t, swizzled)
+    assert torch.equal(_bytes(sf), _bytes(esf)), f"scales differ at {(_bytes(sf) != _bytes(esf)).nonzero()[:5].tolist()}"
+    assert torch.equal(q, eq), f"codes differ at {(q != eq).nonzero()[:5].tolist()}"
+
+
+def test_quantize_writes_every_byte_and_routes(seed):
+    """Every output byte written (allocator poisoned first; swizzled padding zeroed)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(3, 5, 1008, device="cuda", generator=g).bfloat16()
+    gs = torch.tensor([448 * 6 / 4.0], device="cuda")
+    assert "kernel" in oink.explain("nvfp4_quantize", x, gs, True)
+    _poison_allocator()
+    q, sf = oink.nvfp4_quantize(x, gs, swizzled=True)
+    eq, esf = R.nvfp4_quantize(x, gs, swizzled=True)
+    assert q.shape == (15, 504) and sf.shape == (128, 64)
+    assert torch.equal(q, eq) and torch.equal(_bytes(sf), _bytes(esf))
+    padded = torch.randn(64, 2048 + 16, device="cuda", generator=g)[:, :2048]  # padded rows: no copy
+    assert torch.equal(oink.nvfp4_quantize(padded, gs)[0], R.nvfp4_quantize(padded, gs)[0])
+
+
+def _codes_within_one_step(q, eq, what):
+    """>= 99.9% of codes exact; the rest one magnitude step away with the same sign."""
+    codes = torch.stack([q & 0xF, q >> 4], -1).reshape(-1).int()
+    want = torch.stack([eq & 0xF, eq >> 4], -1).reshape(-1).int()
+    diff = codes != want
+    frac = diff.float().mean().item()
+    assert frac <= 1e-3, f"{what}: {frac:.2e} of codes differ"
+    if diff.any():
+        a, b = codes[diff], want[diff]
+        same_sign = (a & 8) == (b & 8)
+        step = ((a & 7) - (b & 7)).abs()
+        zero_sign_flip = ((a & 7) == 0) & ((b & 7) == 0)  # -0 vs +0 at the rounding edge
+        assert bool(((same_sign & (step == 1)) | zero_sign_flip).all()), f"{what}: a code is more than one step off"
+
+
+def _fp64_then_fp32_quantize(v64, gs, swizzled):
+    return _quantize_rows(v64.float(), gs, swizzled)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", (64, 2048, 7168, 14336))
+@pytest.mark.parametrize("M", (1, 128, 4097))
+@pytest.mark.parametrize("swizzled", [False, True], ids=["rowmajor", "swizzled"])
+def test_silu_mul_fp4quant(dtype, N, M, swizzled, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(M, 2 * N, device="cuda", generator=g) * 2).to(dtype)
+    gs = torch.tensor([448 * 6 / 8.0], device="cuda")
+    assert "kernel" in oink.explain("silu_mul_fp4quant", x, gs, swizzled)
+    q, sf = oink.silu_mul_fp4quant(x, gs, swizzled)
+    x64 = x.double()
+    v64 = torch.nn.functional.silu(x64[:, :N]) * x64[:, N:]
+    eq, esf = _fp64_then_fp32_quantize(v64, gs, swizzled)
+    assert torch.equal(_bytes(sf), _bytes(esf)), "scales differ"
+    _codes_within_one_step(q, eq, "silu_mul codes")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("w_fp32", [False, True], ids=["w_same", "w_fp32"])
+@pytest.mark.parametrize("N", (64, 2048, 7168, 14336))
+@pytest.mark.parametrize("M", (1, 128, 4097))
+@pytest.mark.parametrize("swizzled", [False, True], ids=["rowmajor", "swizzled"])
+def test_add_rmsnorm_fp4quant(dtype, w_fp32, N, M, swizzled, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, N, device="cuda", generator=g).to(dtype)
+    res = torch.randn(M, N, device="cuda", generator=g).to(dtype)
+    w = torch.randn(N, device="cuda", generator=g).to(torch.float32 if w_fp32 else dtype)
+    gs = torch.tensor([448 * 6 / 6.0], device="cuda")
+    res_ref = res.clone()
+    eq_y = R.add_rmsnorm_fp4quant(x, res_ref, w, gs, 1e-6, swizzled, return_y=True)[2]
+    assert "kernel" in oink.explain("add_rmsnorm_fp4quant", x, res, w, gs, 1e-6, swizzled, True)
+    q, sf, y = oink.add_rmsnorm_fp4quant(x, res, w, gs, 1e-6, swizzled, return_y=True)
+    assert torch.equal(res, res_ref), "residual in place must match the reference exactly"
+    r64 = res_ref.double()
+    v64 = r64 * torch.rsqrt(r64.square().mean(-1, keepdim=True) + 1e-6) * w.double()
+    eq, esf = _fp64_then_fp32_quantize(v64, gs, swizzled)
+    assert torch.equal(_bytes(sf), _bytes(esf)), "scales differ"
+    _codes_within_one_step(q, eq, "add_rmsnorm codes")
+    atol = {torch.float32: 1e-4}.get(dtype, 2e-2)
+    torch.testing.assert_close(y.float(), eq_y.float(), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_dequantize_round_trip_bound(swizzled, seed):
+    """|v - dequant(quant(v))| <= amax/6 * (1 + 2^-3) per block: half the top E2M1 gap (1.0) in
+    units of the block scale, plus the scale's own rounding (E4M3: 3 mantissa bits)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(4097, 7168, device="cuda", generator=g)
+    gs = torch.tensor([448 * 6 / x.abs().max().item()], device="cuda")
+    q, sf = oink.nvfp4_quantize(x, gs, swizzled)
+    back = oink.nvfp4_dequantize(q, sf, gs, swizzled)
+    amax = x.view(4097, -1, 16).abs().amax(-1, keepdim=True)
+    err = (back.view(4097, -1, 16) - x.view(4097, -1, 16)).abs()
+    assert bool((err <= amax / 6 * (1 + 2**-3) + 1e-6).all()), float((err / amax).max())
+    if swizzled:
+        assert sf.shape == (4224, 448) and torch.equal(unswizzle(sf, 4097, 448).view(torch.uint8),
+                                                      R.nvfp4_quantize(x, gs)[1].view(torch.uint8))
+
+
+def test_large_rows_and_graph_capture(seed):
+    """A 2^31-byte-crossing input (> 2^30 elements) and capture in a CUDA graph."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    M, N = 65536 + 3, 16384 + 16  # ~1.07e9 elements of bf16
+    x = torch.randn(M, N, device="cuda", generator=g, dtype=torch.bfloat16)
+    gs = torch.tensor([448 * 6 / 5.0], device="cuda")
+    q, sf = oink.nvfp4_quantize(x, gs)
+    tail = slice(M - 5, M)
+    eq, esf = R.nvfp4_quantize(x[tail], gs)
+    assert torch.equal(q[tail], eq) and torch.equal(_bytes(sf[tail]), _bytes(esf))
+    del x, q, sf
+    small = torch.randn(256, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    oink.nvfp4_quantize(small, gs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qg, sfg = oink.nvfp4_quantize(small, gs)
+    small.copy_(torch.randn(256, 4096, device="cuda", generator=g))
+    graph.replay()
+    eq, esf = R.nvfp4_quantize(small, gs)
+    assert torch.equal(qg, eq) and torch.equal(_bytes(sfg), _bytes(esf))
