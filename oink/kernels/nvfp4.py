@@ -18,6 +18,8 @@ as one byte a block, row-major or in the 128x4 swizzled layout (``swizzled_offse
 """
 from __future__ import annotations
 
+import math
+import os
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -32,14 +34,21 @@ from .reduction import RowKernelBase, RowLaunch, pick_row_launch
 from .rmsnorm import MAX_N, RMSNormForward
 
 BLOCK = 16
+LOG2E = math.log2(math.e)
 ONE_SIXTH = 0.1666666716337204  # float32(1/6), as the reference uses it
 MODES = ("quantize", "silu_mul")
 
 
-def fp4_launch(N: int, arch: str, units_per_thread: int = 2) -> RowLaunch:
+# Scale blocks per thread, per kernel (measured on H100, bench/RESULTS.md); OINK_FP4_UPT
+# overrides them for sweeps.
+UNITS_PER_THREAD = {"quantize": 2, "silu_mul": 2, "add_rmsnorm": 2}
+
+
+def fp4_launch(N: int, arch: str, kind: str = "quantize") -> RowLaunch:
     """Launch heuristic for the NVFP4 kernels (the one place it is chosen): one unit is one
     16-element scale block (``widest_bits=8`` makes pick_row_launch's vector 16 elements)."""
-    return pick_row_launch(N, 8, units_per_thread=units_per_thread, max_units_per_thread=4)
+    upt = int(os.environ.get("OINK_FP4_UPT", UNITS_PER_THREAD[kind]))
+    return pick_row_launch(N, 8, units_per_thread=upt, max_units_per_thread=max(upt, 4))
 
 
 def _asm(res_type, ptx: str, constraints: str, args, loc=None, ip=None):
@@ -208,7 +217,8 @@ class Fp4Quantize(Fp4Epilogue, RowKernelBase):
         gs = mGS[0]
         v = rX.load().to(Float32)
         if const_expr(self.mode == "silu_mul"):
-            v = v / (1.0 + cute.math.exp(-v, fastmath=False)) * rUp.load().to(Float32)
+            # fast exp2 (a few ulp): the fused ops owe codes within one step
+            v = v / (1.0 + cute.math.exp2(v * -LOG2E, fastmath=True)) * rUp.load().to(Float32)
         rV = cute.make_rmem_tensor_like(rX, Float32)
         rV.store(v)
         self.quantize_store(rV, tXcX, row, M, gs, mQ, mSF)
@@ -259,7 +269,7 @@ def compiled_add_rmsnorm_fp4(x_dtype: str, res_dtype: str, w_dtype: str, N: int,
     if N % BLOCK or not BLOCK <= N <= MAX_N:
         raise ValueError(f"N={N}: the NVFP4 kernels take a multiple of {BLOCK} up to {MAX_N}")
     xd, rd, wd = cute_dtype(x_dtype), cute_dtype(res_dtype), cute_dtype(w_dtype)
-    launch = fp4_launch(N, arch)
+    launch = fp4_launch(N, arch, "add_rmsnorm")
 
     def build():
         one = Int64(launch.vec)
@@ -276,7 +286,7 @@ def compiled_fp4(mode: str, dtype: str, N: int, arch: str, swizzled: bool):
     if N % BLOCK or not BLOCK <= N <= MAX_N:
         raise ValueError(f"N={N}: the NVFP4 kernels take a multiple of {BLOCK} up to {MAX_N}")
     dt = cute_dtype(dtype)
-    launch = fp4_launch(N, arch)
+    launch = fp4_launch(N, arch, mode)
 
     def build():
         return compile_kernel(Fp4Quantize(launch, dt, mode, swizzled, arch), gmem_ptr(dt), gmem_ptr(Float32, 4),
