@@ -41,7 +41,7 @@ MODES = ("quantize", "silu_mul")
 
 # Scale blocks per thread, per kernel (measured on H100, bench/RESULTS.md); OINK_FP4_UPT
 # overrides them for sweeps.
-UNITS_PER_THREAD = {"quantize": 2, "silu_mul": 2, "add_rmsnorm": 2}
+UNITS_PER_THREAD = {"quantize": 2, "silu_mul": 1, "add_rmsnorm": 2}
 
 
 def fp4_launch(N: int, arch: str, kind: str = "quantize") -> RowLaunch:
