@@ -184,29 +184,7 @@ def table(title, rows, ceiling, bytes_of, providers):
           ", ".join(f"vs {p} {gm(v):.2f}x (min {min(v):.2f}x)" for p, v in speedups.items() if v))
 
 
-def sweep_backward():
-    """Backward launch knobs on the DSv3 shapes and two Quack-suite shapes (one run, one card)."""
-    import os
-
-    P = peers()
-    ceiling = copy_tbs()
-    compiled_bwd = torch.compile(R.rmsnorm_backward)
-    shapes = [(M, N) for M in (4096, 16384, 65536) for N in (6144, 7168, 8192)] + [(8192, 4096), (65536, 4096)]
-    spec = sys.argv[sys.argv.index("--sweep") + 1] if len(sys.argv) > sys.argv.index("--sweep") + 1 else "1:1024"
-    for upt, tpsm in (map(int, c.split(":")) for c in spec.split(",")):
-        if True:
-            os.environ["OINK_BWD_UPT"], os.environ["OINK_BWD_TPSM"] = str(upt), str(tpsm)
-            rows, nbytes = [], {}
-            for M, N in shapes:
-                row, b = bench_backward(M, N, P, compiled_bwd, ceiling)
-                rows.append(((M, N), row))
-                nbytes[(M, N)] = b
-            table(f"backward sweep: units/thread {upt}, threads/SM {tpsm}", rows, ceiling, nbytes, ["oink", "quack"])
-
-
 def main():
-    if "--sweep" in sys.argv:
-        return sweep_backward()
     quick = "--quick" in sys.argv
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")

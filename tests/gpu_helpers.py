@@ -43,9 +43,9 @@ def run_backward_poisoned(x, w, dout, rstd, dres, has_bias, mean=None):
 
     M, N = x.shape
     vec = vec_for(N, x)
-    L = backward_launch(N, x.element_size() * 8, cuda_arch())
+    L = backward_launch(N, x.element_size() * 8, cuda_arch(), mean is not None)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    ctas = max(1, min(-(-M // L.rows_per_cta), persistent_ctas(L, sms)))
+    ctas = max(1, min(-(-M // L.rows_per_cta), persistent_ctas(L, sms, mean is not None)))
     nan = float("nan")
     dx = torch.full((M, N), nan, device="cuda", dtype=x.dtype)
     dw_part = torch.full((ctas * L.rows_per_cta, N), nan, device="cuda") if w is not None else None

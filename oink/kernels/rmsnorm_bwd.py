@@ -24,21 +24,27 @@ from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
 from .reduction import RowLaunch, add, pick_row_launch
 from .rmsnorm import MAX_N, RMSNormForward
 
-# Tuning knobs, overridable for sweeps (scripts/bench_rmsnorm.py --sweep); defaults measured there.
-UNITS_PER_THREAD = 2
-THREADS_PER_SM = 1024
+# Tuning knobs per family: (128-bit units per thread, resident threads per SM the persistent grid
+# is sized for), measured on H100 with scripts/gpu_sweep.sh (bench/RESULTS.md). Both kernels hold
+# ~120 registers a thread, so one CTA is resident per SM: a grid sized for more would run a second
+# wave and double the dweight/dbias partial rows to sum. OINK_BWD_UPT / OINK_BWD_TPSM override.
+TUNING = {"rmsnorm": (2, 512), "layernorm": (4, 256)}
 
 
-def backward_launch(N: int, x_bits: int, arch: str) -> RowLaunch:
-    """Launch heuristic for the backward (the one place it is chosen): 2 units a thread and
-    ~1024 resident threads per SM measured best on H100 (bench/RESULTS.md); SM100 reuses it."""
-    upt = int(os.environ.get("OINK_BWD_UPT", UNITS_PER_THREAD))
+def _knobs(layernorm: bool) -> tuple[int, int]:
+    upt, tpsm = TUNING["layernorm" if layernorm else "rmsnorm"]
+    return int(os.environ.get("OINK_BWD_UPT", upt)), int(os.environ.get("OINK_BWD_TPSM", tpsm))
+
+
+def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False) -> RowLaunch:
+    """Launch heuristic for the norm backward (the one place it is chosen); SM100 reuses SM90's."""
+    upt = _knobs(layernorm)[0]
     return pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=max(upt, 8))
 
 
-def persistent_ctas(launch: RowLaunch, sm_count: int) -> int:
+def persistent_ctas(launch: RowLaunch, sm_count: int, layernorm: bool = False) -> int:
     """CTAs in x of the persistent grid: a target of resident threads per SM."""
-    tpsm = int(os.environ.get("OINK_BWD_TPSM", THREADS_PER_SM))
+    tpsm = _knobs(layernorm)[1]
     return max(1, sm_count * max(1, tpsm // launch.num_threads) // launch.cluster_n)
 
 
@@ -186,7 +192,7 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the norm kernels handle 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
-    launch = backward_launch(N, xd.width, arch)
+    launch = backward_launch(N, xd.width, arch, layernorm)
     key = ("layernorm_bwd" if layernorm else "rmsnorm_bwd", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N,
            arch, launch)
 

@@ -106,10 +106,11 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias):
     w = prepare_vector(weight, vec)
     M = x2.shape[0]
     dx = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    launch = backward_launch(N, x.element_size() * 8, arch)
+    layernorm = mean is not None
+    launch = backward_launch(N, x.element_size() * 8, arch, layernorm)
     tiles = -(-M // launch.rows_per_cta)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    ctas = max(1, min(tiles, persistent_ctas(launch, sms)))
+    ctas = max(1, min(tiles, persistent_ctas(launch, sms, layernorm)))
     parts = ctas * launch.rows_per_cta
     dw_part = torch.empty((parts, N), device=x.device, dtype=torch.float32) if weight is not None else None
     db_part = torch.empty((parts, N), device=x.device, dtype=torch.float32) if has_bias else None

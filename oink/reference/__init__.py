@@ -4,7 +4,8 @@ Same signatures as the public ``oink.<op>`` functions, fp32 arithmetic, outputs 
 input's dtype unless a docstring says otherwise. No validation here: the public API does it.
 ``cross_entropy_backward_`` (in place) backs ``oink.cross_entropy(..., inplace_backward=True)``.
 """
-from .cross_entropy import cross_entropy_backward, cross_entropy_backward_, cross_entropy_forward, cross_entropy_fwd_bwd
+from .cross_entropy import cross_entropy_backward_  # noqa: F401  (internal: not a public op)
+from .cross_entropy import cross_entropy_backward, cross_entropy_forward, cross_entropy_fwd_bwd
 from .norms import fused_add_rmsnorm_, layernorm, layernorm_backward, rmsnorm_backward, rmsnorm_forward
 from .nvfp4 import add_rmsnorm_fp4quant, nvfp4_dequantize, nvfp4_quantize, silu_mul_fp4quant
 from .softmax import softmax_backward, softmax_forward, softmax_fwd_bwd
