@@ -113,9 +113,22 @@ def silu_mul_fp4quant(x: Tensor, global_scale: Tensor, swizzled: bool = False):
     return tuple(_oink.silu_mul_fp4quant(x, global_scale, swizzled))
 
 
+def mxfp4_quantize(x: Tensor, swizzled: bool = False):
+    """-> (q uint8 [M, N/2], sf float8_e8m0fnu): blocks of 32, power-of-two scales, no global
+    scale; see ``oink.reference.nvfp4`` for the exact scale rule."""
+    validate.mxfp4_quantize(x, swizzled)
+    return tuple(_oink.mxfp4_quantize(x, swizzled))
+
+
+def mxfp4_dequantize(q: Tensor, sf: Tensor, swizzled: bool = False) -> Tensor:
+    validate.mxfp4_dequantize(q, sf, swizzled)
+    return _oink.mxfp4_dequantize(q, sf, swizzled)
+
+
 PUBLIC_OPS = (
     "rmsnorm_forward", "fused_add_rmsnorm_", "rmsnorm_backward", "layernorm", "layernorm_backward",
     "softmax_forward", "softmax_backward", "softmax_fwd_bwd",
     "cross_entropy_forward", "cross_entropy_backward", "cross_entropy_fwd_bwd",
     "nvfp4_quantize", "nvfp4_dequantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant",
+    "mxfp4_quantize", "mxfp4_dequantize",
 )

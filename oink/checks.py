@@ -87,3 +87,8 @@ def multiple_of_16(name: str, n: int) -> None:
     if n % 16:
         raise ValueError(f"{name}: last dim {n} must be a multiple of 16 for NVFP4 blocks")
 
+
+def multiple_of_32(name: str, n: int) -> None:
+    if n % 32:
+        raise ValueError(f"{name}: last dim {n} must be a multiple of 32 for MXFP4 blocks")
+

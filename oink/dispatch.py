@@ -54,6 +54,7 @@ KERNEL_MODULES: dict[str, str] = {
     "nvfp4_quantize": "oink.kernels.nvfp4_ops",
     "add_rmsnorm_fp4quant": "oink.kernels.nvfp4_ops",
     "silu_mul_fp4quant": "oink.kernels.nvfp4_ops",
+    "mxfp4_quantize": "oink.kernels.nvfp4_ops",
 }
 
 

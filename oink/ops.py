@@ -208,9 +208,9 @@ def _(dloss, logits, target, ignore_index):
 
 
 # ---------------------------------------------------------------- NVFP4
-def _fp4_fake(x, N: int, swizzled: bool):
+def _fp4_fake(x, N: int, swizzled: bool, block: int = 16):
     M = x.numel() // x.shape[-1]
-    K = N // 16
+    K = N // block
     q = x.new_empty((M, N // 2), dtype=torch.uint8)
     shape = (round_up(M, 128), round_up(K, 4)) if swizzled else (M, K)
     return q, x.new_empty(shape, dtype=torch.float8_e4m3fn)
@@ -268,10 +268,37 @@ def _(x, global_scale, swizzled):
     return _fp4_fake(x, x.shape[-1] // 2, swizzled)
 
 
+# ---------------------------------------------------------------- MXFP4
+@torch.library.custom_op(f"{NS}::mxfp4_quantize", mutates_args=())
+def mxfp4_quantize(x: Tensor, swizzled: bool) -> tuple[Tensor, Tensor]:
+    validate.mxfp4_quantize(x, swizzled)
+    return call("mxfp4_quantize", x=x, swizzled=swizzled)
+
+
+@mxfp4_quantize.register_fake
+def _(x, swizzled):
+    validate.mxfp4_quantize(x, swizzled)
+    q, sf = _fp4_fake(x, x.shape[-1], swizzled, block=32)
+    return q, sf.view(torch.float8_e8m0fnu)
+
+
+@torch.library.custom_op(f"{NS}::mxfp4_dequantize", mutates_args=())
+def mxfp4_dequantize(q: Tensor, sf: Tensor, swizzled: bool) -> Tensor:
+    validate.mxfp4_dequantize(q, sf, swizzled)
+    return call("mxfp4_dequantize", q=q, sf=sf, swizzled=swizzled)
+
+
+@mxfp4_dequantize.register_fake
+def _(q, sf, swizzled):
+    validate.mxfp4_dequantize(q, sf, swizzled)
+    return q.new_empty((q.shape[0], q.shape[1] * 2), dtype=torch.float32)
+
+
 ALL_OPS = (
     rmsnorm, fused_add_rms_norm, rmsnorm_forward, rmsnorm_backward, layernorm, layernorm_backward,
     softmax_forward, softmax_backward, softmax_fwd_bwd, cross_entropy_forward, cross_entropy_backward,
-    cross_entropy_backward_, cross_entropy_fwd_bwd, nvfp4_quantize, nvfp4_dequantize, add_rmsnorm_fp4quant, silu_mul_fp4quant,
+    cross_entropy_backward_, cross_entropy_fwd_bwd, nvfp4_quantize, nvfp4_dequantize, add_rmsnorm_fp4quant,
+    silu_mul_fp4quant, mxfp4_quantize, mxfp4_dequantize,
 )
 
 

@@ -135,18 +135,31 @@ def nvfp4_quantize(x, global_scale, swizzled=False):
 
 
 def nvfp4_dequantize(q, sf, global_scale, swizzled=False):
+    _codes_and_scales(q, sf, swizzled, 16, torch.float8_e4m3fn)
+    c.global_scale("global_scale", global_scale, q.device)
+
+
+def _codes_and_scales(q, sf, swizzled, block, sf_dtype):
     c.tensor("q", q, (torch.uint8,), min_dim=2)
-    c.tensor("sf", sf, (torch.float8_e4m3fn,), min_dim=2)
+    c.tensor("sf", sf, (sf_dtype,), min_dim=2)
     if q.dim() != 2 or sf.dim() != 2:
         raise ValueError(f"q and sf must be 2-D, got {tuple(q.shape)} and {tuple(sf.shape)}")
-    M, K = q.shape[0], q.shape[1] * 2 // 16
-    if q.shape[1] % 8:
-        raise ValueError(f"q: {q.shape[1]} bytes a row is not a whole number of 16-element blocks")
+    M, K = q.shape[0], q.shape[1] * 2 // block
+    if (q.shape[1] * 2) % block:
+        raise ValueError(f"q: {q.shape[1]} bytes a row is not a whole number of {block}-element blocks")
     want = (round_up(M, 128), round_up(K, 4)) if swizzled else (M, K)
     if tuple(sf.shape) != want:
         raise ValueError(f"sf: expected shape {want} for q of shape {tuple(q.shape)}, got {tuple(sf.shape)}")
-    c.global_scale("global_scale", global_scale, q.device)
     c.same_device(q=q, sf=sf)
+
+
+def mxfp4_quantize(x, swizzled=False):
+    c.rows_input("x", x)
+    c.multiple_of_32("x", x.shape[-1])
+
+
+def mxfp4_dequantize(q, sf, swizzled=False):
+    _codes_and_scales(q, sf, swizzled, 32, torch.float8_e8m0fnu)
 
 
 def add_rmsnorm_fp4quant(x, residual, weight, global_scale, eps=1e-6, swizzled=False, return_y=False):

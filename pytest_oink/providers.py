@@ -118,6 +118,10 @@ def _fp4_inputs(M, N, dtype, device, gen):
     return dict(x=_rand((M, N), dtype, device, gen), global_scale=torch.tensor([448 * 6 / 5.0], device=device))
 
 
+def _mx_inputs(M, N, dtype, device, gen):
+    return dict(x=_rand((M, N), dtype, device, gen))
+
+
 def _silu_fp4_inputs(M, N, dtype, device, gen):
     a = _fp4_inputs(M, 2 * N, dtype, device, gen)  # N is the quantized width K: x is [M, 2K]
     a["x"] = a["x"] * 2
@@ -181,6 +185,9 @@ SPECS = {
     "nvfp4_quantize": OpSpec("nvfp4_code_step", _fp4_inputs,
                              lambda a: _R().nvfp4_quantize(a["x"], a["global_scale"]),
                              lambda M, N, e: M * N * e + M * N // 2 + M * N // 16, gate_view=_fp4_code_steps),
+    # read x; write codes and one UE8M0 scale byte per 32
+    "mxfp4_quantize": OpSpec("nvfp4_code_step", _mx_inputs, lambda a: _R().mxfp4_quantize(a["x"]),
+                             lambda M, N, e: M * N * e + M * N // 2 + M * N // 32, gate_view=_fp4_code_steps),
     # read x and residual, write residual (in place), codes and scales; read the weight
     "add_rmsnorm_fp4quant": OpSpec("nvfp4_code_step", _add_rms_fp4_inputs,
                                    lambda a: _R().add_rmsnorm_fp4quant(a["x"], a["residual"], a["weight"],
@@ -246,6 +253,7 @@ _OINK_CALLS = {
     "nvfp4_quantize": lambda f, a: f(a["x"], a["global_scale"]),
     "add_rmsnorm_fp4quant": lambda f, a: f(a["x"], a["residual"], a["weight"], a["global_scale"], EPS),
     "silu_mul_fp4quant": lambda f, a: f(a["x"], a["global_scale"]),
+    "mxfp4_quantize": lambda f, a: f(a["x"]),
 }
 
 for _op in SPECS:

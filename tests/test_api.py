@@ -35,6 +35,8 @@ def inputs(op, M=4, N=32, dtype=torch.float32):
         "nvfp4_dequantize": dict(q=q, sf=sf, global_scale=GS),
         "add_rmsnorm_fp4quant": dict(x=x(), residual=x(), weight=w, global_scale=GS, return_y=True),
         "silu_mul_fp4quant": dict(x=x(), global_scale=GS),
+        "mxfp4_quantize": dict(x=x()),
+        "mxfp4_dequantize": dict(zip(("q", "sf"), R.mxfp4_quantize(x()))),
     }[op]
 
 

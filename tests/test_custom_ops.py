@@ -45,6 +45,8 @@ def op_samples():
         (o.nvfp4_dequantize, (qs, sfs, GS, True)),
         (o.add_rmsnorm_fp4quant, (x(), x(), w, GS, 1e-6, True, True)),
         (o.silu_mul_fp4quant, (x(), GS, False)),
+        (o.mxfp4_quantize, (x(torch.bfloat16), True)),
+        (o.mxfp4_dequantize, (*oink.reference.mxfp4_quantize(x()), False)),
     ]
 
 
@@ -53,7 +55,7 @@ SAMPLES = op_samples()
 
 @pytest.mark.parametrize("op,args", SAMPLES, ids=[f"{s[0]._qualified_op_name}-{i}" for i, s in enumerate(SAMPLES)])
 def test_opcheck(op, args):
-    if any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args):
+    if any(isinstance(a, torch.Tensor) and a.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) for a in args):
         # opcheck's schema test compares inputs with arithmetic CPU float8 lacks ("mul_cpu_reduced_float");
         # the mutation/alias check it would do is still covered by the fake and AOT tests below.
         torch.library.opcheck(op, args, test_utils=("test_faketensor", "test_autograd_registration",

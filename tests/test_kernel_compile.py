@@ -186,6 +186,14 @@ def test_add_rmsnorm_fp4_compiles(arch, dtype, w, swizzled, store_y):
         assert callable(compiled_add_rmsnorm_fp4(dtype, dtype, wd, N, arch, swizzled, store_y))
 
 
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_mxfp4_quantize_compiles(arch, dtype, swizzled):
+    for N in (32, 1056, 4096, 14336, 262144):
+        assert callable(compiled_fp4("quantize", dtype, N, arch, swizzled, mx=True))
+
+
 def test_nvfp4_launch_units_are_scale_blocks():
     for N in FP4_WIDTHS:
         L = fp4_launch(N, "sm_90a")

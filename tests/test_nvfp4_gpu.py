@@ -202,3 +202,33 @@ def test_large_rows_and_graph_capture(seed):
     graph.replay()
     eq, esf = R.nvfp4_quantize(small, gs)
     assert torch.equal(qg, eq) and torch.equal(_bytes(sfg), _bytes(esf))
+
+
+@pytest.mark.parametrize("kind", DISTRIBUTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", (32, 1056, 7168, 14336))
+@pytest.mark.parametrize("M", (1, 3, 4097))
+@pytest.mark.parametrize("swizzled", [False, True], ids=["rowmajor", "swizzled"])
+def test_mxfp4_quantize_bit_exact(kind, dtype, N, M, swizzled, seed):
+    from oink.kernels.nvfp4_ops import run_mx_quantize
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    v, _ = _values(kind, M, N, g)
+    x = (v * 37.0 if kind == "ties" else v).to(dtype)  # ties: scale the block so 2^-shared is not 1
+    _poison_allocator()
+    q, sf = run_mx_quantize(cuda_arch(), x, swizzled)
+    eq, esf = R.mxfp4_quantize(x, swizzled)
+    assert torch.equal(_bytes(sf), _bytes(esf)), f"scales differ at {(_bytes(sf) != _bytes(esf)).nonzero()[:5].tolist()}"
+    assert torch.equal(q, eq), f"codes differ at {(q != eq).nonzero()[:5].tolist()}"
+
+
+def test_mxfp4_public_api_routes_to_kernel(seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(2, 9, 4096, device="cuda", generator=g).bfloat16()
+    assert "kernel" in oink.explain("mxfp4_quantize", x, False)
+    q, sf = oink.mxfp4_quantize(x)
+    assert sf.dtype == torch.float8_e8m0fnu and q.shape == (18, 2048) and sf.shape == (18, 128)
+    back = oink.mxfp4_dequantize(q, sf)
+    amax = x.float().view(18, -1, 32).abs().amax(-1, keepdim=True)
+    err = (back.view(18, -1, 32) - x.float().view(18, -1, 32)).abs()
+    assert bool((err <= amax / 4 + 1e-30).all())  # half a top step (1 of the 4..6 gap) at scale <= amax/4

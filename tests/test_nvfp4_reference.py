@@ -183,3 +183,55 @@ def test_silu_mul_fp4quant(gen):
     iq, isf = independent_quantize(v, 50.0)
     assert torch.equal(sf.float(), isf)
     assert (q == iq).float().mean() >= 0.99
+
+
+def independent_mx_quantize(x: torch.Tensor):
+    """MXFP4 by the OCP rule, scalar: shared = clamp(floor(log2(amax)) - 2, -127, 127)."""
+    xs = x.reshape(-1, x.shape[-1]).float().numpy()
+    M, N = xs.shape
+    q = np.zeros((M, N // 2), np.uint8)
+    sf = np.zeros((M, N // 32), np.uint8)
+    for m in range(M):
+        for k in range(N // 32):
+            blk = xs[m, 32 * k:32 * k + 32]
+            finite_abs = [abs(float(v)) for v in blk if not math.isnan(v)]
+            amax = max(finite_abs) if finite_abs else 0.0
+            if amax == 0:
+                e = -127
+            elif math.isinf(amax):
+                e = 128
+            else:
+                e = max(math.frexp(amax)[1] - 1, -127)  # floor(log2(amax)); subnormals read as -127
+            shared = min(max(e - 2, -127), 127)
+            sf[m, k] = shared + 127
+            codes = [0 if amax == 0 else ind_e2m1_code(F32(F32(v) * F32(2.0 ** -shared)), bool(np.signbit(v)))
+                     for v in blk]
+            for j in range(16):
+                q[m, 16 * k + j] = codes[2 * j] | (codes[2 * j + 1] << 4)
+    return torch.from_numpy(q), torch.from_numpy(sf)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 1e30, 1e-40])
+def test_mxfp4_matches_independent_implementation(gen, scale):
+    x = torch.randn(3, 96, generator=gen) * scale
+    x[0, :32] = 0.0  # an all-zero block: scale byte 0, codes 0
+    x[1, 5] = float("nan")  # amax skips NaN
+    x[2, 40] = -0.0
+    q, sf = R.mxfp4_quantize(x)
+    eq, esf = independent_mx_quantize(x)
+    assert torch.equal(sf.view(torch.uint8), esf)
+    assert torch.equal(q, eq)
+    qs, sfs = R.mxfp4_quantize(x, swizzled=True)
+    assert sfs.shape == (128, 4) and torch.equal(R.nvfp4.unswizzle(sfs, 3, 3).view(torch.uint8), esf)
+
+
+def test_mxfp4_scale_rule_by_hand():
+    blk = torch.zeros(1, 32)
+    blk[0, 0] = 6.0  # floor(log2 6) = 2 -> shared 0 -> byte 127, 6 is exactly representable
+    blk[0, 1] = -7.9  # 7.9 saturates to 6 (code 0xF)
+    blk[0, 2] = 0.75  # a tie: rounds to the even 1.0 (code 2)
+    q, sf = R.mxfp4_quantize(blk)
+    assert int(sf.view(torch.uint8)) == 127
+    assert int(q[0, 0]) == 0x7 | (0xF << 4) and int(q[0, 1]) & 0xF == 2
+    back = R.mxfp4_dequantize(q, sf)
+    assert back[0, :3].tolist() == [6.0, -6.0, 1.0]

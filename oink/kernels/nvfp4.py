@@ -1,5 +1,6 @@
-"""NVFP4 quantization kernels in CuTeDSL: ``nvfp4_quantize``, ``silu_mul_fp4quant`` and the
-fused ``add_rmsnorm_fp4quant`` (the RMSNorm forward kernel with this quantizing epilogue).
+"""FP4 quantization kernels in CuTeDSL: ``nvfp4_quantize``, ``silu_mul_fp4quant``, the fused
+``add_rmsnorm_fp4quant`` (the RMSNorm forward kernel with this quantizing epilogue), and the
+MXFP4 variant ``mxfp4_quantize`` (blocks of 32, power-of-two UE8M0 scales, no global scale).
 
 Semantics are exactly ``oink.reference.nvfp4`` (bit-exact for the plain quantizer). Tiling: a
 thread's unit is one 16-element scale block (two or four 128-bit loads), so a block's amax,
@@ -13,8 +14,10 @@ its E4M3 scale and its eight code bytes are all computed in one thread's registe
   On SM100 the hardware ``cvt.rn.satfinite.e2m1x2.f32`` gives the magnitudes; NaN lanes are
   then set to magnitude 0 to keep the reference's NaN policy (compile-checked only: no SM100
   GPU has run it).
-Codes are stored as two 32-bit words a block (element 2j in the low nibble of byte j); scales
-as one byte a block, row-major or in the 128x4 swizzled layout (``swizzled_offset``).
+- MXFP4 scale: the exponent field of the block's fp32 amax, minus 2, clamped to [-127, 127]
+  (the reference's rule); v is multiplied by the exact power of two 2^-shared.
+Codes are stored as 32-bit words (8 codes each, element 2j in the low nibble of byte j);
+scales as one byte a block, row-major or in the 128x4 swizzled layout (``swizzled_offset``).
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
 from .reduction import RowKernelBase, RowLaunch, pick_row_launch
 from .rmsnorm import MAX_N, RMSNormForward
 
-BLOCK = 16
+BLOCK = 16  # NVFP4
+MX_BLOCK = 32  # MXFP4
 LOG2E = math.log2(math.e)
 ONE_SIXTH = 0.1666666716337204  # float32(1/6), as the reference uses it
 MODES = ("quantize", "silu_mul")
@@ -44,11 +48,11 @@ MODES = ("quantize", "silu_mul")
 UNITS_PER_THREAD = {"quantize": 2, "silu_mul": 1, "add_rmsnorm": 2}
 
 
-def fp4_launch(N: int, arch: str, kind: str = "quantize") -> RowLaunch:
-    """Launch heuristic for the NVFP4 kernels (the one place it is chosen): one unit is one
-    16-element scale block (``widest_bits=8`` makes pick_row_launch's vector 16 elements)."""
+def fp4_launch(N: int, arch: str, kind: str = "quantize", block: int = BLOCK) -> RowLaunch:
+    """Launch heuristic for the FP4 kernels (the one place it is chosen): one unit is one scale
+    block (``widest_bits = 128 / block`` makes pick_row_launch's vector one block long)."""
     upt = int(os.environ.get("OINK_FP4_UPT", UNITS_PER_THREAD[kind]))
-    return pick_row_launch(N, 8, units_per_thread=upt, max_units_per_thread=max(upt, 4))
+    return pick_row_launch(N, 128 // block, units_per_thread=upt, max_units_per_thread=max(upt, 4))
 
 
 def _asm(res_type, ptx: str, constraints: str, args, loc=None, ip=None):
@@ -88,6 +92,11 @@ def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def f32_from_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
+    return Float32(_asm(T.f32(), "mov.b32 $0, $1;", "=f,r", [Int32(bits).ir_value(loc=loc, ip=ip)], loc, ip))
+
+
+@dsl_user_op
 def e2m1x2_hw(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     """SM100: two E2M1 codes in one byte (lo in bits 0-3), hardware round-to-nearest-even."""
     return Uint32(_asm(T.i32(), "{ .reg .b8 t; cvt.rn.satfinite.e2m1x2.f32 t, $2, $1; cvt.u32.u8 $0, t; }",
@@ -105,24 +114,29 @@ def e2m1_sw(y: Float32) -> Uint32:
 
 
 class Fp4Epilogue:
-    """Quantize the fp32 values a thread holds (units of one 16-element block) and store the
-    codes and scales. Mixed into row kernels whose launch has ``vec == 16``."""
+    """Quantize the fp32 values a thread holds (units of one scale block) and store the codes
+    and scales. Mixed into row kernels whose launch has ``vec == block``."""
 
     arch: str
     swizzled: bool
+    mx: bool = False  # MXFP4 (blocks of 32, UE8M0 scales) instead of NVFP4
+
+    @property
+    def block(self) -> int:
+        return MX_BLOCK if self.mx else BLOCK
 
     def fp4_tensors(self, pq, psf, M):
-        """Codes as uint32 words [M, N/8]; scales as bytes, [M, N/16] or the flat swizzled buffer."""
-        N = self.launch.N
+        """Codes as uint32 words [M, N/8]; scales as bytes, [M, N/block] or the flat swizzled buffer."""
+        N, K = self.launch.N, self.launch.N // self.block
         mQ = cute.make_tensor(pq, cute.make_layout((M, N // 8), stride=(N // 8, 1)))
         if const_expr(self.swizzled):
             mSF = cute.make_tensor(psf, cute.make_layout((cute.round_up(M, 128) * self.padded_cols(),)))
         else:
-            mSF = cute.make_tensor(psf, cute.make_layout((M, N // BLOCK), stride=(N // BLOCK, 1)))
+            mSF = cute.make_tensor(psf, cute.make_layout((M, K), stride=(K, 1)))
         return mQ, mSF
 
     def padded_cols(self) -> int:
-        return -(-self.launch.N // BLOCK // 4) * 4
+        return -(-self.launch.N // self.block // 4) * 4
 
     @cute.jit
     def store_scale(self, mSF: cute.Tensor, row: Int32, k: Int32, code: Int32):
@@ -133,34 +147,43 @@ class Fp4Epilogue:
             mSF[row, k] = Uint8(code)
 
     @cute.jit
-    def quantize_store(self, rV: cute.Tensor, tXcX: cute.Tensor, row: Int32, M: Int32, gs: Float32,
+    def block_scale(self, amax: Float32, gs):
+        """-> (scale byte, multiplier s, whether the block's codes are all zero)."""
+        if const_expr(self.mx):
+            e = Int32((f32_bits(amax) >> 23) & 0xFF) - 127  # floor(log2 amax); 0 and subnormals: -127
+            shared = cute.arch.fmin(cute.arch.fmax(Float32(e - 2), Float32(-127.0)), Float32(127.0))
+            shared_i = Int32(shared)
+            return shared_i + 127, f32_from_bits((127 - shared_i) << 23), amax == 0.0  # 2^-shared, normal
+        code = e4m3_code(gs * (amax * ONE_SIXTH))
+        sf = e4m3_value(code)
+        return code, div_rn(gs, sf), sf == 0.0
+
+    @cute.jit
+    def quantize_store(self, rV: cute.Tensor, tXcX: cute.Tensor, row: Int32, M: Int32, gs,
                        mQ: cute.Tensor, mSF: cute.Tensor):
-        """rV: this thread's fp32 values, shape (16-element unit, 1, units)."""
+        """rV: this thread's fp32 values, shape (one-block unit, 1, units)."""
         L = self.launch
+        B = self.block
         for i in cutlass.range_constexpr(cute.size(rV, mode=[2])):
             col0 = tXcX[(0, 0), 0, i][1]
             if row < M and col0 < L.N:
                 blk = rV[None, None, i]
                 amax = Float32(0.0)
-                for j in cutlass.range_constexpr(BLOCK):
+                for j in cutlass.range_constexpr(B):
                     amax = cute.arch.fmax(amax, cute.arch.fmax(blk[j], -blk[j]))  # max.f32 skips NaN
-                code = e4m3_code(gs * (amax * ONE_SIXTH))
-                sf = e4m3_value(code)
-                s = div_rn(gs, sf)
-                w0, w1 = Uint32(0), Uint32(0)
-                if sf != 0.0:  # a zero scale gives all-zero codes
-                    if const_expr(self.arch.startswith("sm_100")):
-                        for j in cutlass.range_constexpr(4):
-                            w0 = w0 | (self.hw_pair(blk[2 * j] * s, blk[2 * j + 1] * s) << (8 * j))
-                            w1 = w1 | (self.hw_pair(blk[8 + 2 * j] * s, blk[9 + 2 * j] * s) << (8 * j))
-                    else:
-                        for j in cutlass.range_constexpr(8):
-                            w0 = w0 | (e2m1_sw(blk[j] * s) << (4 * j))
-                            w1 = w1 | (e2m1_sw(blk[8 + j] * s) << (4 * j))
-                word = col0 // 8
-                mQ[row, word] = w0
-                mQ[row, word + 1] = w1
-                self.store_scale(mSF, row, col0 // BLOCK, code)
+                code, s, zero = self.block_scale(amax, gs)
+                for w in cutlass.range_constexpr(B // 8):
+                    word = Uint32(0)
+                    if not zero:  # a zero scale (NVFP4) or a zero block (MXFP4) gives all-zero codes
+                        if const_expr(self.arch.startswith("sm_100")):
+                            for j in cutlass.range_constexpr(4):
+                                lo, hi = blk[8 * w + 2 * j] * s, blk[8 * w + 2 * j + 1] * s
+                                word = word | (self.hw_pair(lo, hi) << (8 * j))
+                        else:
+                            for j in cutlass.range_constexpr(8):
+                                word = word | (e2m1_sw(blk[8 * w + j] * s) << (4 * j))
+                    mQ[row, col0 // 8 + w] = word
+                self.store_scale(mSF, row, col0 // B, code)
 
     @cute.jit
     def hw_pair(self, lo: Float32, hi: Float32) -> Uint32:
@@ -174,26 +197,27 @@ class Fp4Epilogue:
 
 
 class Fp4Quantize(Fp4Epilogue, RowKernelBase):
-    """nvfp4_quantize (v = x) and silu_mul_fp4quant (v = silu(gate) * up, x = [gate | up])."""
+    """nvfp4_quantize (v = x), silu_mul_fp4quant (v = silu(gate) * up, x = [gate | up]) and,
+    with ``mx``, mxfp4_quantize."""
 
-    def __init__(self, launch: RowLaunch, dtype, mode: str, swizzled: bool, arch: str):
+    def __init__(self, launch: RowLaunch, dtype, mode: str, swizzled: bool, arch: str, mx: bool = False):
         super().__init__(launch, num_reductions=0)
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
-        self.dtype, self.mode, self.swizzled, self.arch = dtype, mode, swizzled, arch
+        self.dtype, self.mode, self.swizzled, self.arch, self.mx = dtype, mode, swizzled, arch, mx
 
     @cute.jit
-    def __call__(self, px: cute.Pointer, pgs: cute.Pointer, pq: cute.Pointer, psf: cute.Pointer, M: Int32,
-                 ldx: Int64, stream: cuda.CUstream):
+    def __call__(self, px: cute.Pointer, pgs: Optional[cute.Pointer], pq: cute.Pointer, psf: cute.Pointer,
+                 M: Int32, ldx: Int64, stream: cuda.CUstream):
         mX = self.matrix(px, M, ldx)
         mUp = self.matrix(px + self.launch.N, M, ldx) if const_expr(self.mode == "silu_mul") else None
         mQ, mSF = self.fp4_tensors(pq, psf, M)
-        mGS = cute.make_tensor(pgs, cute.make_layout((1,)))
+        mGS = cute.make_tensor(pgs, cute.make_layout((1,))) if const_expr(pgs is not None) else None
         self.kernel(mX, mUp, mGS, mQ, mSF, self.tiled_copy(self.dtype)).launch(
             grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mUp: Optional[cute.Tensor], mGS: cute.Tensor, mQ: cute.Tensor,
+    def kernel(self, mX: cute.Tensor, mUp: Optional[cute.Tensor], mGS: Optional[cute.Tensor], mQ: cute.Tensor,
                mSF: cute.Tensor, tc: cute.TiledCopy):
         L = self.launch
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
@@ -214,7 +238,7 @@ class Fp4Quantize(Fp4Epilogue, RowKernelBase):
                     cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
                     if const_expr(mUp is not None):
                         cute.copy(atom, part(mUp, bidx)[None, None, i], rUp[None, None, i])
-        gs = mGS[0]
+        gs = mGS[0] if const_expr(mGS is not None) else None
         v = rX.load().to(Float32)
         if const_expr(self.mode == "silu_mul"):
             # fast exp2 (a few ulp): the fused ops owe codes within one step
@@ -281,17 +305,18 @@ def compiled_add_rmsnorm_fp4(x_dtype: str, res_dtype: str, w_dtype: str, N: int,
     return CACHE.get(("add_rmsnorm_fp4", x_dtype, res_dtype, w_dtype, swizzled, store_y, N, arch, launch), build)
 
 
-def compiled_fp4(mode: str, dtype: str, N: int, arch: str, swizzled: bool):
-    """Compile (or fetch) one NVFP4 kernel; N is the quantized width (K for silu_mul)."""
-    if N % BLOCK or not BLOCK <= N <= MAX_N:
-        raise ValueError(f"N={N}: the NVFP4 kernels take a multiple of {BLOCK} up to {MAX_N}")
+def compiled_fp4(mode: str, dtype: str, N: int, arch: str, swizzled: bool, mx: bool = False):
+    """Compile (or fetch) one FP4 kernel; N is the quantized width (K for silu_mul)."""
+    block = MX_BLOCK if mx else BLOCK
+    if N % block or not block <= N <= MAX_N:
+        raise ValueError(f"N={N}: the {'MX' if mx else 'NV'}FP4 kernels take a multiple of {block} up to {MAX_N}")
     dt = cute_dtype(dtype)
-    launch = fp4_launch(N, arch, mode)
+    launch = fp4_launch(N, arch, mode, block)
 
     def build():
-        return compile_kernel(Fp4Quantize(launch, dt, mode, swizzled, arch), gmem_ptr(dt), gmem_ptr(Float32, 4),
-                              gmem_ptr(Uint32, 8), gmem_ptr(Uint8, 1), Int32(1), Int64(launch.vec), fake_stream(),
-                              arch=arch)
+        return compile_kernel(Fp4Quantize(launch, dt, mode, swizzled, arch, mx), gmem_ptr(dt),
+                              None if mx else gmem_ptr(Float32, 4), gmem_ptr(Uint32, 8), gmem_ptr(Uint8, 1), Int32(1),
+                              Int64(launch.vec), fake_stream(), arch=arch)
 
-    return CACHE.get(("nvfp4", mode, dtype, swizzled, N, arch, launch), build)
+    return CACHE.get(("mxfp4" if mx else "nvfp4", mode, dtype, swizzled, N, arch, launch), build)
 

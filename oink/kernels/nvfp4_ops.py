@@ -1,4 +1,4 @@
-"""NVFP4 kernels on torch tensors (CHECKS/RUNNERS for the dispatch path). Codes are written
+"""NVFP4 and MXFP4 kernels on torch tensors (CHECKS/RUNNERS for the dispatch path). Codes are written
 through a 32-bit view of q; scales as raw bytes viewed as float8_e4m3fn afterwards."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import torch
 
 from .compile import current_stream, runtime_ptr
 from .host import dtype_name, kernel_ready, ld, prepare_rows, prepare_vector, ptr, rows_view
-from .nvfp4 import BLOCK, compiled_add_rmsnorm_fp4, compiled_fp4
+from .nvfp4 import BLOCK, MX_BLOCK, compiled_add_rmsnorm_fp4, compiled_fp4
 from .rmsnorm import MAX_N
 
-UNIT = 16  # elements per kernel unit (one scale block): row strides must be multiples of it
+UNIT = 16  # elements per NVFP4 kernel unit (one scale block): row strides must be multiples of it
 
 
 def _round_up(a: int, b: int) -> int:
@@ -39,9 +39,9 @@ def check_add_rmsnorm(t: dict, arch: str) -> str | None:
     return None
 
 
-def _outputs(M: int, N: int, device, swizzled: bool):
+def _outputs(M: int, N: int, device, swizzled: bool, block: int = BLOCK):
     """q [M, N/2] uint8 and the scale bytes (swizzled padding zeroed, as the layout promises)."""
-    K = N // BLOCK
+    K = N // block
     q = torch.empty((M, N // 2), device=device, dtype=torch.uint8)
     if swizzled:
         Mp, Kp = _round_up(M, 128), _round_up(K, 4)
@@ -52,19 +52,20 @@ def _outputs(M: int, N: int, device, swizzled: bool):
 
 
 def _fp4_ptrs(q, sf, global_scale):
-    gs = global_scale.reshape(1).float().contiguous()
-    return (runtime_ptr(cutlass.Float32, gs.data_ptr(), 4), runtime_ptr(cutlass.Uint32, q.data_ptr(), 8),
-            runtime_ptr(cutlass.Uint8, sf.data_ptr(), 1), gs)
+    gs = None if global_scale is None else global_scale.reshape(1).float().contiguous()
+    return (None if gs is None else runtime_ptr(cutlass.Float32, gs.data_ptr(), 4),
+            runtime_ptr(cutlass.Uint32, q.data_ptr(), 8), runtime_ptr(cutlass.Uint8, sf.data_ptr(), 1), gs)
 
 
-def _run_rows(mode, arch, x, N, global_scale, swizzled):
-    x2 = prepare_rows(x, UNIT)
-    q, sf = _outputs(x2.shape[0], N, x.device, swizzled)
+def _run_rows(mode, arch, x, N, global_scale, swizzled, mx=False):
+    block = MX_BLOCK if mx else BLOCK
+    x2 = prepare_rows(x, block)
+    q, sf = _outputs(x2.shape[0], N, x.device, swizzled, block)
     if x2.shape[0] > 0:
-        fn = compiled_fp4(mode, dtype_name(x2), N, arch, swizzled)
+        fn = compiled_fp4(mode, dtype_name(x2), N, arch, swizzled, mx)
         pgs, pq, psf, _keep = _fp4_ptrs(q, sf, global_scale)
         fn(ptr(x2), pgs, pq, psf, x2.shape[0], ld(x2), current_stream(x.device))
-    return q, sf.view(torch.float8_e4m3fn)
+    return q, sf.view(torch.float8_e8m0fnu if mx else torch.float8_e4m3fn)
 
 
 def run_quantize(arch, x, global_scale, swizzled=False):
@@ -73,6 +74,10 @@ def run_quantize(arch, x, global_scale, swizzled=False):
 
 def run_silu_mul(arch, x, global_scale, swizzled=False):
     return _run_rows("silu_mul", arch, x, x.shape[-1] // 2, global_scale, swizzled)
+
+
+def run_mx_quantize(arch, x, swizzled=False):
+    return _run_rows("quantize", arch, x, x.shape[-1], None, swizzled, mx=True)
 
 
 def run_add_rmsnorm(arch, x, residual, weight, global_scale, eps=1e-6, swizzled=False, return_y=False):
@@ -92,6 +97,6 @@ def run_add_rmsnorm(arch, x, residual, weight, global_scale, eps=1e-6, swizzled=
 
 
 CHECKS = {"nvfp4_quantize": check_quantize, "silu_mul_fp4quant": check_silu_mul,
-          "add_rmsnorm_fp4quant": check_add_rmsnorm}
+          "add_rmsnorm_fp4quant": check_add_rmsnorm, "mxfp4_quantize": check_quantize}
 RUNNERS = {"nvfp4_quantize": run_quantize, "silu_mul_fp4quant": run_silu_mul,
-           "add_rmsnorm_fp4quant": run_add_rmsnorm}
+           "add_rmsnorm_fp4quant": run_add_rmsnorm, "mxfp4_quantize": run_mx_quantize}

@@ -11,6 +11,14 @@ Two codes a byte, element 2j in the low nibble. ``q`` is uint8 [M, N/2] (leading
 flattened into M); ``sf`` is float8_e4m3fn [M, N/16], or with ``swizzled=True`` FlashInfer's
 128x4 layout of shape [round_up(M, 128), round_up(N/16, 4)] whose padding is zero and whose
 element (m, k) lives at flat offset ``swizzled_offset(m, k, padded_cols)``.
+
+MXFP4 (OCP MX): blocks of 32, no global scale, a power-of-two scale stored as UE8M0:
+  e      = floor(log2(amax)), read exactly from amax's fp32 exponent field (a zero or subnormal
+           amax reads as -127, an infinite one as 128)
+  shared = clamp(e - 2, -127, 127)     (2 = the exponent of E2M1's largest value, 6 = 1.5 * 2^2)
+  sf     = shared + 127 as a byte (float8_e8m0fnu), 0..254 (never 0xFF, the NaN code)
+  q      = e2m1(v * 2^-shared) as above (v * 2^-shared < 8: at most 6 after saturation); where
+           amax is 0 every code is 0x0.
 """
 from __future__ import annotations
 
@@ -39,22 +47,23 @@ def swizzled_offset(m, k, padded_cols: int):
 
 
 def _swizzle(sf: Tensor) -> Tensor:
+    """Scales (one byte each, any 8-bit dtype) into the 128x4 layout, same dtype."""
     M, K = sf.shape
     Mp, Kp = round_up(M, 128), round_up(K, 4)
     out = torch.zeros(Mp * Kp, dtype=torch.uint8, device=sf.device)
     m = torch.arange(M, device=sf.device).unsqueeze(1)
     k = torch.arange(K, device=sf.device).unsqueeze(0)
     out[swizzled_offset(m, k, Kp).reshape(-1)] = sf.view(torch.uint8).reshape(-1)
-    return out.view(torch.float8_e4m3fn).reshape(Mp, Kp)
+    return out.view(sf.dtype).reshape(Mp, Kp)
 
 
 def unswizzle(sf: Tensor, M: int, K: int) -> Tensor:
-    """Row-major [M, K] scales from the 128x4 layout."""
+    """Row-major [M, K] scales from the 128x4 layout (same dtype)."""
     Kp = sf.shape[-1]
     m = torch.arange(M, device=sf.device).unsqueeze(1)
     k = torch.arange(K, device=sf.device).unsqueeze(0)
     flat = sf.reshape(-1).view(torch.uint8)
-    return flat[swizzled_offset(m, k, Kp)].view(torch.float8_e4m3fn)
+    return flat[swizzled_offset(m, k, Kp)].view(sf.dtype)
 
 
 def e2m1_codes(v: Tensor) -> Tensor:
@@ -67,6 +76,11 @@ def e2m1_codes(v: Tensor) -> Tensor:
         mag += (a >= t).to(torch.uint8)
     sign = (v.view(torch.int32) < 0).to(torch.uint8) << 3
     return mag | sign
+
+
+def _pack(codes: Tensor) -> Tensor:
+    """[M, N] 4-bit codes -> [M, N/2] bytes, element 2j in the low nibble."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
 def _quantize_rows(v: Tensor, global_scale: Tensor, swizzled: bool):
@@ -82,9 +96,7 @@ def _quantize_rows(v: Tensor, global_scale: Tensor, swizzled: bool):
     s = gs / sf_back
     codes = e2m1_codes(blocks * s.unsqueeze(-1))
     codes = torch.where((sf_back == 0).unsqueeze(-1), torch.zeros_like(codes), codes)
-    codes = codes.reshape(M, N)
-    q = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return q, (_swizzle(sf) if swizzled else sf)
+    return _pack(codes.reshape(M, N)), (_swizzle(sf) if swizzled else sf)
 
 
 def _check_n(N: int, name: str = "x") -> None:
@@ -131,3 +143,37 @@ def silu_mul_fp4quant(x: Tensor, global_scale: Tensor, swizzled: bool = False):
     xf = x.reshape(-1, 2 * K).float()
     v = torch.nn.functional.silu(xf[:, :K]) * xf[:, K:]
     return _quantize_rows(v, global_scale, swizzled)
+
+
+MX_BLOCK = 32
+
+
+def mxfp4_quantize(x: Tensor, swizzled: bool = False):
+    """-> (q uint8 [M, N/2], sf float8_e8m0fnu [M, N/32] or 128x4-swizzled); see the module doc."""
+    N = x.shape[-1]
+    if N % MX_BLOCK:
+        raise ValueError(f"x: last dim {N} must be a multiple of {MX_BLOCK} for MXFP4")
+    v = x.reshape(-1, N).float()
+    M = v.shape[0]
+    blocks = v.reshape(M, N // MX_BLOCK, MX_BLOCK)
+    a = blocks.abs()
+    amax = torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(-1)
+    e = ((amax.view(torch.int32) >> 23) & 0xFF) - 127
+    shared = torch.clamp(e - 2, -127, 127)
+    scale = torch.ldexp(torch.ones_like(amax), -shared)  # 2^-shared: a normal fp32 for every shared
+    codes = e2m1_codes(blocks * scale.unsqueeze(-1))
+    codes = torch.where((amax == 0).unsqueeze(-1), torch.zeros_like(codes), codes)
+    sf = (shared + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    return _pack(codes.reshape(M, N)), (_swizzle(sf) if swizzled else sf)
+
+
+def mxfp4_dequantize(q: Tensor, sf: Tensor, swizzled: bool = False) -> Tensor:
+    """fp32 [M, N]: e2m1(code) * 2^(sf - 127)."""
+    M, N = q.shape[0], q.shape[1] * 2
+    K = N // MX_BLOCK
+    sf_rm = unswizzle(sf, M, K) if swizzled else sf
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=q.device)
+    codes = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(M, N).long()
+    vals = table[codes].reshape(M, K, MX_BLOCK)
+    scale = torch.ldexp(torch.ones(M, K, device=q.device), sf_rm.view(torch.uint8).int() - 127)
+    return (vals * scale.unsqueeze(-1)).reshape(M, N)
