@@ -22,8 +22,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
-from .reduction import RowLaunch, add, fmax, pick_row_launch
+from .reduction import RowLaunch, pick_row_launch
 from .rmsnorm import MAX_N, RMSNormForward
+from .softmax import Softmax
 
 MODES = ("forward", "backward", "fwd_bwd")
 LOG2E = math.log2(math.e)
@@ -34,8 +35,8 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str) -> RowLaunch:
     return pick_row_launch(N, x_bits)
 
 
-class CrossEntropy(RMSNormForward):
-    """Reuses the norm kernels' tiling and predicated 128-bit row copies."""
+class CrossEntropy(Softmax):
+    """Reuses the norm kernels' tiling and row copies, and the softmax's row max / exp-sum."""
 
     def __init__(self, launch: RowLaunch, dtype, target_dtype, mode: str):
         RMSNormForward.__init__(self, launch, dtype, None, None, None, dtype, None, False)
@@ -83,11 +84,7 @@ class CrossEntropy(RMSNormForward):
             if row < M:
                 lse = mLseIn[row]
         else:
-            m = x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
-            m = self.row_allreduce(m, fmax, Float32(-math.inf), buf, mbar, 0)
-            e = cute.math.exp2((x - m) * LOG2E, fastmath=True)
-            s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-            s = self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
+            m, _, s = self.row_exp_sum(x, buf, mbar)
             lse = m + cute.math.log(s, fastmath=False)
             # the row's leader (column 0, first CTA of the cluster) writes the row's loss and lse
             leader = tXcX[0][1] == 0

@@ -38,6 +38,15 @@ class Softmax(RMSNormForward):
         self.num_reductions = {"forward": 2, "backward": 1, "fwd_bwd": 3}[mode]
 
     @cute.jit
+    def row_exp_sum(self, x, buf, mbar):
+        """(row max m, exp(x - m), the row's sum of it): reduction slots 0 and 1."""
+        m = x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
+        m = self.row_allreduce(m, fmax, Float32(-math.inf), buf, mbar, 0)
+        e = cute.math.exp2((x - m) * LOG2E, fastmath=True)
+        s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        return m, e, self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
+
+    @cute.jit
     def __call__(self, pa: cute.Pointer, pb: cute.Pointer, pout: cute.Pointer, M: Int32, lda: Int64, ldb: Int64,
                  ldout: Int64, stream: cuda.CUstream):
         """forward: a = x (b unused); backward: a = y, b = dy; fwd_bwd: a = x, b = dy."""
@@ -67,11 +76,7 @@ class Softmax(RMSNormForward):
         if const_expr(self.mode == "backward"):
             y = a
         else:
-            m = a.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
-            m = self.row_allreduce(m, fmax, Float32(-math.inf), buf, mbar, 0)
-            e = cute.math.exp2((a - m) * LOG2E, fastmath=True)
-            s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-            s = self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
+            m, e, s = self.row_exp_sum(a, buf, mbar)
             y = e * cute.arch.rcp_approx(s)
         if const_expr(self.mode == "forward"):
             out = y

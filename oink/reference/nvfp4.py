@@ -111,13 +111,18 @@ def nvfp4_quantize(x: Tensor, global_scale: Tensor, swizzled: bool = False):
 
 def nvfp4_dequantize(q: Tensor, sf: Tensor, global_scale: Tensor, swizzled: bool = False) -> Tensor:
     """fp32 [M, N]: e2m1(code) * float(sf) / global_scale."""
+    vals, sf_rm = _decode(q, sf, swizzled, BLOCK)
+    M, K = sf_rm.shape
+    return (vals * sf_rm.float().unsqueeze(-1) / global_scale.reshape(()).float()).reshape(M, -1)
+
+
+def _decode(q: Tensor, sf: Tensor, swizzled: bool, block: int):
+    """(E2M1 values [M, K, block] of the codes, row-major scales [M, K])."""
     M, N = q.shape[0], q.shape[1] * 2
-    K = N // BLOCK
-    sf_rm = unswizzle(sf, M, K) if swizzled else sf
+    K = N // block
     table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=q.device)
     codes = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(M, N).long()
-    vals = table[codes].reshape(M, K, BLOCK)
-    return (vals * sf_rm.float().unsqueeze(-1) / global_scale.reshape(()).float()).reshape(M, N)
+    return table[codes].reshape(M, K, block), (unswizzle(sf, M, K) if swizzled else sf)
 
 
 def add_rmsnorm_fp4quant(x: Tensor, residual: Tensor, weight: Tensor, global_scale: Tensor,
@@ -169,11 +174,6 @@ def mxfp4_quantize(x: Tensor, swizzled: bool = False):
 
 def mxfp4_dequantize(q: Tensor, sf: Tensor, swizzled: bool = False) -> Tensor:
     """fp32 [M, N]: e2m1(code) * 2^(sf - 127)."""
-    M, N = q.shape[0], q.shape[1] * 2
-    K = N // MX_BLOCK
-    sf_rm = unswizzle(sf, M, K) if swizzled else sf
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=q.device)
-    codes = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(M, N).long()
-    vals = table[codes].reshape(M, K, MX_BLOCK)
-    scale = torch.ldexp(torch.ones(M, K, device=q.device), sf_rm.view(torch.uint8).int() - 127)
-    return (vals * scale.unsqueeze(-1)).reshape(M, N)
+    vals, sf_rm = _decode(q, sf, swizzled, MX_BLOCK)
+    scale = torch.ldexp(torch.ones(sf_rm.shape, device=q.device), sf_rm.view(torch.uint8).int() - 127)
+    return (vals * scale.unsqueeze(-1)).reshape(sf_rm.shape[0], -1)
