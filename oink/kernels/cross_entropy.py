@@ -24,10 +24,9 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
 from .reduction import RowLaunch, pick_row_launch
 from .rmsnorm import MAX_N, RMSNormForward
-from .softmax import Softmax
+from .softmax import LOG2E, Softmax
 
 MODES = ("forward", "backward", "fwd_bwd")
-LOG2E = math.log2(math.e)
 
 
 def cross_entropy_launch(N: int, x_bits: int, arch: str) -> RowLaunch:
