@@ -327,3 +327,29 @@ def test_kernel(benchmark):
     res = pytester.runpytest_subprocess(*common)
     assert res.ret != 0
     assert "Performance has regressed" in res.stdout.str() + res.stderr.str()
+
+
+def test_fp4_gate_view_counts_rounding_steps():
+    """The fused FP4 gate compares codes as signed E2M1 indices and scales as numbers: one
+    rounding step passes, two fail, and -0 (code 0x8) equals +0."""
+    import torch
+
+    from pytest_oink.providers import _fp4_code_steps
+    from pytest_oink.tolerances import tolerance
+
+    q = torch.tensor([[0x21, 0x08]], dtype=torch.uint8)  # codes 1, 2, 8 (-0), 0
+    sf = torch.tensor([[100]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes, scales = _fp4_code_steps((q, sf))
+    assert codes.tolist() == [[1.0, 2.0, -0.0, 0.0]] and scales.tolist() == [[100.0]]
+    atol, rtol = tolerance("nvfp4_code_step", codes.dtype)
+    one_step = _fp4_code_steps((torch.tensor([[0x32, 0x00]], dtype=torch.uint8), sf))[0]
+    two_steps = _fp4_code_steps((torch.tensor([[0x43, 0x00]], dtype=torch.uint8), sf))[0]
+    assert compare(one_step, codes, atol, rtol).passed
+    assert not compare(two_steps, codes, atol, rtol).passed
+
+
+def test_nvfp4_suite_shapes():
+    cases = suites.expand("nvfp4", ["add_rmsnorm_fp4quant", "mxfp4_quantize"])
+    shapes = {(c.M, c.N) for c in cases}
+    assert {(128, 2048), (128, 14336), (2048, 7168), (65536, 14336)} <= shapes
+    assert all(c.N % 32 == 0 for c in cases if c.op == "mxfp4_quantize")
