@@ -5,16 +5,17 @@ from __future__ import annotations
 import torch
 
 from .compile import current_stream
-from .cross_entropy import MAX_N, compiled_cross_entropy
-from .host import dtype_name, ld, prepare_rows, ptr, vec_for
+from ..reference.cross_entropy import reduce_loss
+from .cross_entropy import compiled_cross_entropy
+from .host import dtype_name, ld, prepare_rows, ptr, vec_for, width_reason
 
 INT32 = torch.iinfo(torch.int32)
 
 
 def _check(t: dict, arch: str) -> str | None:
-    logits = t["logits"]
-    if logits.shape[-1] > MAX_N:
-        return f"V={logits.shape[-1]} > {MAX_N}: wider rows use the reference"
+    why = width_reason(t["logits"].shape[-1], "V")
+    if why:
+        return why
     if not INT32.min <= t["ignore_index"] <= INT32.max:
         return f"ignore_index {t['ignore_index']} does not fit int32: reference"
     return None
@@ -56,12 +57,7 @@ def run_forward(arch, logits, target, ignore_index=-100, reduction="none"):
     loss = torch.empty(M, device=logits.device, dtype=torch.float32)
     lse = torch.empty(M, device=logits.device, dtype=torch.float32)
     launch("forward", arch, x2, tgt, ignore_index, loss=loss, lse_out=lse)
-    if reduction == "none":
-        return loss, lse
-    total = loss.sum()
-    if reduction == "sum":
-        return total, lse
-    return total / (tgt != ignore_index).sum().clamp_min(1).to(total.dtype), lse
+    return reduce_loss(loss, tgt != ignore_index, reduction), lse  # the reference's reduction, on device
 
 
 def run_backward(arch, dloss, logits, target, lse, ignore_index=-100):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .compile import cute_dtype, runtime_ptr
+from .rmsnorm import MAX_N
 
 
 def dtype_name(t: torch.Tensor | None) -> str | None:
@@ -57,6 +58,19 @@ def prepare_vector(t: torch.Tensor | None, vec: int) -> torch.Tensor | None:
     if kernel_ready(t.view(1, -1), vec):
         return t
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def width_reason(N: int, name: str = "N") -> str | None:
+    """Why rows this wide go to the reference, or None if the row kernels take them."""
+    return f"{name}={N} > {MAX_N}: wider rows use the reference" if N > MAX_N else None
+
+
+def in_place_reason(name: str, t: torch.Tensor, vec: int) -> str | None:
+    """Why an in-place operand can't be used as is (a copy would break in place), or None."""
+    v = rows_view(t)
+    if v is None or not kernel_ready(v, vec):
+        return f"{name} is not 16-byte aligned with unit last stride and aligned rows (in place: no copy possible)"
+    return None
 
 
 def ptr(t: torch.Tensor | None, align: int = 16):

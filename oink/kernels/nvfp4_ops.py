@@ -6,37 +6,23 @@ import cutlass
 import torch
 
 from .compile import current_stream, runtime_ptr
-from .host import dtype_name, kernel_ready, ld, prepare_rows, prepare_vector, ptr, rows_view
+from ..reference.nvfp4 import round_up
+from .host import dtype_name, in_place_reason, ld, prepare_rows, prepare_vector, ptr, rows_view, width_reason
 from .nvfp4 import BLOCK, MX_BLOCK, compiled_add_rmsnorm_fp4, compiled_fp4
-from .rmsnorm import MAX_N
 
 UNIT = 16  # elements per NVFP4 kernel unit (one scale block): row strides must be multiples of it
 
 
-def _round_up(a: int, b: int) -> int:
-    return (a + b - 1) // b * b
-
-
-def _width_reason(N: int) -> str | None:
-    return f"N={N} > {MAX_N}: wider rows use the reference" if N > MAX_N else None
-
-
 def check_quantize(t: dict, arch: str) -> str | None:
-    return _width_reason(t["x"].shape[-1])
+    return width_reason(t["x"].shape[-1])
 
 
 def check_silu_mul(t: dict, arch: str) -> str | None:
-    return _width_reason(t["x"].shape[-1] // 2)
+    return width_reason(t["x"].shape[-1] // 2)
 
 
 def check_add_rmsnorm(t: dict, arch: str) -> str | None:
-    why = _width_reason(t["x"].shape[-1])
-    if why:
-        return why
-    v = rows_view(t["residual"])
-    if v is None or not kernel_ready(v, UNIT):
-        return "residual rows are not 16-byte aligned 16-element multiples (in place: no copy possible): reference"
-    return None
+    return width_reason(t["x"].shape[-1]) or in_place_reason("residual", t["residual"], UNIT)
 
 
 def _outputs(M: int, N: int, device, swizzled: bool, block: int = BLOCK):
@@ -44,7 +30,7 @@ def _outputs(M: int, N: int, device, swizzled: bool, block: int = BLOCK):
     K = N // block
     q = torch.empty((M, N // 2), device=device, dtype=torch.uint8)
     if swizzled:
-        Mp, Kp = _round_up(M, 128), _round_up(K, 4)
+        Mp, Kp = round_up(M, 128), round_up(K, 4)
         sf = (torch.zeros if (Mp, Kp) != (M, K) else torch.empty)((Mp, Kp), device=device, dtype=torch.uint8)
     else:
         sf = torch.empty((M, K), device=device, dtype=torch.uint8)

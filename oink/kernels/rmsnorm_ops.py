@@ -5,35 +5,22 @@ from __future__ import annotations
 import torch
 
 from .compile import current_stream
-from .host import dtype_name, kernel_ready, ld, prepare_rows, prepare_vector, ptr, rows_view, vec_for
-from .rmsnorm import MAX_N, compiled_forward
+from .host import dtype_name, in_place_reason, ld, prepare_rows, prepare_vector, ptr, rows_view, vec_for, width_reason
+from .rmsnorm import compiled_forward
 from .rmsnorm_bwd import backward_launch, compiled_backward, persistent_ctas
 
 
-def _width_reason(x) -> str | None:
-    N = x.shape[-1]
-    if N > MAX_N:
-        return f"N={N} > {MAX_N}: wider rows use the reference"
-    return None
-
-
 def check_forward(t: dict, arch: str) -> str | None:
-    return _width_reason(t["x"])
+    return width_reason(t["x"].shape[-1])
 
 
 check_backward = check_forward
 
 
 def check_fused_add(t: dict, arch: str) -> str | None:
-    why = _width_reason(t["x"])
-    if why:
-        return why
     vec = vec_for(t["x"].shape[-1], t["x"])
-    for name in ("x", "residual"):
-        v = rows_view(t[name])
-        if v is None or not kernel_ready(v, vec):
-            return f"{name} is not 16-byte aligned with unit last stride and aligned rows (in place: no copy possible)"
-    return None
+    return (width_reason(t["x"].shape[-1]) or in_place_reason("x", t["x"], vec)
+            or in_place_reason("residual", t["residual"], vec))
 
 
 def _rows_and_output(x):
@@ -137,12 +124,8 @@ def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean
        ptr(db_part), M, ld(x2), ld(g2), ld(dr2), ld(dx), ctas, current_stream(x2.device))
 
 
-def check_layernorm(t: dict, arch: str) -> str | None:
-    return _width_reason(t["x"])
-
-
 CHECKS = {"rmsnorm_forward": check_forward, "fused_add_rmsnorm_": check_fused_add,
-          "rmsnorm_backward": check_backward, "layernorm": check_layernorm, "layernorm_backward": check_layernorm}
+          "rmsnorm_backward": check_backward, "layernorm": check_forward, "layernorm_backward": check_forward}
 RUNNERS = {"rmsnorm_forward": run_forward, "fused_add_rmsnorm_": run_fused_add,
            "rmsnorm_backward": run_backward, "layernorm": run_layernorm,
            "layernorm_backward": run_layernorm_backward}

@@ -4,14 +4,15 @@ from __future__ import annotations
 import torch
 
 from .compile import current_stream
-from .host import dtype_name, ld, prepare_rows, ptr, vec_for
-from .softmax import MAX_N, compiled_softmax
+from .host import dtype_name, ld, prepare_rows, ptr, vec_for, width_reason
+from .softmax import compiled_softmax
 
 
 def _check(t: dict, arch: str) -> str | None:
     x = t.get("x", t.get("y"))
-    if x.shape[-1] > MAX_N:
-        return f"N={x.shape[-1]} > {MAX_N}: wider rows use the reference"
+    why = width_reason(x.shape[-1])
+    if why:
+        return why
     other = t.get("dy")
     if other is not None and other.dtype != x.dtype:
         return "dy and x/y of different dtypes: reference"

@@ -20,7 +20,7 @@ def _per_row(logits: Tensor, target: Tensor, ignore_index: int):
     return loss, lse, valid, safe
 
 
-def _reduce(loss: Tensor, valid: Tensor, reduction: str) -> Tensor:
+def reduce_loss(loss: Tensor, valid: Tensor, reduction: str) -> Tensor:
     if reduction == "none":
         return loss
     total = loss.sum()
@@ -33,7 +33,7 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int = -1
                           reduction: str = "none"):
     """-> (loss, lse): loss fp32 [M] ("none") or a 0-d tensor; lse fp32 [M]."""
     loss, lse, valid, _ = _per_row(logits, target, ignore_index)
-    return _reduce(loss, valid, reduction), lse
+    return reduce_loss(loss, valid, reduction), lse
 
 
 def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
