@@ -51,12 +51,6 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
     return _CrossEntropy.apply(logits, target, ignore_index, reduction, inplace_backward)
 
 
-def _as_tuple(normalized_shape) -> tuple:
-    if isinstance(normalized_shape, numbers.Integral):
-        return (normalized_shape,)
-    return tuple(normalized_shape)
-
-
 def _flat_weight(w: Tensor | None, x: Tensor) -> Tensor | None:
     """A (possibly multi-dim) parameter as the kernels' [N] vector in x's dtype or fp32."""
     if w is None:
@@ -65,22 +59,37 @@ def _flat_weight(w: Tensor | None, x: Tensor) -> Tensor | None:
     return w if w.dtype in (x.dtype, torch.float32) else w.to(x.dtype)
 
 
-def _check_trailing(x: Tensor, shape: tuple) -> int:
-    k = len(shape)
-    if tuple(x.shape[-k:]) != shape:
-        raise ValueError(f"x: trailing shape {tuple(x.shape[-k:])} must be {shape}")
-    return k
+class _LastDimsNorm(torch.nn.Module):
+    """What RMSNorm and LayerNorm share: ``normalized_shape`` (an int or a tuple) over the last
+    dims, flattened into one row dim for the kernels, and torch's repr."""
+
+    def __init__(self, normalized_shape, eps, elementwise_affine: bool):
+        super().__init__()
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+
+    def _rows(self, x: Tensor, norm) -> Tensor:
+        """``norm`` over x's normalized dims seen as one: x flattened to [..., N] and back."""
+        k = len(self.normalized_shape)
+        if tuple(x.shape[-k:]) != self.normalized_shape:
+            raise ValueError(f"x: trailing shape {tuple(x.shape[-k:])} must be {self.normalized_shape}")
+        if k == 1:
+            return norm(x)
+        return norm(x.flatten(-k)).view(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
-class RMSNorm(torch.nn.Module):
+class RMSNorm(_LastDimsNorm):
     """Drop-in for ``torch.nn.RMSNorm``: same constructor, parameters and state_dict keys."""
 
     def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True,
                  device=None, dtype=None):
-        super().__init__()
-        self.normalized_shape = _as_tuple(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
+        super().__init__(normalized_shape, eps, elementwise_affine)
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
         else:
@@ -91,25 +100,17 @@ class RMSNorm(torch.nn.Module):
             torch.nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        k = _check_trailing(x, self.normalized_shape)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        y = rmsnorm(x.flatten(-k) if k > 1 else x, _flat_weight(self.weight, x), eps)
-        return y.view(x.shape) if k > 1 else y
-
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        return self._rows(x, lambda x2: rmsnorm(x2, _flat_weight(self.weight, x), eps))
 
 
-class LayerNorm(torch.nn.Module):
+class LayerNorm(_LastDimsNorm):
     """Drop-in for ``torch.nn.LayerNorm``: same constructor, parameters and state_dict keys.
     Without affine parameters the kernels get a ones weight (a buffer outside the state_dict)."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
                  device=None, dtype=None):
-        super().__init__()
-        self.normalized_shape = _as_tuple(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
+        super().__init__(normalized_shape, eps, elementwise_affine)
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
             self.bias = (torch.nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
@@ -127,12 +128,11 @@ class LayerNorm(torch.nn.Module):
             torch.nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        k = _check_trailing(x, self.normalized_shape)
-        w = self.weight if self.weight is not None else self._ones
-        x2, w2, b2 = x.flatten(-k) if k > 1 else x, _flat_weight(w, x), _flat_weight(self.bias, x)
-        validate.layernorm(x2, w2, b2)
-        y = torch.ops.oink.layernorm(x2, w2, b2, self.eps)[0]
-        return y.view(x.shape) if k > 1 else y
+        w = _flat_weight(self.weight if self.weight is not None else self._ones, x)
+        b = _flat_weight(self.bias, x)
 
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        def norm(x2):
+            validate.layernorm(x2, w, b)
+            return torch.ops.oink.layernorm(x2, w, b, self.eps)[0]
+
+        return self._rows(x, norm)
