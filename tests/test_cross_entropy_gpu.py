@@ -7,8 +7,7 @@ import torch
 
 import oink
 from oink import reference as R
-from pytest_oink.tolerances import tolerance
-from tests.gpu_helpers import DTYPES, MS, cuda_arch
+from tests.gpu_helpers import DTYPES, MS, close_family, cuda_arch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
 
@@ -23,12 +22,6 @@ def _case(M, N, dtype, seed, target_dtype=torch.int64):
     target[torch.rand(M, device="cuda", generator=g) < 0.3] = IGNORE
     dloss = torch.randn(M, device="cuda", generator=g)
     return logits, target.to(target_dtype), dloss
-
-
-def _close(actual, expected, family, dtype, what):
-    atol, rtol = tolerance(family, dtype)
-    assert not torch.isnan(actual).any(), f"{what}: NaN (unwritten output?)"
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -48,17 +41,17 @@ def test_cross_entropy_kernels(mode, dtype, N, M, seed):
     dx = torch.full((M, N), nan, device="cuda", dtype=dtype)
     if mode == "forward":
         launch(mode, cuda_arch(), logits, target, IGNORE, loss=loss, lse_out=lse)
-        _close(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
+        close_family(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
     elif mode == "backward":
         launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, lse_in=lse_ref, dx=dx)
     else:
         launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, loss=loss, dx=dx)
     if mode != "backward":
-        _close(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
+        close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
         assert torch.all(loss[target == IGNORE] == 0)
     if mode != "forward":
         dx_ref = R.cross_entropy_backward(dloss, logits, target, lse_ref, IGNORE)
-        _close(dx, dx_ref, "softmax", dtype, "dlogits")
+        close_family(dx, dx_ref, "softmax", dtype, "dlogits")
         assert torch.all(dx[target == IGNORE] == 0)
 
 
@@ -69,14 +62,14 @@ def test_public_api_routes_to_kernel(reduction, target_dtype, seed):
     assert "kernel" in oink.explain("cross_entropy_forward", logits, target, IGNORE, reduction)
     loss, lse = oink.cross_entropy_forward(logits, target, IGNORE, reduction)
     loss_ref, lse_ref = R.cross_entropy_forward(logits, target, IGNORE, reduction)
-    _close(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
-    _close(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
+    close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
+    close_family(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
     scalar = torch.tensor(0.5, device="cuda")
-    _close(oink.cross_entropy_backward(scalar, logits, target, lse), R.cross_entropy_backward(
+    close_family(oink.cross_entropy_backward(scalar, logits, target, lse), R.cross_entropy_backward(
         scalar, logits, target, lse_ref), "softmax", torch.bfloat16, "dlogits with a scalar dloss")
     loss2, dx2 = oink.cross_entropy_fwd_bwd(dloss, logits, target, IGNORE)
-    _close(loss2, R.cross_entropy_forward(logits, target, IGNORE)[0], "cross_entropy_loss", torch.float32, "fused")
-    _close(dx2, R.cross_entropy_fwd_bwd(dloss, logits, target, IGNORE)[1], "softmax", torch.bfloat16, "fused dx")
+    close_family(loss2, R.cross_entropy_forward(logits, target, IGNORE)[0], "cross_entropy_loss", torch.float32, "fused")
+    close_family(dx2, R.cross_entropy_fwd_bwd(dloss, logits, target, IGNORE)[1], "softmax", torch.bfloat16, "fused dx")
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -89,8 +82,8 @@ def test_differentiable_cross_entropy(inplace, seed):
     x = logits.float().requires_grad_(True)
     ref = torch.nn.functional.cross_entropy(x, target, ignore_index=IGNORE)
     (want,) = torch.autograd.grad(ref, [x])
-    _close(loss, ref, "cross_entropy_loss", torch.float32, "loss")
-    _close(got, want, "softmax", torch.bfloat16, "dlogits")
+    close_family(loss, ref, "cross_entropy_loss", torch.float32, "loss")
+    close_family(got, want, "softmax", torch.bfloat16, "dlogits")
 
 
 def test_out_of_range_target_raises():
@@ -110,12 +103,12 @@ def test_cuda_graph_capture(seed):
         fwd_loss, lse = oink.cross_entropy_forward(logits, target)
     graph.replay()
     ref_loss, ref_dx = R.cross_entropy_fwd_bwd(dloss, logits, target)
-    _close(loss, ref_loss, "cross_entropy_loss", torch.float32, "graph loss")
-    _close(fwd_loss, ref_loss, "cross_entropy_loss", torch.float32, "graph forward loss")
-    _close(dx, ref_dx, "softmax", torch.bfloat16, "graph dx")
+    close_family(loss, ref_loss, "cross_entropy_loss", torch.float32, "graph loss")
+    close_family(fwd_loss, ref_loss, "cross_entropy_loss", torch.float32, "graph forward loss")
+    close_family(dx, ref_dx, "softmax", torch.bfloat16, "graph dx")
     target[5], target[7] = 32000, -3  # out of range, not ignored
     graph.replay()
     assert loss[[5, 7]].isnan().all() and dx[[5, 7]].isnan().all() and fwd_loss[[5, 7]].isnan().all()
     keep = torch.ones(256, dtype=torch.bool, device="cuda")
     keep[[5, 7]] = False
-    _close(loss[keep], ref_loss[keep], "cross_entropy_loss", torch.float32, "other rows")
+    close_family(loss[keep], ref_loss[keep], "cross_entropy_loss", torch.float32, "other rows")
