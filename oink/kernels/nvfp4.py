@@ -231,7 +231,8 @@ class Fp4Quantize(Fp4Epilogue, RowKernelBase):
         if const_expr(mUp is not None):
             rUp = cute.make_rmem_tensor_like(tXgX)
             rUp.fill(0)
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        # one predicate guards both halves' copies of a unit (two copy_row calls would test it twice)
+        atom = self.atom(self.dtype)
         if row < M:
             for i in cutlass.range_constexpr(cute.size(tXgX, mode=[2])):
                 if const_expr(L.even_n) or tXcX[(0, 0), 0, i][1] < L.N:

@@ -89,11 +89,14 @@ class RowKernelBase:
     def tiler(self):
         return (self.launch.rows_per_cta, self.launch.cols_per_cta)
 
+    def atom(self, dtype):
+        # a vector wider than 128 bits (the FP4 kernels' one-block units) is several 128-bit copies
+        bits = min(128, self.launch.vec * dtype.width)
+        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+
     def tiled_copy(self, dtype):
         L = self.launch
-        # a vector wider than 128 bits (NVFP4's 16-element units) becomes several 128-bit copies
-        bits = min(128, L.vec * dtype.width)
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+        atom = self.atom(dtype)
         thr = cute.make_ordered_layout((L.rows_per_cta, L.threads_per_row), order=(1, 0))
         val = cute.make_layout((1, L.vec))
         return cute.make_tiled_copy_tv(atom, thr, val)
@@ -110,6 +113,19 @@ class RowKernelBase:
         return [1, self.launch.cluster_n, 1] if self.launch.cluster_n > 1 else None
 
     # ---- device-side helpers -------------------------------------------------------------
+    @cute.jit
+    def copy_row(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, dtype: cutlass.Constexpr):
+        """Copy this thread's slice of a row, 128 bits (or vec elements) at a time; a vector
+        past N (uneven widths) is skipped: vec divides N, so vectors are all in or all out."""
+        L = self.launch
+        atom = self.atom(dtype)
+        for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
+            if const_expr(L.even_n):
+                cute.copy(atom, src[None, None, i], dst[None, None, i])
+            else:
+                if tXcX[(0, 0), 0, i][1] < L.N:
+                    cute.copy(atom, src[None, None, i], dst[None, None, i])
+
     def cta_setup(self, tc):
         """Per-CTA prologue, traced inline into each kernel: the block index (row tile) and the
         cluster rank (y), the reduction buffer and cluster barriers, and ``part(tensor, tile)``

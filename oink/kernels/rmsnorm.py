@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Optional
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
@@ -40,26 +39,9 @@ class RMSNormForward(RowKernelBase):
         self.store_rstd = store_rstd
         self.layernorm = layernorm
 
-    def atom(self, dtype):
-        bits = min(128, self.launch.vec * dtype.width)
-        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
-
     def broadcast_rows(self, ptr):
         """A per-column vector seen as a (rows_per_cta, N) matrix with row stride 0."""
         return cute.make_tensor(ptr, cute.make_layout((self.launch.rows_per_cta, self.launch.N), stride=(0, 1)))
-
-    @cute.jit
-    def copy_row(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, dtype: cutlass.Constexpr):
-        """Copy this thread's slice of a row, 128 bits (or vec elements) at a time; a vector
-        past N (uneven widths) is skipped: vec divides N, so vectors are all in or all out."""
-        L = self.launch
-        atom = self.atom(dtype)
-        for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
-            if const_expr(L.even_n):
-                cute.copy(atom, src[None, None, i], dst[None, None, i])
-            else:
-                if tXcX[(0, 0), 0, i][1] < L.N:
-                    cute.copy(atom, src[None, None, i], dst[None, None, i])
 
     @cute.jit
     def __call__(self, px: cute.Pointer, pw: Optional[cute.Pointer], pb: Optional[cute.Pointer],
