@@ -8,9 +8,12 @@ its E4M3 scale and its eight code bytes are all computed in one thread's registe
 - E4M3 scale: the hardware ``cvt.rn.satfinite.e4m3x2.f32`` (SM89+: Hopper and Blackwell);
   satfinite clamps at 448 exactly as the reference's min(., 448); decoded back with
   ``cvt.rn.f16x2.e4m3x2`` (exact).
-- E2M1 codes: on SM90 in software, branch-free: the magnitude is a count of the round-to-
-  nearest-even thresholds below |v| (ties at 0.25, 1.25, 2.5, 5 round down; at 0.75, 1.75,
-  3.5 up), the sign is v's sign bit; NaN compares false everywhere, so it gets magnitude 0.
+- E2M1 codes: on SM90 in software, branch-free, ~10 instructions a value: |v| is clamped to
+  [0, 6] (NaN -> 0), rounded onto E2M1's grid by one fp32 add of a power of two chosen from
+  its exponent (``e2m1_grid``), scaled by 2^-6 so that E2M1's subnormal lines up with E4M3's
+  and given v's sign; the exact E4M3 conversion of that (two values a cvt) holds the code in
+  bits 2-4 and the sign in bit 7, repacked eight to a word (``e2m1x8``). Checked against the
+  reference's threshold count on every fp32 with exponent -10..5 and samples of the rest.
   On SM100 the hardware ``cvt.rn.satfinite.e2m1x2.f32`` gives the magnitudes; NaN lanes are
   then set to magnitude 0 to keep the reference's NaN policy (compile-checked only: no SM100
   GPU has run it).
@@ -104,13 +107,40 @@ def e2m1x2_hw(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
                        loc, ip))
 
 
-@cute.jit
-def e2m1_sw(y: Float32) -> Uint32:
-    """E2M1 code of y (software, branch-free): threshold count | sign bit."""
-    a = cute.arch.fmax(y, -y)
-    mag = (Uint32(a > 0.25) + Uint32(a >= 0.75) + Uint32(a > 1.25) + Uint32(a >= 1.75) + Uint32(a > 2.5)
-           + Uint32(a >= 3.5) + Uint32(a > 5.0))
-    return mag | ((f32_bits(y) >> 28) & 0x8)
+@dsl_user_op
+def e2m1_grid(y: Float32, *, loc=None, ip=None) -> Float32:
+    """y rounded to the E2M1 grid (nearest even, saturating at 6, NaN -> 0) times 2^-6, with y's
+    sign: a value E4M3 holds exactly, whose bits are then the E2M1 code (see ``e2m1x8``).
+    Rounding: adding m = 2^(22 + max(exponent of |y|, 0)) leaves exactly E2M1's grid step
+    (0.5 below 2, 1 below 4, 2 above) as the sum's last bit, so the fp32 add rounds to it,
+    ties to even as E2M1 does; subtracting m back is exact."""
+    return Float32(_asm(
+        T.f32(),
+        "{ .reg .f32 a, m; .reg .b32 e, s; "
+        "abs.f32 a, $1; max.f32 a, a, 0f00000000; min.f32 a, a, 0f40C00000; "
+        "mov.b32 e, a; and.b32 e, e, 0x7F800000; add.s32 e, e, 0x0B000000; max.s32 e, e, 0x4A800000; "
+        "mov.b32 m, e; add.rn.f32 a, a, m; sub.rn.f32 a, a, m; mul.rn.f32 a, a, 0f3C800000; "
+        "mov.b32 e, $1; and.b32 s, e, 0x80000000; mov.b32 e, a; or.b32 e, e, s; mov.b32 $0, e; }",
+        "=f,f", [Float32(y).ir_value(loc=loc, ip=ip)], loc, ip))
+
+
+@dsl_user_op
+def e2m1x8(g: list, *, loc=None, ip=None) -> Uint32:
+    """Eight E2M1 codes in one word (element j in bits 4j..4j+3) from eight ``e2m1_grid`` values:
+    E4M3 bytes s00ccc00 (exact conversions, two a cvt) become nibbles sccc, paired by a shift
+    and gathered by one byte permute."""
+    return Uint32(_asm(
+        T.i32(),
+        "{ .reg .b16 h0, h1, h2, h3; .reg .b32 w0, w1, t; "
+        "cvt.rn.satfinite.e4m3x2.f32 h0, $2, $1; cvt.rn.satfinite.e4m3x2.f32 h1, $4, $3; "
+        "cvt.rn.satfinite.e4m3x2.f32 h2, $6, $5; cvt.rn.satfinite.e4m3x2.f32 h3, $8, $7; "
+        "mov.b32 w0, {h0, h1}; mov.b32 w1, {h2, h3}; "
+        "shr.b32 t, w0, 4; and.b32 t, t, 0x08080808; shr.b32 w0, w0, 2; and.b32 w0, w0, 0x07070707; "
+        "or.b32 w0, w0, t; shr.b32 t, w0, 4; or.b32 w0, w0, t; "
+        "shr.b32 t, w1, 4; and.b32 t, t, 0x08080808; shr.b32 w1, w1, 2; and.b32 w1, w1, 0x07070707; "
+        "or.b32 w1, w1, t; shr.b32 t, w1, 4; or.b32 w1, w1, t; "
+        "prmt.b32 $0, w0, w1, 0x6420; }",
+        "=r,f,f,f,f,f,f,f,f", [Float32(v).ir_value(loc=loc, ip=ip) for v in g], loc, ip))
 
 
 class Fp4Epilogue:
@@ -180,8 +210,7 @@ class Fp4Epilogue:
                                 lo, hi = blk[8 * w + 2 * j] * s, blk[8 * w + 2 * j + 1] * s
                                 word = word | (self.hw_pair(lo, hi) << (8 * j))
                         else:
-                            for j in cutlass.range_constexpr(8):
-                                word = word | (e2m1_sw(blk[8 * w + j] * s) << (4 * j))
+                            word = e2m1x8([e2m1_grid(blk[8 * w + j] * s) for j in range(8)])
                     mQ[row, col0 // 8 + w] = word
                 self.store_scale(mSF, row, col0 // B, code)
 
@@ -240,12 +269,16 @@ class Fp4Quantize(Fp4Epilogue, RowKernelBase):
                     if const_expr(mUp is not None):
                         cute.copy(atom, part(mUp, bidx)[None, None, i], rUp[None, None, i])
         gs = mGS[0] if const_expr(mGS is not None) else None
-        v = rX.load().to(Float32)
-        if const_expr(self.mode == "silu_mul"):
-            # fast exp2 (a few ulp): the fused ops owe codes within one step
-            v = v / (1.0 + cute.math.exp2(v * -LOG2E, fastmath=True)) * rUp.load().to(Float32)
         rV = cute.make_rmem_tensor_like(rX, Float32)
-        rV.store(v)
+        rV.store(rX.load().to(Float32))
+        if const_expr(self.mode == "silu_mul"):
+            # fast exp2 and reciprocal (a few ulp; an IEEE divide is ~10 instructions and a
+            # slow-path branch): the fused ops owe codes within one step
+            rU = cute.make_rmem_tensor_like(rX, Float32)
+            rU.store(rUp.load().to(Float32))
+            for j in cutlass.range_constexpr(cute.size(rV)):
+                g = rV[j]
+                rV[j] = g * cute.arch.rcp_approx(1.0 + cute.math.exp2(g * -LOG2E, fastmath=True)) * rU[j]
         self.quantize_store(rV, tXcX, row, M, gs, mQ, mSF)
 
 
