@@ -15,7 +15,7 @@ _API = (
     "softmax_forward", "softmax_backward", "softmax_fwd_bwd",
     "cross_entropy_forward", "cross_entropy_backward", "cross_entropy_fwd_bwd",
     "nvfp4_quantize", "nvfp4_dequantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant",
-    "mxfp4_quantize", "mxfp4_dequantize", "explain",
+    "mxfp4_quantize", "mxfp4_dequantize", "add_rmsnorm_mxfp4quant", "silu_mul_mxfp4quant", "explain",
 )
 _NN = ("rmsnorm", "RMSNorm", "LayerNorm", "softmax", "cross_entropy")
 __all__ = [*_API, *_NN, "reference", "register"]

@@ -125,10 +125,24 @@ def mxfp4_dequantize(q: Tensor, sf: Tensor, swizzled: bool = False) -> Tensor:
     return _oink.mxfp4_dequantize(q, sf, swizzled)
 
 
+def add_rmsnorm_mxfp4quant(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
+                           swizzled: bool = False, return_y: bool = False):
+    """``add_rmsnorm_fp4quant`` quantizing to MXFP4 (blocks of 32, power-of-two scales)."""
+    validate.add_rmsnorm_mxfp4quant(x, residual, weight)
+    q, sf, y = _oink.add_rmsnorm_mxfp4quant(x, residual, weight, eps, swizzled, return_y)
+    return (q, sf, y) if return_y else (q, sf)
+
+
+def silu_mul_mxfp4quant(x: Tensor, swizzled: bool = False):
+    """``silu_mul_fp4quant`` quantizing to MXFP4 (blocks of 32, power-of-two scales)."""
+    validate.silu_mul_mxfp4quant(x)
+    return tuple(_oink.silu_mul_mxfp4quant(x, swizzled))
+
+
 PUBLIC_OPS = (
     "rmsnorm_forward", "fused_add_rmsnorm_", "rmsnorm_backward", "layernorm", "layernorm_backward",
     "softmax_forward", "softmax_backward", "softmax_fwd_bwd",
     "cross_entropy_forward", "cross_entropy_backward", "cross_entropy_fwd_bwd",
     "nvfp4_quantize", "nvfp4_dequantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant",
-    "mxfp4_quantize", "mxfp4_dequantize",
+    "mxfp4_quantize", "mxfp4_dequantize", "add_rmsnorm_mxfp4quant", "silu_mul_mxfp4quant",
 )

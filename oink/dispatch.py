@@ -55,6 +55,8 @@ KERNEL_MODULES: dict[str, str] = {
     "add_rmsnorm_fp4quant": "oink.kernels.nvfp4_ops",
     "silu_mul_fp4quant": "oink.kernels.nvfp4_ops",
     "mxfp4_quantize": "oink.kernels.nvfp4_ops",
+    "add_rmsnorm_mxfp4quant": "oink.kernels.nvfp4_ops",
+    "silu_mul_mxfp4quant": "oink.kernels.nvfp4_ops",
 }
 
 

@@ -294,11 +294,40 @@ def _(q, sf, swizzled):
     return q.new_empty((q.shape[0], q.shape[1] * 2), dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{NS}::add_rmsnorm_mxfp4quant", mutates_args=("residual",))
+def add_rmsnorm_mxfp4quant(x: Tensor, residual: Tensor, weight: Tensor, eps: float, swizzled: bool,
+                           return_y: bool) -> tuple[Tensor, Tensor, Tensor]:
+    validate.add_rmsnorm_mxfp4quant(x, residual, weight, eps, swizzled, return_y)
+    out = call("add_rmsnorm_mxfp4quant", x=x, residual=residual, weight=weight, eps=eps, swizzled=swizzled,
+               return_y=return_y)
+    return (out[0], out[1], out[2] if return_y else x.new_empty(0))
+
+
+@add_rmsnorm_mxfp4quant.register_fake
+def _(x, residual, weight, eps, swizzled, return_y):
+    validate.add_rmsnorm_mxfp4quant(x, residual, weight, eps, swizzled, return_y)
+    q, sf = _fp4_fake(x, x.shape[-1], swizzled, block=32)
+    return q, sf.view(torch.float8_e8m0fnu), (torch.empty_like(x) if return_y else x.new_empty(0))
+
+
+@torch.library.custom_op(f"{NS}::silu_mul_mxfp4quant", mutates_args=())
+def silu_mul_mxfp4quant(x: Tensor, swizzled: bool) -> tuple[Tensor, Tensor]:
+    validate.silu_mul_mxfp4quant(x, swizzled)
+    return call("silu_mul_mxfp4quant", x=x, swizzled=swizzled)
+
+
+@silu_mul_mxfp4quant.register_fake
+def _(x, swizzled):
+    validate.silu_mul_mxfp4quant(x, swizzled)
+    q, sf = _fp4_fake(x, x.shape[-1] // 2, swizzled, block=32)
+    return q, sf.view(torch.float8_e8m0fnu)
+
+
 ALL_OPS = (
     rmsnorm, fused_add_rms_norm, rmsnorm_forward, rmsnorm_backward, layernorm, layernorm_backward,
     softmax_forward, softmax_backward, softmax_fwd_bwd, cross_entropy_forward, cross_entropy_backward,
     cross_entropy_backward_, cross_entropy_fwd_bwd, nvfp4_quantize, nvfp4_dequantize, add_rmsnorm_fp4quant,
-    silu_mul_fp4quant, mxfp4_quantize, mxfp4_dequantize,
+    silu_mul_fp4quant, mxfp4_quantize, mxfp4_dequantize, add_rmsnorm_mxfp4quant, silu_mul_mxfp4quant,
 )
 
 

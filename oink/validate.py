@@ -169,8 +169,21 @@ def add_rmsnorm_fp4quant(x, residual, weight, global_scale, eps=1e-6, swizzled=F
 
 
 def silu_mul_fp4quant(x, global_scale, swizzled=False):
-    c.rows_input("x", x)
-    if x.shape[-1] % 2:
-        raise ValueError(f"x: last dim {x.shape[-1]} must be even (gate and up halves)")
-    c.multiple_of_16("x (each half)", x.shape[-1] // 2)
+    _gate_up("x", x, c.multiple_of_16)
     c.global_scale("global_scale", global_scale, x.device)
+
+
+def _gate_up(name, x, multiple_of):
+    c.rows_input(name, x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"{name}: last dim {x.shape[-1]} must be even (gate and up halves)")
+    multiple_of(f"{name} (each half)", x.shape[-1] // 2)
+
+
+def add_rmsnorm_mxfp4quant(x, residual, weight, eps=1e-6, swizzled=False, return_y=False):
+    fused_add_rmsnorm_(x, residual, weight, eps)
+    c.multiple_of_32("x", x.shape[-1])
+
+
+def silu_mul_mxfp4quant(x, swizzled=False):
+    _gate_up("x", x, c.multiple_of_32)

@@ -128,6 +128,10 @@ def _silu_fp4_inputs(M, N, dtype, device, gen):
     return a
 
 
+def _silu_mx_inputs(M, N, dtype, device, gen):
+    return dict(x=_rand((M, 2 * N), dtype, device, gen) * 2)
+
+
 def _add_rms_fp4_inputs(M, N, dtype, device, gen):
     import torch
 
@@ -199,6 +203,14 @@ SPECS = {
                                 lambda a: _R().silu_mul_fp4quant(a["x"], a["global_scale"]),
                                 lambda M, N, e: 2 * M * N * e + M * N // 2 + M * N // 16,
                                 gate_view=_fp4_code_steps),
+    # the MXFP4 fused variants: the same bytes with one scale byte per 32
+    "add_rmsnorm_mxfp4quant": OpSpec("nvfp4_code_step", _fused_inputs,
+                                     lambda a: _R().add_rmsnorm_mxfp4quant(a["x"], a["residual"], a["weight"], EPS),
+                                     lambda M, N, e: 3 * M * N * e + M * N // 2 + M * N // 32 + N * e,
+                                     gate_view=_fp4_code_steps),
+    "silu_mul_mxfp4quant": OpSpec("nvfp4_code_step", _silu_mx_inputs, lambda a: _R().silu_mul_mxfp4quant(a["x"]),
+                                  lambda M, N, e: 2 * M * N * e + M * N // 2 + M * N // 32,
+                                  gate_view=_fp4_code_steps),
 }
 
 
@@ -254,6 +266,8 @@ _OINK_CALLS = {
     "add_rmsnorm_fp4quant": lambda f, a: f(a["x"], a["residual"], a["weight"], a["global_scale"], EPS),
     "silu_mul_fp4quant": lambda f, a: f(a["x"], a["global_scale"]),
     "mxfp4_quantize": lambda f, a: f(a["x"]),
+    "add_rmsnorm_mxfp4quant": lambda f, a: f(a["x"], a["residual"], a["weight"], EPS),
+    "silu_mul_mxfp4quant": lambda f, a: f(a["x"]),
 }
 
 for _op in SPECS:
@@ -457,28 +471,49 @@ def _fi_fused(device):
     return run
 
 
-@provider("add_rmsnorm_fp4quant", "oink-unfused", label="oink fused_add_rmsnorm_ then oink nvfp4_quantize")
-def _oink_unfused_add_rms_fp4(device):
+def _quantizer(name: str):
+    """(v, args) -> codes and scales by Oink's plain quantizer ``name``."""
     import oink
 
-    def run(a):
-        oink.fused_add_rmsnorm_(a["x"], a["residual"], a["weight"], EPS)
-        return oink.nvfp4_quantize(a["x"], a["global_scale"])
-
-    return run
+    if name == "nvfp4_quantize":
+        return lambda v, a: oink.nvfp4_quantize(v, a["global_scale"])
+    return lambda v, a: oink.mxfp4_quantize(v)
 
 
-@provider("silu_mul_fp4quant", "oink-unfused", label="torch silu * up then oink nvfp4_quantize")
-def _oink_unfused_silu_fp4(device):
-    import torch
+def _oink_unfused_add_rms(quantizer: str):
+    def build(device):
+        import oink
 
-    import oink
+        quantize = _quantizer(quantizer)
 
-    def run(a):
-        K = a["x"].shape[-1] // 2
-        return oink.nvfp4_quantize(torch.nn.functional.silu(a["x"][:, :K]) * a["x"][:, K:], a["global_scale"])
+        def run(a):
+            oink.fused_add_rmsnorm_(a["x"], a["residual"], a["weight"], EPS)
+            return quantize(a["x"], a)
 
-    return run
+        return run
+
+    return build
+
+
+def _oink_unfused_silu(quantizer: str):
+    def build(device):
+        import torch
+
+        quantize = _quantizer(quantizer)
+
+        def run(a):
+            K = a["x"].shape[-1] // 2
+            return quantize(torch.nn.functional.silu(a["x"][:, :K]) * a["x"][:, K:], a)
+
+        return run
+
+    return build
+
+
+for _fmt, _q in (("fp4quant", "nvfp4_quantize"), ("mxfp4quant", "mxfp4_quantize")):
+    provider(f"add_rmsnorm_{_fmt}", "oink-unfused",
+             label=f"oink fused_add_rmsnorm_ then oink {_q}")(_oink_unfused_add_rms(_q))
+    provider(f"silu_mul_{_fmt}", "oink-unfused", label=f"torch silu * up then oink {_q}")(_oink_unfused_silu(_q))
 
 
 ALL_PROVIDERS = ("oink", "oink-unfused", "quack", "liger", "flashinfer", "torch", "torch.compile")

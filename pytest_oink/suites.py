@@ -7,8 +7,9 @@ from dataclasses import dataclass
 BENCH_OPS = ("rmsnorm_forward", "fused_add_rmsnorm_", "rmsnorm_backward", "layernorm", "layernorm_backward",
              "softmax_forward", "softmax_backward", "softmax_fwd_bwd", "cross_entropy_forward",
              "cross_entropy_backward", "cross_entropy_fwd_bwd", "nvfp4_quantize", "add_rmsnorm_fp4quant",
-             "silu_mul_fp4quant", "mxfp4_quantize")
-FP4_OPS = ("nvfp4_quantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant", "mxfp4_quantize")
+             "silu_mul_fp4quant", "mxfp4_quantize", "add_rmsnorm_mxfp4quant", "silu_mul_mxfp4quant")
+FP4_OPS = ("nvfp4_quantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant", "mxfp4_quantize", "add_rmsnorm_mxfp4quant",
+           "silu_mul_mxfp4quant")
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def expand(suite: str, ops=None, configs=None, dtype: str = "bfloat16") -> list[
     for op in ops or BENCH_OPS:
         shapes = parse_configs(configs) if configs else SUITES[suite](op)
         for M, N in shapes:
-            if op in FP4_OPS and N % (32 if op.startswith("mx") else 16):
+            if op in FP4_OPS and N % (32 if "mxfp4" in op else 16):
                 continue
             cases.append(Case(suite, op, M, N, dtype))
     return cases

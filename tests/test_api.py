@@ -37,6 +37,8 @@ def inputs(op, M=4, N=32, dtype=torch.float32):
         "silu_mul_fp4quant": dict(x=x(), global_scale=GS),
         "mxfp4_quantize": dict(x=x()),
         "mxfp4_dequantize": dict(zip(("q", "sf"), R.mxfp4_quantize(x()))),
+        "add_rmsnorm_mxfp4quant": dict(x=x(), residual=x(), weight=w, return_y=True),
+        "silu_mul_mxfp4quant": dict(x=torch.randn(M, 2 * N, dtype=dtype)),  # each half 32 wide
     }[op]
 
 
@@ -158,6 +160,10 @@ BAD = [
      ValueError, "multiple of 16"),
     ("silu_mul_fp4quant", dict(x=torch.randn(4, 33)), ValueError, "must be even"),
     ("silu_mul_fp4quant", dict(x=torch.randn(4, 48)), ValueError, "multiple of 16"),
+    ("add_rmsnorm_mxfp4quant", dict(x=torch.randn(4, 48), residual=torch.randn(4, 48), weight=torch.randn(48)),
+     ValueError, "multiple of 32"),
+    ("silu_mul_mxfp4quant", dict(x=torch.randn(4, 65)), ValueError, "must be even"),
+    ("silu_mul_mxfp4quant", dict(x=torch.randn(4, 96)), ValueError, "multiple of 32"),
 ]
 
 

@@ -47,6 +47,8 @@ def op_samples():
         (o.silu_mul_fp4quant, (x(), GS, False)),
         (o.mxfp4_quantize, (x(torch.bfloat16), True)),
         (o.mxfp4_dequantize, (*oink.reference.mxfp4_quantize(x()), False)),
+        (o.add_rmsnorm_mxfp4quant, (x(), x(), w, 1e-6, True, True)),
+        (o.silu_mul_mxfp4quant, (x(torch.bfloat16), False)),
     ]
 
 

@@ -163,7 +163,7 @@ from oink.kernels.nvfp4 import MODES as FP4_MODES  # noqa: E402
 from oink.kernels.nvfp4 import compiled_add_rmsnorm_fp4, compiled_fp4, fp4_launch  # noqa: E402
 
 # one block, one warp, an odd block count (uneven rows), the study's widths, cluster widths
-FP4_WIDTHS = [16, 64, 1008, 4096, 14336, 131072, 262144]
+FP4_WIDTHS = [16, 64, 1008, 4096, 7168, 14336, 131072, 262144]  # units per thread 1, 2, 4; clusters
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -189,9 +189,14 @@ def test_add_rmsnorm_fp4_compiles(arch, dtype, w, swizzled, store_y):
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("swizzled", [False, True])
-def test_mxfp4_quantize_compiles(arch, dtype, swizzled):
-    for N in (32, 1056, 4096, 14336, 262144):
+def test_mxfp4_kernels_compile(arch, dtype, swizzled):
+    for N in (32, 1056, 4096, 14336, 262144):  # units per thread 1, 2; clusters
         assert callable(compiled_fp4("quantize", dtype, N, arch, swizzled, mx=True))
+    for N in (1056, 14336, 262144):
+        assert callable(compiled_fp4("silu_mul", dtype, N, arch, swizzled, mx=True))
+    for N in (1056, 7168, 262144):  # the fused RMSNorm: one unit, two, clusters
+        w = "float32" if dtype == "bfloat16" else dtype
+        assert callable(compiled_add_rmsnorm_fp4(dtype, dtype, w, N, arch, swizzled, N == 7168, mx=True))
 
 
 def test_nvfp4_launch_units_are_scale_blocks():

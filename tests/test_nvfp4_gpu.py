@@ -11,7 +11,7 @@ import torch
 
 import oink
 from oink import reference as R
-from oink.reference.nvfp4 import _quantize_rows, unswizzle
+from oink.reference.nvfp4 import _mx_quantize_rows, _quantize_rows, unswizzle
 from tests.gpu_helpers import DTYPES, cuda_arch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
@@ -120,19 +120,25 @@ def _scales_exact(sf, esf):
 
 
 def _fp64_then_fp32_quantize(v64, gs, swizzled):
-    return _quantize_rows(v64.float(), gs, swizzled)
+    """NVFP4 (a global scale) or, with gs None, MXFP4 of v evaluated in fp64, rounded to fp32."""
+    return _quantize_rows(v64.float(), gs, swizzled) if gs is not None else _mx_quantize_rows(v64.float(), swizzled)
 
 
+FORMATS = ("nvfp4", "mxfp4")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", (64, 2048, 7168, 14336))
 @pytest.mark.parametrize("M", (1, 128, 4097))
 @pytest.mark.parametrize("swizzled", [False, True], ids=["rowmajor", "swizzled"])
-def test_silu_mul_fp4quant(dtype, N, M, swizzled, seed):
+def test_silu_mul_fp4quant(fmt, dtype, N, M, swizzled, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = (torch.randn(M, 2 * N, device="cuda", generator=g) * 2).to(dtype)
-    gs = torch.tensor([448 * 6 / 8.0], device="cuda")
-    assert "kernel" in oink.explain("silu_mul_fp4quant", x, gs, swizzled)
-    q, sf = oink.silu_mul_fp4quant(x, gs, swizzled)
+    gs = torch.tensor([448 * 6 / 8.0], device="cuda") if fmt == "nvfp4" else None
+    op, args = ("silu_mul_fp4quant", (x, gs, swizzled)) if gs is not None else ("silu_mul_mxfp4quant", (x, swizzled))
+    assert "kernel" in oink.explain(op, *args)
+    q, sf = getattr(oink, op)(*args)
     x64 = x.double()
     v64 = torch.nn.functional.silu(x64[:, :N]) * x64[:, N:]
     eq, esf = _fp64_then_fp32_quantize(v64, gs, swizzled)
@@ -140,21 +146,27 @@ def test_silu_mul_fp4quant(dtype, N, M, swizzled, seed):
     _codes_within_one_step(q, eq, "silu_mul codes")
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("w_fp32", [False, True], ids=["w_same", "w_fp32"])
 @pytest.mark.parametrize("N", (64, 2048, 7168, 14336))
 @pytest.mark.parametrize("M", (1, 128, 4097))
 @pytest.mark.parametrize("swizzled", [False, True], ids=["rowmajor", "swizzled"])
-def test_add_rmsnorm_fp4quant(dtype, w_fp32, N, M, swizzled, seed):
+def test_add_rmsnorm_fp4quant(fmt, dtype, w_fp32, N, M, swizzled, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(M, N, device="cuda", generator=g).to(dtype)
     res = torch.randn(M, N, device="cuda", generator=g).to(dtype)
     w = torch.randn(N, device="cuda", generator=g).to(torch.float32 if w_fp32 else dtype)
-    gs = torch.tensor([448 * 6 / 6.0], device="cuda")
+    gs = torch.tensor([448 * 6 / 6.0], device="cuda") if fmt == "nvfp4" else None
     res_ref = res.clone()
-    eq_y = R.add_rmsnorm_fp4quant(x, res_ref, w, gs, 1e-6, swizzled, return_y=True)[2]
-    assert "kernel" in oink.explain("add_rmsnorm_fp4quant", x, res, w, gs, 1e-6, swizzled, True)
-    q, sf, y = oink.add_rmsnorm_fp4quant(x, res, w, gs, 1e-6, swizzled, return_y=True)
+    if gs is not None:
+        op, extra = "add_rmsnorm_fp4quant", (gs,)
+    else:
+        op, extra = "add_rmsnorm_mxfp4quant", ()
+    eq_y = getattr(R, op)(x, res_ref, w, *extra, 1e-6, swizzled, return_y=True)[2]
+    assert "kernel" in oink.explain(op, x, res, w, *extra, 1e-6, swizzled, True)
+    _poison_allocator()
+    q, sf, y = getattr(oink, op)(x, res, w, *extra, 1e-6, swizzled, return_y=True)
     assert torch.equal(res, res_ref), "residual in place must match the reference exactly"
     r64 = res_ref.double()
     v64 = r64 * torch.rsqrt(r64.square().mean(-1, keepdim=True) + 1e-6) * w.double()

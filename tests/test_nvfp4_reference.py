@@ -235,3 +235,53 @@ def test_mxfp4_scale_rule_by_hand():
     assert int(q[0, 0]) == 0x7 | (0xF << 4) and int(q[0, 1]) & 0xF == 2
     back = R.mxfp4_dequantize(q, sf)
     assert back[0, :3].tolist() == [6.0, -6.0, 1.0]
+
+
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_add_rmsnorm_mxfp4quant_matches_composition(gen, swizzled):
+    x, res = torch.randn(20, 96, generator=gen).bfloat16(), torch.randn(20, 96, generator=gen).bfloat16()
+    w = torch.randn(96, generator=gen).bfloat16()
+    res2 = res.clone()
+    q, sf, y = R.add_rmsnorm_mxfp4quant(x, res2, w, 1e-6, swizzled, return_y=True)
+    assert torch.equal(res2, (x.float() + res.float()).bfloat16())
+    rf = res2.double()
+    v = (rf / torch.sqrt((rf * rf).mean(-1, keepdim=True) + 1e-6) * w.double()).float()
+    iq, isf = independent_mx_quantize(v)
+    sf_rm = R.nvfp4.unswizzle(sf, 20, 3) if swizzled else sf
+    assert sf.dtype == torch.float8_e8m0fnu and torch.equal(sf_rm.view(torch.uint8), isf)
+    assert (q == iq).float().mean() >= 0.99
+    torch.testing.assert_close(y.double(), v.double(), atol=3e-2, rtol=1.6e-2)
+
+
+def test_silu_mul_mxfp4quant(gen):
+    x = torch.randn(9, 2 * 64, generator=gen)
+    q, sf = R.silu_mul_mxfp4quant(x)
+    v = (torch.nn.functional.silu(x[:, :64].double()) * x[:, 64:].double()).float()
+    iq, isf = independent_mx_quantize(v)
+    assert torch.equal(sf.view(torch.uint8), isf)
+    assert (q == iq).float().mean() >= 0.99
+    with pytest.raises(ValueError, match="multiple of 32"):
+        R.silu_mul_mxfp4quant(torch.randn(2, 2 * 48))
+
+
+def test_e2m1_rounding_by_one_add():
+    """The SM90 kernels' E2M1 rule (``oink.kernels.nvfp4.e2m1_grid``/``e2m1x8``), written out in
+    fp32 torch ops: clamp |y| to [0, 6] (NaN -> 0), add and subtract m = 2^(22 + max(exponent, 0)),
+    scale by 2^-6, attach y's sign; the E4M3 bits of that hold the code. It must agree with the
+    reference's threshold count on every fp32 with exponent -4..3 (the whole grid's range and its
+    ties) and on the specials. The GPU tests check the kernels themselves bit-exact."""
+    mant = torch.arange(0, 1 << 23, 7, dtype=torch.int64)
+    bits = torch.cat([((e + 127) << 23) | mant for e in range(-4, 4)])
+    bits = torch.cat([bits, torch.tensor([0, 1, 0x7F800000, 0x7FC00000, 0x7F7FFFFF, 0x00800000])])
+    bits = torch.cat([bits, bits | (1 << 31)]).to(torch.int64)
+    y = (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
+    a = torch.where(torch.isnan(y), torch.zeros_like(y), y.abs()).clamp(max=6.0)
+    e = ((a.view(torch.int32) & 0x7F800000) + 0x0B000000).clamp(min=0x4A800000)
+    m = e.view(torch.float32)
+    r = ((a + m) - m) * 2.0 ** -6
+    r = (r.view(torch.int32) | (y.view(torch.int32) & torch.tensor(-(1 << 31), dtype=torch.int32))).view(torch.float32)
+    e4 = r.to(torch.float8_e4m3fn)
+    assert torch.equal(e4.float(), r), "the grid value must be exact in E4M3"
+    b = e4.view(torch.uint8).int()
+    codes = ((b >> 2) & 7) | ((b >> 4) & 8)
+    assert torch.equal(codes.to(torch.uint8), R.nvfp4.e2m1_codes(y))

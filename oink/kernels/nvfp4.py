@@ -1,9 +1,10 @@
 """FP4 quantization kernels in CuTeDSL: ``nvfp4_quantize``, ``silu_mul_fp4quant``, the fused
-``add_rmsnorm_fp4quant`` (the RMSNorm forward kernel with this quantizing epilogue), and the
-MXFP4 variant ``mxfp4_quantize`` (blocks of 32, power-of-two UE8M0 scales, no global scale).
+``add_rmsnorm_fp4quant`` (the RMSNorm forward kernel with this quantizing epilogue), and their
+MXFP4 variants ``mxfp4_quantize``, ``silu_mul_mxfp4quant``, ``add_rmsnorm_mxfp4quant`` (blocks
+of 32, power-of-two UE8M0 scales, no global scale): the same kernels with ``mx`` set.
 
-Semantics are exactly ``oink.reference.nvfp4`` (bit-exact for the plain quantizer). Tiling: a
-thread's unit is one 16-element scale block (two or four 128-bit loads), so a block's amax,
+Semantics are exactly ``oink.reference.nvfp4`` (bit-exact for the plain quantizers). Tiling: a
+thread's unit is one scale block (two to eight 128-bit loads), so a block's amax,
 its E4M3 scale and its eight code bytes are all computed in one thread's registers.
 - E4M3 scale: the hardware ``cvt.rn.satfinite.e4m3x2.f32`` (SM89+: Hopper and Blackwell);
   satfinite clamps at 448 exactly as the reference's min(., 448); decoded back with
@@ -46,15 +47,21 @@ ONE_SIXTH = 0.1666666716337204  # float32(1/6), as the reference uses it
 MODES = ("quantize", "silu_mul")
 
 
-# Scale blocks per thread, per kernel (measured on H100, bench/RESULTS.md); OINK_FP4_UPT
-# overrides them for sweeps.
-UNITS_PER_THREAD = {"quantize": 2, "silu_mul": 1, "add_rmsnorm": 2}
+# Most threads a row gets, per kernel: a unit is one scale block, and a thread takes the fewest
+# units (1, 2, 4) that keep its row within this. Measured on H100 over the nvfp4 suite with
+# OINK_FP4_UPT=1|2|4 (bench/RESULTS.md): the plain quantizers lose up to 25% with 512- or
+# 1024-thread rows (N=7168, 14336), the fused RMSNorm (one row reduction) gains with 512.
+# OINK_FP4_UPT overrides the units per thread for sweeps.
+MAX_THREADS_PER_ROW = {"quantize": 256, "silu_mul": 256, "add_rmsnorm": 512}
 
 
 def fp4_launch(N: int, arch: str, kind: str = "quantize", block: int = BLOCK) -> RowLaunch:
     """Launch heuristic for the FP4 kernels (the one place it is chosen): one unit is one scale
     block (``widest_bits = 128 / block`` makes pick_row_launch's vector one block long)."""
-    upt = int(os.environ.get("OINK_FP4_UPT", UNITS_PER_THREAD[kind]))
+    upt = 1
+    while upt < 4 and N // block > upt * MAX_THREADS_PER_ROW[kind]:
+        upt *= 2
+    upt = int(os.environ.get("OINK_FP4_UPT", upt))
     return pick_row_launch(N, 128 // block, units_per_thread=upt, max_units_per_thread=max(upt, 4))
 
 
@@ -227,7 +234,7 @@ class Fp4Epilogue:
 
 class Fp4Quantize(Fp4Epilogue, RowKernelBase):
     """nvfp4_quantize (v = x), silu_mul_fp4quant (v = silu(gate) * up, x = [gate | up]) and,
-    with ``mx``, mxfp4_quantize."""
+    with ``mx``, mxfp4_quantize and silu_mul_mxfp4quant."""
 
     def __init__(self, launch: RowLaunch, dtype, mode: str, swizzled: bool, arch: str, mx: bool = False):
         super().__init__(launch, num_reductions=0)
@@ -284,26 +291,29 @@ class Fp4Quantize(Fp4Epilogue, RowKernelBase):
 
 class AddRMSNormFp4(Fp4Epilogue, RMSNormForward):
     """add_rmsnorm_fp4quant: residual <- x + residual (in place), v = rmsnorm(residual) * weight
-    in fp32, quantized; optionally y = v in x's dtype. The RMSNorm forward's ``normalize``."""
+    in fp32, quantized; optionally y = v in x's dtype. The RMSNorm forward's ``normalize``. With
+    ``mx``, add_rmsnorm_mxfp4quant."""
 
-    def __init__(self, launch: RowLaunch, x_dtype, res_dtype, w_dtype, swizzled: bool, arch: str, store_y: bool):
+    def __init__(self, launch: RowLaunch, x_dtype, res_dtype, w_dtype, swizzled: bool, arch: str, store_y: bool,
+                 mx: bool = False):
         RMSNormForward.__init__(self, launch, x_dtype, w_dtype, None, res_dtype, x_dtype, res_dtype, False)
-        self.swizzled, self.arch, self.store_y = swizzled, arch, store_y
+        self.swizzled, self.arch, self.store_y, self.mx = swizzled, arch, store_y, mx
 
     @cute.jit
-    def __call__(self, px: cute.Pointer, pres: cute.Pointer, pw: cute.Pointer, pgs: cute.Pointer,
+    def __call__(self, px: cute.Pointer, pres: cute.Pointer, pw: cute.Pointer, pgs: Optional[cute.Pointer],
                  py: Optional[cute.Pointer], pq: cute.Pointer, psf: cute.Pointer, M: Int32, ldx: Int64, ldres: Int64,
                  ldy: Int64, eps: Float32, stream: cuda.CUstream):
         mX = self.matrix(px, M, ldx)
         mRes = self.matrix(pres, M, ldres)
         mY = self.matrix(py, M, ldy) if const_expr(py is not None) else None
         mQ, mSF = self.fp4_tensors(pq, psf, M)
-        mGS = cute.make_tensor(pgs, cute.make_layout((1,)))
+        mGS = cute.make_tensor(pgs, cute.make_layout((1,))) if const_expr(pgs is not None) else None
         self.kernel(mX, mRes, self.broadcast_rows(pw), mGS, mY, mQ, mSF, eps, self.tiled_copy(self.x_dtype)).launch(
             grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mW: cute.Tensor, mGS: cute.Tensor, mY: Optional[cute.Tensor],
+    def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mW: cute.Tensor, mGS: Optional[cute.Tensor],
+               mY: Optional[cute.Tensor],
                mQ: cute.Tensor, mSF: cute.Tensor, eps: Float32, tc: cute.TiledCopy):
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
         M = cute.size(mX, mode=[0])
@@ -311,7 +321,7 @@ class AddRMSNormFp4(Fp4Epilogue, RMSNormForward):
         row = tXcX[0][0]
         # the residual output aliases the residual: each element is read before it is written
         v, rX, _, _ = self.normalize(mX, mW, None, mRes, mRes, eps, bidx, buf, mbar, part, tXcX, row, M)
-        gs = mGS[0]
+        gs = mGS[0] if const_expr(mGS is not None) else None
         if const_expr(mY is not None):
             rY = cute.make_rmem_tensor_like(rX, self.x_dtype)
             rY.store(v.to(self.x_dtype))
@@ -322,28 +332,32 @@ class AddRMSNormFp4(Fp4Epilogue, RMSNormForward):
         self.quantize_store(rV, tXcX, row, M, gs, mQ, mSF)
 
 
+def _check_width(N: int, mx: bool) -> int:
+    block = MX_BLOCK if mx else BLOCK
+    if N % block or not block <= N <= MAX_N:
+        raise ValueError(f"N={N}: the {'MX' if mx else 'NV'}FP4 kernels take a multiple of {block} up to {MAX_N}")
+    return block
+
+
 def compiled_add_rmsnorm_fp4(x_dtype: str, res_dtype: str, w_dtype: str, N: int, arch: str, swizzled: bool,
-                             store_y: bool):
-    if N % BLOCK or not BLOCK <= N <= MAX_N:
-        raise ValueError(f"N={N}: the NVFP4 kernels take a multiple of {BLOCK} up to {MAX_N}")
+                             store_y: bool, mx: bool = False):
+    block = _check_width(N, mx)
     xd, rd, wd = cute_dtype(x_dtype), cute_dtype(res_dtype), cute_dtype(w_dtype)
-    launch = fp4_launch(N, arch, "add_rmsnorm")
+    launch = fp4_launch(N, arch, "add_rmsnorm", block)
 
     def build():
         one = Int64(launch.vec)
-        return compile_kernel(AddRMSNormFp4(launch, xd, rd, wd, swizzled, arch, store_y), gmem_ptr(xd), gmem_ptr(rd),
-                              gmem_ptr(wd), gmem_ptr(Float32, 4), gmem_ptr(xd) if store_y else None,
-                              gmem_ptr(Uint32, 8), gmem_ptr(Uint8, 1), Int32(1), one, one, one, Float32(1e-6),
-                              fake_stream(), arch=arch)
+        return compile_kernel(AddRMSNormFp4(launch, xd, rd, wd, swizzled, arch, store_y, mx), gmem_ptr(xd),
+                              gmem_ptr(rd), gmem_ptr(wd), None if mx else gmem_ptr(Float32, 4),
+                              gmem_ptr(xd) if store_y else None, gmem_ptr(Uint32, 8), gmem_ptr(Uint8, 1), Int32(1),
+                              one, one, one, Float32(1e-6), fake_stream(), arch=arch)
 
-    return CACHE.get(("add_rmsnorm_fp4", x_dtype, res_dtype, w_dtype, swizzled, store_y, N, arch, launch), build)
+    return CACHE.get(("add_rmsnorm_fp4", mx, x_dtype, res_dtype, w_dtype, swizzled, store_y, N, arch, launch), build)
 
 
 def compiled_fp4(mode: str, dtype: str, N: int, arch: str, swizzled: bool, mx: bool = False):
     """Compile (or fetch) one FP4 kernel; N is the quantized width (K for silu_mul)."""
-    block = MX_BLOCK if mx else BLOCK
-    if N % block or not block <= N <= MAX_N:
-        raise ValueError(f"N={N}: the {'MX' if mx else 'NV'}FP4 kernels take a multiple of {block} up to {MAX_N}")
+    block = _check_width(N, mx)
     dt = cute_dtype(dtype)
     launch = fp4_launch(N, arch, mode, block)
 

@@ -25,6 +25,10 @@ def check_add_rmsnorm(t: dict, arch: str) -> str | None:
     return width_reason(t["x"].shape[-1]) or in_place_reason("residual", t["residual"], UNIT)
 
 
+def check_add_rmsnorm_mx(t: dict, arch: str) -> str | None:
+    return width_reason(t["x"].shape[-1]) or in_place_reason("residual", t["residual"], MX_BLOCK)
+
+
 def _outputs(M: int, N: int, device, swizzled: bool, block: int = BLOCK):
     """q [M, N/2] uint8 and the scale bytes (swizzled padding zeroed, as the layout promises)."""
     K = N // block
@@ -66,23 +70,34 @@ def run_mx_quantize(arch, x, swizzled=False):
     return _run_rows("quantize", arch, x, x.shape[-1], None, swizzled, mx=True)
 
 
-def run_add_rmsnorm(arch, x, residual, weight, global_scale, eps=1e-6, swizzled=False, return_y=False):
+def run_silu_mul_mx(arch, x, swizzled=False):
+    return _run_rows("silu_mul", arch, x, x.shape[-1] // 2, None, swizzled, mx=True)
+
+
+def run_add_rmsnorm(arch, x, residual, weight, global_scale, eps=1e-6, swizzled=False, return_y=False, mx=False):
     N = x.shape[-1]
-    x2, r2 = prepare_rows(x, UNIT), rows_view(residual)
-    w = prepare_vector(weight, UNIT)
+    block = MX_BLOCK if mx else BLOCK
+    x2, r2 = prepare_rows(x, block), rows_view(residual)
+    w = prepare_vector(weight, block)
     M = x2.shape[0]
-    q, sf = _outputs(M, N, x.device, swizzled)
+    q, sf = _outputs(M, N, x.device, swizzled, block)
     y = torch.empty((M, N), device=x.device, dtype=x.dtype) if return_y else None
     if M > 0:
-        fn = compiled_add_rmsnorm_fp4(dtype_name(x2), dtype_name(r2), dtype_name(w), N, arch, swizzled, return_y)
+        fn = compiled_add_rmsnorm_fp4(dtype_name(x2), dtype_name(r2), dtype_name(w), N, arch, swizzled, return_y, mx)
         pgs, pq, psf, _keep = _fp4_ptrs(q, sf, global_scale)
         fn(ptr(x2), ptr(r2), ptr(w), pgs, ptr(y), pq, psf, M, ld(x2), ld(r2), ld(y), float(eps),
            current_stream(x.device))
-    sf = sf.view(torch.float8_e4m3fn)
+    sf = sf.view(torch.float8_e8m0fnu if mx else torch.float8_e4m3fn)
     return (q, sf, y.view(x.shape)) if return_y else (q, sf)
 
 
+def run_add_rmsnorm_mx(arch, x, residual, weight, eps=1e-6, swizzled=False, return_y=False):
+    return run_add_rmsnorm(arch, x, residual, weight, None, eps, swizzled, return_y, mx=True)
+
+
 CHECKS = {"nvfp4_quantize": check_quantize, "silu_mul_fp4quant": check_silu_mul,
-          "add_rmsnorm_fp4quant": check_add_rmsnorm, "mxfp4_quantize": check_quantize}
+          "add_rmsnorm_fp4quant": check_add_rmsnorm, "mxfp4_quantize": check_quantize,
+          "silu_mul_mxfp4quant": check_silu_mul, "add_rmsnorm_mxfp4quant": check_add_rmsnorm_mx}
 RUNNERS = {"nvfp4_quantize": run_quantize, "silu_mul_fp4quant": run_silu_mul,
-           "add_rmsnorm_fp4quant": run_add_rmsnorm, "mxfp4_quantize": run_mx_quantize}
+           "add_rmsnorm_fp4quant": run_add_rmsnorm, "mxfp4_quantize": run_mx_quantize,
+           "silu_mul_mxfp4quant": run_silu_mul_mx, "add_rmsnorm_mxfp4quant": run_add_rmsnorm_mx}

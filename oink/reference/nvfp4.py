@@ -125,41 +125,47 @@ def _decode(q: Tensor, sf: Tensor, swizzled: bool, block: int):
     return table[codes].reshape(M, K, block), (unswizzle(sf, M, K) if swizzled else sf)
 
 
+def _add_rmsnorm_values(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """residual <- round(x + residual) in place; -> v = r * rstd(r) * weight, fp32 [M, N]."""
+    r = (x.float() + residual.float()).to(residual.dtype)
+    residual.copy_(r)
+    rf = r.reshape(-1, r.shape[-1]).float()
+    rstd = torch.rsqrt(rf.square().mean(-1, keepdim=True) + eps)
+    return rf * rstd * weight.float()
+
+
+def _silu_mul_values(x: Tensor, block: int) -> Tensor:
+    """x [..., 2K] -> v = silu(x[..., :K]) * x[..., K:], fp32 [M, K]."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"x: last dim {x.shape[-1]} must be even (gate and up halves)")
+    K = x.shape[-1] // 2
+    if K % block:
+        raise ValueError(f"x (each half): last dim {K} must be a multiple of {block}")
+    xf = x.reshape(-1, 2 * K).float()
+    return torch.nn.functional.silu(xf[:, :K]) * xf[:, K:]
+
+
 def add_rmsnorm_fp4quant(x: Tensor, residual: Tensor, weight: Tensor, global_scale: Tensor,
                          eps: float = 1e-6, swizzled: bool = False, return_y: bool = False):
     """residual <- round(x + residual) in place; v = r * rstd(r) * weight in fp32, quantized.
     -> (q, sf) or (q, sf, y) with y = v in x's dtype when ``return_y``."""
     _check_n(x.shape[-1])
-    r = (x.float() + residual.float()).to(residual.dtype)
-    residual.copy_(r)
-    rf = r.reshape(-1, r.shape[-1]).float()
-    rstd = torch.rsqrt(rf.square().mean(-1, keepdim=True) + eps)
-    v = rf * rstd * weight.float()
+    v = _add_rmsnorm_values(x, residual, weight, eps)
     q, sf = _quantize_rows(v, global_scale, swizzled)
     return (q, sf, v.to(x.dtype).reshape(x.shape)) if return_y else (q, sf)
 
 
 def silu_mul_fp4quant(x: Tensor, global_scale: Tensor, swizzled: bool = False):
     """x [..., 2K]: v = silu(x[..., :K]) * x[..., K:] in fp32, quantized."""
-    if x.shape[-1] % 2:
-        raise ValueError(f"x: last dim {x.shape[-1]} must be even (gate and up halves)")
-    K = x.shape[-1] // 2
-    _check_n(K, "x (each half)")
-    xf = x.reshape(-1, 2 * K).float()
-    v = torch.nn.functional.silu(xf[:, :K]) * xf[:, K:]
-    return _quantize_rows(v, global_scale, swizzled)
+    return _quantize_rows(_silu_mul_values(x, BLOCK), global_scale, swizzled)
 
 
 MX_BLOCK = 32
 
 
-def mxfp4_quantize(x: Tensor, swizzled: bool = False):
-    """-> (q uint8 [M, N/2], sf float8_e8m0fnu [M, N/32] or 128x4-swizzled); see the module doc."""
-    N = x.shape[-1]
-    if N % MX_BLOCK:
-        raise ValueError(f"x: last dim {N} must be a multiple of {MX_BLOCK} for MXFP4")
-    v = x.reshape(-1, N).float()
-    M = v.shape[0]
+def _mx_quantize_rows(v: Tensor, swizzled: bool):
+    """v: fp32 [M, N] -> (q uint8 [M, N/2], sf float8_e8m0fnu)."""
+    M, N = v.shape
     blocks = v.reshape(M, N // MX_BLOCK, MX_BLOCK)
     a = blocks.abs()
     amax = torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(-1)
@@ -170,6 +176,31 @@ def mxfp4_quantize(x: Tensor, swizzled: bool = False):
     codes = torch.where((amax == 0).unsqueeze(-1), torch.zeros_like(codes), codes)
     sf = (shared + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
     return _pack(codes.reshape(M, N)), (_swizzle(sf) if swizzled else sf)
+
+
+def _check_mx(N: int) -> None:
+    if N % MX_BLOCK:
+        raise ValueError(f"x: last dim {N} must be a multiple of {MX_BLOCK} for MXFP4")
+
+
+def mxfp4_quantize(x: Tensor, swizzled: bool = False):
+    """-> (q uint8 [M, N/2], sf float8_e8m0fnu [M, N/32] or 128x4-swizzled); see the module doc."""
+    _check_mx(x.shape[-1])
+    return _mx_quantize_rows(x.reshape(-1, x.shape[-1]).float(), swizzled)
+
+
+def add_rmsnorm_mxfp4quant(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
+                           swizzled: bool = False, return_y: bool = False):
+    """``add_rmsnorm_fp4quant`` with the MXFP4 quantizer (no global scale)."""
+    _check_mx(x.shape[-1])
+    v = _add_rmsnorm_values(x, residual, weight, eps)
+    q, sf = _mx_quantize_rows(v, swizzled)
+    return (q, sf, v.to(x.dtype).reshape(x.shape)) if return_y else (q, sf)
+
+
+def silu_mul_mxfp4quant(x: Tensor, swizzled: bool = False):
+    """``silu_mul_fp4quant`` with the MXFP4 quantizer (no global scale)."""
+    return _mx_quantize_rows(_silu_mul_values(x, MX_BLOCK), swizzled)
 
 
 def mxfp4_dequantize(q: Tensor, sf: Tensor, swizzled: bool = False) -> Tensor:
