@@ -39,7 +39,7 @@ def run_backward_poisoned(x, w, dout, rstd, dres, has_bias, mean=None):
     """The norm backward (LayerNorm with ``mean``) launched into NaN-filled dx and partial buffers."""
     from oink.kernels.host import prepare_rows, prepare_vector, vec_for
     from oink.kernels.rmsnorm_bwd import backward_launch, persistent_ctas
-    from oink.kernels.rmsnorm_ops import launch_backward
+    from oink.kernels.rmsnorm_ops import launch_backward, partial_buffers, sum_partials
 
     M, N = x.shape
     vec = vec_for(N, x)
@@ -48,10 +48,9 @@ def run_backward_poisoned(x, w, dout, rstd, dres, has_bias, mean=None):
     ctas = max(1, min(-(-M // L.rows_per_cta), persistent_ctas(L, sms, mean is not None)))
     nan = float("nan")
     dx = torch.full((M, N), nan, device="cuda", dtype=x.dtype)
-    dw_part = torch.full((ctas * L.rows_per_cta, N), nan, device="cuda") if w is not None else None
-    db_part = torch.full((ctas * L.rows_per_cta, N), nan, device="cuda") if has_bias else None
+    buf, dw_part, db_part = partial_buffers(ctas * L.rows_per_cta, N, w is not None, has_bias, "cuda",
+                                            lambda shape, **kw: torch.full(shape, nan, **kw))
     launch_backward(cuda_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_rows(dout, vec), rstd,
                     prepare_rows(dres, vec), dx, dw_part, db_part, ctas, mean)
-    dw = dw_part.sum(0).to(w.dtype) if w is not None else None
-    db = db_part.sum(0).to(w.dtype if w is not None else x.dtype) if has_bias else None
+    dw, db = sum_partials(buf, w is not None, has_bias, N, w.dtype if w is not None else x.dtype)
     return dx, dw, db

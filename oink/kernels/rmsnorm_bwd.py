@@ -2,8 +2,8 @@
 
 A persistent grid walks the row tiles; each thread keeps running sums of dout*xhat (and dout)
 for its columns in registers, and writes them once at the end as one row of a partial buffer
-[ctas * rows_per_cta, N]. Summing that buffer over rows (a device op, no host round trip)
-gives dweight and dbias. Wide rows use a cluster per row tile; successive tiles alternate two
+(rows ``ldpart`` apart: the host interleaves the dweight and dbias partials so that one device
+reduction, no host round trip, sums both and writes them in the weight's dtype). Wide rows use a cluster per row tile; successive tiles alternate two
 reduction slots so a fast CTA never overwrites a value a peer is still reading.
 
 With xhat = (x - mean) * rstd (mean = 0 for RMSNorm) and wdy = dout * weight:
@@ -84,7 +84,7 @@ class RMSNormBackward(RMSNormForward):
                  pmean: Optional[cute.Pointer], pdres: Optional[cute.Pointer], pdx: cute.Pointer,
                  pdw: Optional[cute.Pointer],
                  pdb: Optional[cute.Pointer], M: Int32, ldx: Int64, lddout: Int64, lddres: Int64, lddx: Int64,
-                 num_ctas: Int32, stream: cuda.CUstream):
+                 ldpart: Int64, num_ctas: Int32, stream: cuda.CUstream):
         L = self.launch
         mX = self.matrix(px, M, ldx)
         mDout = self.matrix(pdout, M, lddout)
@@ -94,7 +94,7 @@ class RMSNormBackward(RMSNormForward):
         mRstd = cute.make_tensor(prstd, cute.make_layout((M,)))
         mMean = cute.make_tensor(pmean, cute.make_layout((M,))) if const_expr(pmean is not None) else None
         parts = num_ctas * L.rows_per_cta
-        row_major = cute.make_layout((parts, L.N), stride=(L.N, 1))
+        row_major = cute.make_layout((parts, L.N), stride=(cute.assume(ldpart, divby=L.vec), 1))
         mDw = cute.make_tensor(pdw, row_major) if const_expr(pdw is not None) else None
         mDb = cute.make_tensor(pdb, row_major) if const_expr(pdb is not None) else None
         self.kernel(mX, mW, mDout, mRstd, mMean, mDres, mDx, mDw, mDb, self.tiled_copy(self.x_dtype)).launch(
@@ -207,6 +207,6 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
             gmem_ptr(Float32, 4) if layernorm else None,
             None if rd is None else gmem_ptr(rd), gmem_ptr(xd),
             gmem_ptr(Float32) if w_dtype is not None else None, gmem_ptr(Float32) if has_db else None,
-            Int32(1), one, one, one, one, Int32(1), fake_stream(), arch=arch)
+            Int32(1), one, one, one, one, one, Int32(1), fake_stream(), arch=arch)
 
     return CACHE.get(key, build)

@@ -99,29 +99,45 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias):
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     ctas = max(1, min(tiles, persistent_ctas(launch, sms, layernorm)))
     parts = ctas * launch.rows_per_cta
-    dw_part = torch.empty((parts, N), device=x.device, dtype=torch.float32) if weight is not None else None
-    db_part = torch.empty((parts, N), device=x.device, dtype=torch.float32) if has_bias else None
+    buf, dw_part, db_part = partial_buffers(parts, N, weight is not None, has_bias, x.device, torch.empty)
     if M > 0:
         launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean)
     else:
-        for t in (dw_part, db_part):
-            if t is not None:
-                t.zero_()
-    wdtype = weight.dtype if weight is not None else x.dtype
-    dw = dw_part.sum(0).to(wdtype) if weight is not None else None
-    db = db_part.sum(0).to(wdtype) if has_bias else None
+        buf.zero_()
+    dw, db = sum_partials(buf, weight is not None, has_bias, N, weight.dtype if weight is not None else x.dtype)
     return dx.view(x.shape), dw, db
 
 
+def partial_buffers(parts: int, N: int, has_dw: bool, has_db: bool, device, alloc):
+    """One fp32 buffer [parts, k, Np] holding the k (0-2) partial kinds interleaved by row (Np = N
+    rounded up to 16 bytes, so each kind's rows stay aligned), which one reduction sums:
+    -> (buffer, dweight partials [parts, N] view or None, dbias partials view or None)."""
+    buf = alloc((parts, int(has_dw) + int(has_db), -(-N // 4) * 4), device=device, dtype=torch.float32)
+    return buf, (buf[:, 0, :N] if has_dw else None), (buf[:, -1, :N] if has_db else None)
+
+
+def sum_partials(buf, has_dw: bool, has_db: bool, N: int, dtype):
+    """(dweight, dbias) in ``dtype``: one device reduction over the partial rows, accumulated in fp32
+    and rounded once on output (a sum then a cast would be two kernels per kind). dbias is copied
+    out when both exist: a custom op's outputs may not share storage."""
+    out = torch.empty(buf.shape[1:], device=buf.device, dtype=dtype)
+    torch.sum(buf, 0, out=out)
+    dw = out[0, :N] if has_dw else None
+    db = (out[1, :N].clone() if has_dw else out[0, :N]) if has_db else None
+    return dw, db
+
+
 def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean=None):
-    """Launch into given outputs; dw_part/db_part have ctas * rows_per_cta rows. With ``mean``
-    (per-row fp32) it is the LayerNorm backward."""
+    """Launch into given outputs; dw_part/db_part have ctas * rows_per_cta rows (unit column stride,
+    both with the same row stride). With ``mean`` (per-row fp32) it is the LayerNorm backward."""
     M, N = x2.shape
     fn = compiled_backward(dtype_name(x2), N, arch, dtype_name(w), dtype_name(g2), dtype_name(dr2),
                            db_part is not None, mean is not None)
     stat = lambda t: None if t is None else ptr(t.reshape(-1).contiguous(), 4)  # noqa: E731
+    part = dw_part if dw_part is not None else db_part
+    ldpart = part.stride(0) if part is not None else N
     fn(ptr(x2), ptr(w), ptr(g2), stat(rstd), stat(mean), ptr(dr2), ptr(dx), ptr(dw_part),
-       ptr(db_part), M, ld(x2), ld(g2), ld(dr2), ld(dx), ctas, current_stream(x2.device))
+       ptr(db_part), M, ld(x2), ld(g2), ld(dr2), ld(dx), ldpart, ctas, current_stream(x2.device))
 
 
 CHECKS = {"rmsnorm_forward": check_forward, "fused_add_rmsnorm_": check_fused_add,
