@@ -117,13 +117,15 @@ def partial_buffers(parts: int, N: int, has_dw: bool, has_db: bool, device, allo
 
 
 def sum_partials(buf, has_dw: bool, has_db: bool, N: int, dtype):
-    """(dweight, dbias) in ``dtype``: one device reduction over the partial rows, accumulated in fp32
-    and rounded once on output (a sum then a cast would be two kernels per kind). dbias is copied
-    out when both exist: a custom op's outputs may not share storage."""
-    out = torch.empty(buf.shape[1:], device=buf.device, dtype=dtype)
-    torch.sum(buf, 0, out=out)
-    dw = out[0, :N] if has_dw else None
-    db = (out[1, :N].clone() if has_dw else out[0, :N]) if has_db else None
+    """(dweight, dbias) in ``dtype``: one fp32 reduction over the partial rows for both, then a cast
+    per kind (on H100 torch's sum writing bf16 directly is slower than sum + cast). Each output
+    gets its own storage: a custom op's outputs may not share any."""
+    total = buf.sum(0)
+    outs = [total[i, :N].to(dtype) for i in range(total.shape[0])]
+    if len(outs) == 2 and outs[1].untyped_storage().data_ptr() == outs[0].untyped_storage().data_ptr():
+        outs[1] = outs[1].clone()  # fp32 weights: .to() returned views of one buffer
+    dw = outs[0] if has_dw else None
+    db = outs[-1] if has_db else None
     return dw, db
 
 
