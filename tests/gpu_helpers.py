@@ -52,5 +52,5 @@ def run_backward_poisoned(x, w, dout, rstd, dres, has_bias, mean=None):
                                             lambda shape, **kw: torch.full(shape, nan, **kw))
     launch_backward(cuda_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_rows(dout, vec), rstd,
                     prepare_rows(dres, vec), dx, dw_part, db_part, ctas, mean)
-    dw, db = sum_partials(buf, w is not None, has_bias, N, w.dtype if w is not None else x.dtype)
+    dw, db = sum_partials(cuda_arch(), buf, w is not None, has_bias, N, w.dtype if w is not None else x.dtype)
     return dx, dw, db

@@ -86,7 +86,15 @@ def test_rmsnorm_width_limit():
         compiled_forward("bfloat16", 262144 * 2, "sm_90a")
 
 
-from oink.kernels.rmsnorm_bwd import compiled_backward  # noqa: E402
+from oink.kernels.rmsnorm_bwd import compiled_backward, compiled_partial_sum  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kinds", [1, 2])
+def test_partial_sum_compiles(arch, dtype, kinds):
+    for N in (*NORM_WIDTHS, 1001):  # 1001: the partial rows are padded to a multiple of 4
+        assert callable(compiled_partial_sum(N, kinds, dtype, arch))
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)

@@ -161,6 +161,30 @@ def test_backward(dtype, w, N, M, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", (1, 1001, 6144, 262144))
+@pytest.mark.parametrize("kinds", (1, 2))
+def test_partial_sum_kernel(dtype, N, kinds, seed):
+    """The dweight/dbias partials' sum: every output element written, padding columns (NaN here)
+    never read into an output, the sum in fp32 against a float64 sum."""
+    from oink.kernels.rmsnorm_ops import partial_buffers, sum_partials
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    buf, a, b = partial_buffers(133, N, True, kinds == 2, "cuda", lambda s, **kw: torch.full(s, float("nan"), **kw))
+    for part in (a, b):
+        if part is not None:
+            part.copy_(torch.randn(part.shape, device="cuda", generator=g))
+    junk = [torch.full((N,), float("nan"), device="cuda", dtype=dtype) for _ in range(kinds)]
+    del junk  # the outputs reuse these blocks: an element the kernel skips stays NaN
+    dw, db = sum_partials(cuda_arch(), buf, True, kinds == 2, N, dtype)
+    for out, part in ((dw, a), (db, b)):
+        if part is not None:
+            assert out.dtype == dtype and out.shape == (N,)
+            close_family(out, part.double().sum(0).to(dtype), "weight_grad", dtype, "partial sum")
+    if kinds == 2:
+        assert dw.untyped_storage().data_ptr() != db.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_autograd_matches_reference_autograd(dtype, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(300, 7168, device="cuda", generator=g).to(dtype).requires_grad_(True)

@@ -201,6 +201,9 @@ class Fp4Epilogue:
         """rV: this thread's fp32 values, shape (one-block unit, 1, units)."""
         L = self.launch
         B = self.block
+        # a block's code words leave in one vector store (64 bits NVFP4, 128 MXFP4), not word by word
+        rQ = cute.make_rmem_tensor(cute.make_layout((B // 8,)), Uint32)
+        q_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=4 * B)
         for i in cutlass.range_constexpr(cute.size(rV, mode=[2])):
             col0 = tXcX[(0, 0), 0, i][1]
             if row < M and col0 < L.N:
@@ -218,7 +221,8 @@ class Fp4Epilogue:
                                 word = word | (self.hw_pair(lo, hi) << (8 * j))
                         else:
                             word = e2m1x8([e2m1_grid(blk[8 * w + j] * s) for j in range(8)])
-                    mQ[row, col0 // 8 + w] = word
+                    rQ[w] = word
+                cute.copy(q_atom, rQ, cute.local_tile(mQ, (1, B // 8), (row, col0 // B))[0, None])
                 self.store_scale(mSF, row, col0 // B, code)
 
     @cute.jit
@@ -349,7 +353,7 @@ def compiled_add_rmsnorm_fp4(x_dtype: str, res_dtype: str, w_dtype: str, N: int,
         one = Int64(launch.vec)
         return compile_kernel(AddRMSNormFp4(launch, xd, rd, wd, swizzled, arch, store_y, mx), gmem_ptr(xd),
                               gmem_ptr(rd), gmem_ptr(wd), None if mx else gmem_ptr(Float32, 4),
-                              gmem_ptr(xd) if store_y else None, gmem_ptr(Uint32, 8), gmem_ptr(Uint8, 1), Int32(1),
+                              gmem_ptr(xd) if store_y else None, gmem_ptr(Uint32, 16), gmem_ptr(Uint8, 1), Int32(1),
                               one, one, one, Float32(1e-6), fake_stream(), arch=arch)
 
     return CACHE.get(("add_rmsnorm_fp4", mx, x_dtype, res_dtype, w_dtype, swizzled, store_y, N, arch, launch), build)
@@ -363,7 +367,7 @@ def compiled_fp4(mode: str, dtype: str, N: int, arch: str, swizzled: bool, mx: b
 
     def build():
         return compile_kernel(Fp4Quantize(launch, dt, mode, swizzled, arch, mx), gmem_ptr(dt),
-                              None if mx else gmem_ptr(Float32, 4), gmem_ptr(Uint32, 8), gmem_ptr(Uint8, 1), Int32(1),
+                              None if mx else gmem_ptr(Float32, 4), gmem_ptr(Uint32, 16), gmem_ptr(Uint8, 1), Int32(1),
                               Int64(launch.vec), fake_stream(), arch=arch)
 
     return CACHE.get(("mxfp4" if mx else "nvfp4", mode, dtype, swizzled, N, arch, launch), build)

@@ -44,7 +44,7 @@ def _outputs(M: int, N: int, device, swizzled: bool, block: int = BLOCK):
 def _fp4_ptrs(q, sf, global_scale):
     gs = None if global_scale is None else global_scale.reshape(1).float().contiguous()
     return (None if gs is None else runtime_ptr(cutlass.Float32, gs.data_ptr(), 4),
-            runtime_ptr(cutlass.Uint32, q.data_ptr(), 8), runtime_ptr(cutlass.Uint8, sf.data_ptr(), 1), gs)
+            runtime_ptr(cutlass.Uint32, q.data_ptr(), 16), runtime_ptr(cutlass.Uint8, sf.data_ptr(), 1), gs)
 
 
 def _run_rows(mode, arch, x, N, global_scale, swizzled, mx=False):

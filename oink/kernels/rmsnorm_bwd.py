@@ -210,3 +210,74 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
             Int32(1), one, one, one, one, one, Int32(1), fake_stream(), arch=arch)
 
     return CACHE.get(key, build)
+
+
+class PartialSum:
+    """dweight and/or dbias from the backward's fp32 partials in one launch: out_k[n] = the sum
+    over p of part[p, k, n] (part is [P, kinds, Np], Np = N rounded up to 4), accumulated in fp32
+    in a fixed order (deterministic) and written in the weight's dtype. A CTA owns 32 columns of
+    4 floats; its 8 warps split the partial rows (a thread's loads are independent, so they are
+    in flight together) and warp 0 adds the 8 sums from shared memory. Replaces a torch sum and
+    a cast per kind (~5 us a kind on H100 at N=6144, against a ~1.3 us launch floor)."""
+
+    WARPS = 8
+
+    def __init__(self, N: int, kinds: int, out_dtype):
+        self.N, self.kinds, self.out_dtype = N, kinds, out_dtype
+        self.quads = -(-N // 4)  # float4 columns a kind
+        self.cols = kinds * self.quads
+
+    @cute.jit
+    def __call__(self, ppart: cute.Pointer, pout0: cute.Pointer, pout1: Optional[cute.Pointer], P: Int32,
+                 stream: cuda.CUstream):
+        mPart = cute.make_tensor(ppart, cute.make_layout((P, self.cols, 4), stride=(self.cols * 4, 4, 1)))
+        mOut0 = cute.make_tensor(pout0, cute.make_layout((self.N,)))
+        mOut1 = cute.make_tensor(pout1, cute.make_layout((self.N,))) if const_expr(pout1 is not None) else None
+        self.kernel(mPart, mOut0, mOut1).launch(grid=[cute.ceil_div(self.cols, 32), 1, 1],
+                                                block=[32 * self.WARPS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mPart: cute.Tensor, mOut0: cute.Tensor, mOut1: Optional[cute.Tensor]):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp, lane = tidx // 32, tidx % 32
+        c = bidx * 32 + lane
+        P = cute.size(mPart, mode=[0])
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        acc = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+        acc.fill(0.0)
+        frag = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+        if c < self.cols:
+            for p in cutlass.range(warp, P, self.WARPS, unroll=4):
+                cute.copy(atom, mPart[p, c, None], frag)
+                acc.store(acc.load() + frag.load())
+        smem = cutlass.memory.SmemAllocator()
+        sbuf = smem.allocate_tensor(Float32, cute.make_layout((self.WARPS, 32, 4), stride=(128, 4, 1)),
+                                    byte_alignment=16)
+        for j in cutlass.range_constexpr(4):
+            sbuf[warp, lane, j] = acc[j]
+        cute.arch.barrier()
+        if warp == 0 and c < self.cols:
+            kind = c // self.quads
+            col = (c % self.quads) * 4
+            for j in cutlass.range_constexpr(4):
+                total = sbuf[0, lane, j]
+                for w in cutlass.range_constexpr(1, self.WARPS):
+                    total = total + sbuf[w, lane, j]
+                if col + j < self.N:
+                    if kind == 0:
+                        mOut0[col + j] = total.to(self.out_dtype)
+                    else:
+                        if const_expr(mOut1 is not None):
+                            mOut1[col + j] = total.to(self.out_dtype)
+
+
+def compiled_partial_sum(N: int, kinds: int, out_dtype: str, arch: str):
+    """Compile (or fetch) the partials' sum for (N, kinds, dtype, arch); the partial row count is runtime."""
+    od = cute_dtype(out_dtype)
+
+    def build():
+        return compile_kernel(PartialSum(N, kinds, od), gmem_ptr(Float32), gmem_ptr(od, 2),
+                              gmem_ptr(od, 2) if kinds == 2 else None, Int32(1), fake_stream(), arch=arch)
+
+    return CACHE.get(("partial_sum", N, kinds, out_dtype, arch), build)

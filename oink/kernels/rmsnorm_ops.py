@@ -2,12 +2,14 @@
 they are launched on torch tensors (RUNNERS). Imported only on a supported GPU."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .compile import current_stream
 from .host import dtype_name, in_place_reason, ld, prepare_rows, prepare_vector, ptr, rows_view, vec_for, width_reason
 from .rmsnorm import compiled_forward
-from .rmsnorm_bwd import backward_launch, compiled_backward, persistent_ctas
+from .rmsnorm_bwd import backward_launch, compiled_backward, compiled_partial_sum, persistent_ctas
 
 
 def check_forward(t: dict, arch: str) -> str | None:
@@ -104,7 +106,8 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias):
         launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean)
     else:
         buf.zero_()
-    dw, db = sum_partials(buf, weight is not None, has_bias, N, weight.dtype if weight is not None else x.dtype)
+    dw, db = sum_partials(arch, buf, weight is not None, has_bias, N,
+                          weight.dtype if weight is not None else x.dtype)
     return dx.view(x.shape), dw, db
 
 
@@ -116,10 +119,19 @@ def partial_buffers(parts: int, N: int, has_dw: bool, has_db: bool, device, allo
     return buf, (buf[:, 0, :N] if has_dw else None), (buf[:, -1, :N] if has_db else None)
 
 
-def sum_partials(buf, has_dw: bool, has_db: bool, N: int, dtype):
-    """(dweight, dbias) in ``dtype``: one fp32 reduction over the partial rows for both, then a cast
-    per kind (on H100 torch's sum writing bf16 directly is slower than sum + cast). Each output
-    gets its own storage: a custom op's outputs may not share any."""
+def sum_partials(arch: str, buf, has_dw: bool, has_db: bool, N: int, dtype):
+    """(dweight, dbias) in ``dtype`` from the partials: the PartialSum kernel (one launch for both),
+    or with OINK_BWD_PARTIAL_SUM=torch (an A/B switch for benchmarks) one torch fp32 sum and a
+    cast per kind. Each output gets its own storage: a custom op's outputs may not share any."""
+    kinds = buf.shape[1]
+    if kinds == 0:
+        return None, None
+    if os.environ.get("OINK_BWD_PARTIAL_SUM", "kernel") != "torch":
+        outs = [torch.empty(N, device=buf.device, dtype=dtype) for _ in range(kinds)]
+        fn = compiled_partial_sum(N, kinds, dtype_name(outs[0]), arch)
+        fn(ptr(buf), ptr(outs[0], outs[0].element_size()), ptr(outs[-1], outs[-1].element_size()) if kinds == 2
+           else None, buf.shape[0], current_stream(buf.device))
+        return (outs[0] if has_dw else None), (outs[-1] if has_db else None)
     total = buf.sum(0)
     outs = [total[i, :N].to(dtype) for i in range(total.shape[0])]
     if len(outs) == 2 and outs[1].untyped_storage().data_ptr() == outs[0].untyped_storage().data_ptr():
