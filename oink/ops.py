@@ -208,12 +208,13 @@ def _(dloss, logits, target, ignore_index):
 
 
 # ---------------------------------------------------------------- NVFP4
-def _fp4_fake(x, N: int, swizzled: bool, block: int = 16):
+def _fp4_fake(x, N: int, swizzled: bool, mx: bool = False):
+    """Codes [M, N/2] and scales (NVFP4: E4M3 per 16; MXFP4: UE8M0 per 32) of an N-wide quantization."""
     M = x.numel() // x.shape[-1]
-    K = N // block
+    K = N // (32 if mx else 16)
     q = x.new_empty((M, N // 2), dtype=torch.uint8)
     shape = (round_up(M, 128), round_up(K, 4)) if swizzled else (M, K)
-    return q, x.new_empty(shape, dtype=torch.float8_e4m3fn)
+    return q, x.new_empty(shape, dtype=torch.float8_e8m0fnu if mx else torch.float8_e4m3fn)
 
 
 @torch.library.custom_op(f"{NS}::nvfp4_quantize", mutates_args=())
@@ -278,8 +279,7 @@ def mxfp4_quantize(x: Tensor, swizzled: bool) -> tuple[Tensor, Tensor]:
 @mxfp4_quantize.register_fake
 def _(x, swizzled):
     validate.mxfp4_quantize(x, swizzled)
-    q, sf = _fp4_fake(x, x.shape[-1], swizzled, block=32)
-    return q, sf.view(torch.float8_e8m0fnu)
+    return _fp4_fake(x, x.shape[-1], swizzled, mx=True)
 
 
 @torch.library.custom_op(f"{NS}::mxfp4_dequantize", mutates_args=())
@@ -306,8 +306,8 @@ def add_rmsnorm_mxfp4quant(x: Tensor, residual: Tensor, weight: Tensor, eps: flo
 @add_rmsnorm_mxfp4quant.register_fake
 def _(x, residual, weight, eps, swizzled, return_y):
     validate.add_rmsnorm_mxfp4quant(x, residual, weight, eps, swizzled, return_y)
-    q, sf = _fp4_fake(x, x.shape[-1], swizzled, block=32)
-    return q, sf.view(torch.float8_e8m0fnu), (torch.empty_like(x) if return_y else x.new_empty(0))
+    q, sf = _fp4_fake(x, x.shape[-1], swizzled, mx=True)
+    return q, sf, (torch.empty_like(x) if return_y else x.new_empty(0))
 
 
 @torch.library.custom_op(f"{NS}::silu_mul_mxfp4quant", mutates_args=())
@@ -319,8 +319,7 @@ def silu_mul_mxfp4quant(x: Tensor, swizzled: bool) -> tuple[Tensor, Tensor]:
 @silu_mul_mxfp4quant.register_fake
 def _(x, swizzled):
     validate.silu_mul_mxfp4quant(x, swizzled)
-    q, sf = _fp4_fake(x, x.shape[-1] // 2, swizzled, block=32)
-    return q, sf.view(torch.float8_e8m0fnu)
+    return _fp4_fake(x, x.shape[-1] // 2, swizzled, mx=True)
 
 
 ALL_OPS = (
