@@ -9,7 +9,7 @@ its E4M3 scale and its eight code bytes are all computed in one thread's registe
 - E4M3 scale: the hardware ``cvt.rn.satfinite.e4m3x2.f32`` (SM89+: Hopper and Blackwell);
   satfinite clamps at 448 exactly as the reference's min(., 448); decoded back with
   ``cvt.rn.f16x2.e4m3x2`` (exact).
-- E2M1 codes: on SM90 in software, branch-free, ~10 instructions a value: |v| is clamped to
+- E2M1 codes: on SM90 in software, branch-free, ~12 instructions a value: |v| is clamped to
   [0, 6] (NaN -> 0), rounded onto E2M1's grid by one fp32 add of a power of two chosen from
   its exponent (``e2m1_grid``), scaled by 2^-6 so that E2M1's subnormal lines up with E4M3's
   and given v's sign; the exact E4M3 conversion of that (two values a cvt) holds the code in

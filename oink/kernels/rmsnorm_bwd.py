@@ -2,9 +2,10 @@
 
 A persistent grid walks the row tiles; each thread keeps running sums of dout*xhat (and dout)
 for its columns in registers, and writes them once at the end as one row of a partial buffer
-(rows ``ldpart`` apart: the host interleaves the dweight and dbias partials so that one device
-reduction, no host round trip, sums both and writes them in the weight's dtype). Wide rows use a cluster per row tile; successive tiles alternate two
-reduction slots so a fast CTA never overwrites a value a peer is still reading.
+(rows ``ldpart`` apart: the host interleaves the dweight and dbias partials, and ``PartialSum``
+adds them up in one launch, no host round trip, in the weight's dtype). Wide rows use a cluster
+per row tile; successive tiles alternate two reduction slots so a fast CTA never overwrites a
+value a peer is still reading.
 
 With xhat = (x - mean) * rstd (mean = 0 for RMSNorm) and wdy = dout * weight:
   RMSNorm:   dx = (wdy - xhat * mean(wdy * xhat)) * rstd
