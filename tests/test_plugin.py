@@ -348,8 +348,34 @@ def test_fp4_gate_view_counts_rounding_steps():
     assert not compare(two_steps, codes, atol, rtol).passed
 
 
+def test_mx_fused_gate_view_survives_a_scale_step():
+    """The fused MXFP4 gate: a block whose power-of-two scale moved up one (every code halves)
+    passes, codes shuffled inside a block fail, and the scale bytes must stay within one."""
+    import torch
+
+    from pytest_oink.providers import MX_FUSED_GATE, _mx_block_ratios
+    from pytest_oink.tolerances import tolerance
+
+    def block(codes, scale):  # 32 codes -> (q [1, 16], sf [1, 1] e8m0)
+        c = torch.tensor(codes, dtype=torch.uint8)
+        return (c[0::2] | (c[1::2] << 4)).unsqueeze(0), torch.tensor([[scale]], dtype=torch.uint8).view(
+            torch.float8_e8m0fnu)
+
+    ref_codes = [7, 6, 5, 4, 3, 2, 1, 0] * 4  # 6, 4, 3, 2, 1.5, 1, 0.5, 0 at scale 2^0
+    halved = [6, 4, 3, 2, 1, 1, 0, 0] * 4  # the same values at scale 2^1: 4, 2, 1.5, 1, 0.5, 0.5, 0, 0
+    shuffled = [0, 1, 2, 3, 4, 5, 6, 7] * 4
+    ref = _mx_block_ratios(block(ref_codes, 127))
+    tol = [tolerance(f, torch.float32) for f in MX_FUSED_GATE]
+    ok = lambda view: all(compare(a, b, *t).passed for a, b, t in zip(view, ref, tol))  # noqa: E731
+    assert ok(_mx_block_ratios(block(halved, 128)))
+    assert not ok(_mx_block_ratios(block(shuffled, 127)))
+    assert not ok(_mx_block_ratios(block(ref_codes, 129)))
+
+
 def test_nvfp4_suite_shapes():
-    cases = suites.expand("nvfp4", ["add_rmsnorm_fp4quant", "mxfp4_quantize"])
+    mx_ops = ["mxfp4_quantize", "add_rmsnorm_mxfp4quant", "silu_mul_mxfp4quant"]
+    cases = suites.expand("nvfp4", ["add_rmsnorm_fp4quant", *mx_ops])
     shapes = {(c.M, c.N) for c in cases}
     assert {(128, 2048), (128, 14336), (2048, 7168), (65536, 14336)} <= shapes
-    assert all(c.N % 32 == 0 for c in cases if c.op == "mxfp4_quantize")
+    assert all(c.N % 32 == 0 for c in cases if c.op in mx_ops)
+    assert {c.op for c in cases} == {"add_rmsnorm_fp4quant", *mx_ops}
