@@ -1,6 +1,9 @@
 """NVFP4 and MXFP4 kernels on torch tensors (CHECKS/RUNNERS for the dispatch path). Codes are written
-through a 32-bit view of q; scales as raw bytes viewed as float8_e4m3fn afterwards."""
+through a 32-bit view of q; scales as raw bytes viewed as float8_e4m3fn (MXFP4: float8_e8m0fnu)
+afterwards."""
 from __future__ import annotations
+
+from functools import partial
 
 import cutlass
 import torch
@@ -9,8 +12,6 @@ from .compile import current_stream, runtime_ptr
 from ..reference.nvfp4 import round_up
 from .host import dtype_name, in_place_reason, ld, prepare_rows, prepare_vector, ptr, rows_view, width_reason
 from .nvfp4 import BLOCK, MX_BLOCK, compiled_add_rmsnorm_fp4, compiled_fp4
-
-UNIT = 16  # elements per NVFP4 kernel unit (one scale block): row strides must be multiples of it
 
 
 def check_quantize(t: dict, arch: str) -> str | None:
@@ -21,12 +22,9 @@ def check_silu_mul(t: dict, arch: str) -> str | None:
     return width_reason(t["x"].shape[-1] // 2)
 
 
-def check_add_rmsnorm(t: dict, arch: str) -> str | None:
-    return width_reason(t["x"].shape[-1]) or in_place_reason("residual", t["residual"], UNIT)
-
-
-def check_add_rmsnorm_mx(t: dict, arch: str) -> str | None:
-    return width_reason(t["x"].shape[-1]) or in_place_reason("residual", t["residual"], MX_BLOCK)
+def check_add_rmsnorm(t: dict, arch: str, block: int = BLOCK) -> str | None:
+    """The residual is updated in place, so its rows must already be whole scale blocks apart."""
+    return width_reason(t["x"].shape[-1]) or in_place_reason("residual", t["residual"], block)
 
 
 def _outputs(M: int, N: int, device, swizzled: bool, block: int = BLOCK):
@@ -97,7 +95,7 @@ def run_add_rmsnorm_mx(arch, x, residual, weight, eps=1e-6, swizzled=False, retu
 
 CHECKS = {"nvfp4_quantize": check_quantize, "silu_mul_fp4quant": check_silu_mul,
           "add_rmsnorm_fp4quant": check_add_rmsnorm, "mxfp4_quantize": check_quantize,
-          "silu_mul_mxfp4quant": check_silu_mul, "add_rmsnorm_mxfp4quant": check_add_rmsnorm_mx}
+          "silu_mul_mxfp4quant": check_silu_mul, "add_rmsnorm_mxfp4quant": partial(check_add_rmsnorm, block=MX_BLOCK)}
 RUNNERS = {"nvfp4_quantize": run_quantize, "silu_mul_fp4quant": run_silu_mul,
            "add_rmsnorm_fp4quant": run_add_rmsnorm, "mxfp4_quantize": run_mx_quantize,
            "silu_mul_mxfp4quant": run_silu_mul_mx, "add_rmsnorm_mxfp4quant": run_add_rmsnorm_mx}
