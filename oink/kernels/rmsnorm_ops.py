@@ -131,14 +131,12 @@ def sum_partials(arch: str, buf, has_dw: bool, has_db: bool, N: int, dtype):
         fn = compiled_partial_sum(N, kinds, dtype_name(outs[0]), arch)
         fn(ptr(buf), ptr(outs[0], outs[0].element_size()), ptr(outs[-1], outs[-1].element_size()) if kinds == 2
            else None, buf.shape[0], current_stream(buf.device))
-        return (outs[0] if has_dw else None), (outs[-1] if has_db else None)
-    total = buf.sum(0)
-    outs = [total[i, :N].to(dtype) for i in range(total.shape[0])]
-    if len(outs) == 2 and outs[1].untyped_storage().data_ptr() == outs[0].untyped_storage().data_ptr():
-        outs[1] = outs[1].clone()  # fp32 weights: .to() returned views of one buffer
-    dw = outs[0] if has_dw else None
-    db = outs[-1] if has_db else None
-    return dw, db
+    else:
+        total = buf.sum(0)
+        outs = [total[i, :N].to(dtype) for i in range(kinds)]
+        if kinds == 2 and outs[1].untyped_storage().data_ptr() == outs[0].untyped_storage().data_ptr():
+            outs[1] = outs[1].clone()  # fp32 weights: .to() returned views of one buffer
+    return (outs[0] if has_dw else None), (outs[-1] if has_db else None)
 
 
 def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean=None):
