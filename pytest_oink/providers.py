@@ -78,6 +78,12 @@ def _norm_inputs(M, N, dtype, device, gen):
     return dict(x=_rand((M, N), dtype, device, gen), weight=_rand((N,), dtype, device, gen))
 
 
+def _norm_w32_inputs(M, N, dtype, device, gen):
+    import torch
+
+    return dict(x=_rand((M, N), dtype, device, gen), weight=_rand((N,), torch.float32, device, gen))
+
+
 def _fused_inputs(M, N, dtype, device, gen):
     return dict(x=_rand((M, N), dtype, device, gen), residual=_rand((M, N), dtype, device, gen),
                 weight=_rand((N,), dtype, device, gen))
@@ -169,6 +175,10 @@ SPECS = {
     "rmsnorm_forward": OpSpec("rmsnorm", _norm_inputs,
                               lambda a: (_R().rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0],),
                               lambda M, N, e: 2 * M * N * e + N * e),
+    # the same op with an fp32 weight (mixed-precision training keeps the weight in fp32)
+    "rmsnorm_forward_w32": OpSpec("rmsnorm", _norm_w32_inputs,
+                                  lambda a: (_R().rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0],),
+                                  lambda M, N, e: 2 * M * N * e + N * 4),
     "fused_add_rmsnorm_": OpSpec("rmsnorm", _fused_inputs, _fused_reference,
                                  lambda M, N, e: 4 * M * N * e + N * e, mutates=("x", "residual")),
     # dx and dw: every provider must compute both (a compiler would drop an unused dw)
@@ -271,8 +281,10 @@ def _compiled(fn):
 
 
 # Oink: every op through the public API, outputs in the reference's order.
+_API_NAME = {"rmsnorm_forward_w32": "rmsnorm_forward"}  # bench ops that are another op's variant
 _OINK_CALLS = {
     "rmsnorm_forward": lambda f, a: (f(a["x"], a["weight"], eps=EPS)[0],),
+    "rmsnorm_forward_w32": lambda f, a: (f(a["x"], a["weight"], eps=EPS)[0],),
     "fused_add_rmsnorm_": lambda f, a: (f(a["x"], a["residual"], a["weight"], EPS), a["x"], a["residual"])[1:],
     "rmsnorm_backward": lambda f, a: f(a["x"], a["weight"], a["dout"], a["rstd"])[:2],
     "layernorm": lambda f, a: (f(a["x"], a["weight"], a["bias"], EPS),),
@@ -295,7 +307,7 @@ for _op in SPECS:
     def _oink_builder(device, _op=_op):
         import oink
 
-        f, call = getattr(oink, _op), _OINK_CALLS[_op]
+        f, call = getattr(oink, _API_NAME.get(_op, _op)), _OINK_CALLS[_op]
         return lambda a: call(f, a)
 
     provider(_op, "oink")(_oink_builder)
@@ -343,6 +355,7 @@ def _inplace_reference(op):
     return run
 
 
+@provider("rmsnorm_forward_w32", "quack")
 @provider("rmsnorm_forward", "quack")
 def _quack_rms_fwd(device):
     _needs_cuda(device)
@@ -452,6 +465,7 @@ def _quack_ce_fwd_then_bwd(device):
     return run
 
 
+@provider("rmsnorm_forward_w32", "liger")
 @provider("rmsnorm_forward", "liger")
 def _liger_rms(device):
     _needs_cuda(device)

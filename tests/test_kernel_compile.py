@@ -109,6 +109,41 @@ def test_rmsnorm_backward_compiles(arch, dtype, w, has_db, dres):
         assert callable(fn)
 
 
+def test_backward_launch_whole_warp_rows(monkeypatch):
+    """Rows that whole warps cover exactly take that many threads (no idle last access); others
+    keep the power-of-two shape, and OINK_BWD_EXACT=0 restores it everywhere."""
+    from oink.kernels.rmsnorm_bwd import backward_launch
+
+    for N, tpr in ((6144, 384), (7168, 448), (8192, 512), (4096, 256)):
+        L = backward_launch(N, 16, "sm_90a")
+        assert (L.threads_per_row, L.num_threads, L.even_n, L.iters) == (tpr, tpr, True, 2), L
+    assert backward_launch(7168, 16, "sm_90a", layernorm=True).threads_per_row == 224  # 4 accesses
+    assert not backward_launch(1000, 16, "sm_90a").even_n  # 125 accesses: no whole-warp split
+    monkeypatch.setenv("OINK_BWD_EXACT", "0")
+    assert backward_launch(6144, 16, "sm_90a").threads_per_row == 512
+    with pytest.raises(ValueError, match="whole warps"):
+        RowLaunch(N=6144, vec=8, threads_per_row=48, num_threads=96)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("layernorm", [False, True], ids=["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("N", [6144, 7168])
+def test_backward_whole_warp_rows_compile(arch, layernorm, N):
+    # 384 / 448 / 224 threads a row (not a power of two), the default pipeline of each family
+    assert callable(compiled_backward("bfloat16", N, arch, "bfloat16", "bfloat16", None, layernorm, layernorm))
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("knob", ["OINK_BWD_DEPTH=1", "OINK_BWD_DEPTH=3", "OINK_BWD_PDL=0"])
+def test_backward_ab_variants_compile(arch, knob, monkeypatch):
+    """The A/B settings the sweeps use still compile (RMSNorm's moved-register pipeline, a deeper
+    rotation, the partials' sum without PDL)."""
+    monkeypatch.setenv(*knob.split("="))
+    for N in (64, 1000, 6144):  # several rows a CTA (guarded loads), a predicated tail, whole warps
+        assert callable(compiled_backward("bfloat16", N, arch, "bfloat16", "bfloat16", None, True))
+    assert callable(compiled_partial_sum(6144, 2, "bfloat16", arch))
+
+
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("w", ["same", "float32"])

@@ -32,10 +32,10 @@ class RowLaunch:
 
     def __post_init__(self) -> None:
         tpr, nt = self.threads_per_row, self.num_threads
-        if tpr & (tpr - 1) or nt % WARP or nt % tpr or tpr > nt:
-            raise ValueError(f"bad launch shape {self}")
-        if tpr > WARP and tpr % WARP:
-            raise ValueError(f"threads_per_row {tpr} must be a multiple of {WARP} above a warp")
+        # within a warp a row's threads must tile it (shuffle groups); above, any whole warps
+        if (tpr < WARP and tpr & (tpr - 1)) or (tpr > WARP and tpr % WARP) or nt % WARP or nt % tpr or tpr > nt:
+            raise ValueError(f"bad launch shape {self}: threads_per_row must be a power of two below "
+                             f"{WARP} or whole warps, and divide num_threads (a multiple of {WARP})")
         if self.N % self.vec:
             raise ValueError(f"N={self.N} is not a multiple of vec={self.vec}")
 

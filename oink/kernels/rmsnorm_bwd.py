@@ -13,6 +13,7 @@ With xhat = (x - mean) * rstd (mean = 0 for RMSNorm) and wdy = dout * weight:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -22,25 +23,48 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
-from .reduction import RowLaunch, add, pick_row_launch
+from .reduction import WARP, RowLaunch, add, pick_row_launch
 from .rmsnorm import MAX_N, RMSNormForward
 
 # Tuning knobs per family: (128-bit units per thread, resident threads per SM the persistent grid
-# is sized for), measured on H100 with scripts/gpu_sweep.sh (bench/RESULTS.md). Both kernels hold
-# ~120 registers a thread, so one CTA is resident per SM: a grid sized for more would run a second
-# wave and double the dweight/dbias partial rows to sum. OINK_BWD_UPT / OINK_BWD_TPSM override.
-TUNING = {"rmsnorm": (2, 512), "layernorm": (4, 256)}
+# is sized for, pipeline depth), measured on H100 with scripts/gpu_sweep.sh (bench/RESULTS.md).
+# Both kernels hold ~120-250 registers a thread, so one CTA is resident per SM: a grid sized for
+# more would run a second wave and double the dweight/dbias partial rows to sum. Depth 1: the next
+# tile is loaded into a second register set that is moved into place after each tile; depth D >= 2:
+# D register sets in rotation (the loop body unrolled D times), D - 1 tiles ahead. RMSNorm gains
+# from the rotation at depth 2 (depth 3 spills at 8192); LayerNorm, near 255 registers, loses.
+# OINK_BWD_UPT / OINK_BWD_TPSM / OINK_BWD_DEPTH override; A/B switches: OINK_BWD_PDL=0 launches
+# the partials' sum without programmatic dependent launch, OINK_BWD_EXACT=0 keeps power-of-two
+# threads per row.
+TUNING = {"rmsnorm": (2, 512, 2), "layernorm": (4, 256, 1)}
 
 
-def _knobs(layernorm: bool) -> tuple[int, int]:
-    upt, tpsm = TUNING["layernorm" if layernorm else "rmsnorm"]
-    return int(os.environ.get("OINK_BWD_UPT", upt)), int(os.environ.get("OINK_BWD_TPSM", tpsm))
+def _knobs(layernorm: bool) -> tuple[int, int, int]:
+    upt, tpsm, depth = TUNING["layernorm" if layernorm else "rmsnorm"]
+    env = os.environ.get
+    return int(env("OINK_BWD_UPT", upt)), int(env("OINK_BWD_TPSM", tpsm)), int(env("OINK_BWD_DEPTH", depth))
+
+
+def use_pdl() -> bool:
+    """Whether the partials' sum overlaps its launch with the backward's tail (PDL, SM90+)."""
+    return os.environ.get("OINK_BWD_PDL", "1") != "0"
 
 
 def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False) -> RowLaunch:
-    """Launch heuristic for the norm backward (the one place it is chosen); SM100 reuses SM90's."""
+    """Launch heuristic for the norm backward (the one place it is chosen); SM100 reuses SM90's.
+    Where a whole number of warps covers a row exactly in at most ``upt`` accesses a thread
+    (6144 = 384 threads x 2 x 8 bf16), a row takes that many threads rather than the next power
+    of two, whose last access would be idle on a quarter of the threads (512 x 2 x 8 > 6144)."""
     upt = _knobs(layernorm)[0]
-    return pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=max(upt, 8))
+    launch = pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=max(upt, 8))
+    if launch.even_n or launch.cluster_n > 1 or os.environ.get("OINK_BWD_EXACT", "1") == "0":
+        return launch
+    units = N // launch.vec
+    for iters in range(upt, 0, -1):
+        tpr = units // iters
+        if units % iters == 0 and tpr % WARP == 0 and tpr <= 1024:
+            return dataclasses.replace(launch, threads_per_row=tpr, num_threads=tpr)
+    return launch
 
 
 def persistent_ctas(launch: RowLaunch, sm_count: int, layernorm: bool = False) -> int:
@@ -54,18 +78,42 @@ class RMSNormBackward(RMSNormForward):
     loop (slots 0/1: the dot product; LayerNorm adds 2/3: the sum of wdy)."""
 
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, dout_dtype, dres_dtype, has_dw: bool, has_db: bool,
-                 layernorm: bool = False):
+                 layernorm: bool = False, pdl: bool = False, depth: int = 1):
         RMSNormForward.__init__(self, launch, x_dtype, w_dtype, None, None, x_dtype, None, False, layernorm)
         self.num_reductions = 4 if layernorm else 2
         self.dout_dtype, self.dres_dtype = dout_dtype, dres_dtype
         self.has_dw, self.has_db = has_dw, has_db
+        self.pdl, self.depth = pdl, depth
 
     @cute.jit
     def load_tile(self, mX: cute.Tensor, mDout: cute.Tensor, mRstd: cute.Tensor, mMean: Optional[cute.Tensor],
                   tile: Int32, num_tiles: Int32, rX: cute.Tensor, rG: cute.Tensor, rStat: cute.Tensor,
                   slot: cutlass.Constexpr[int], part, ident: cute.Tensor, M: Int32):
-        """x, dout, rstd (and mean) of one row tile into registers; zeros past M or past the last
-        tile. rStat[slot, 0] is rstd, rStat[slot, 1] the mean."""
+        """x, dout, rstd (and mean) of one row tile into registers; rStat[slot, 0] is rstd,
+        rStat[slot, 1] the mean. Past the last tile (a prefetch never used) either the last row
+        again or zeros; zeros past M."""
+        if const_expr(self.launch.rows_per_cta == 1 and self.depth > 1):
+            # One row a tile: a tile past the end reloads the last row instead of branching (it is
+            # never used). Branch-free loads keep the bf16 -> fp32 conversions at the use, so the
+            # compiler does not wait for a prefetch where it is issued.
+            last = cutlass.min(tile, num_tiles - 1)
+            tXcX = part(ident, last)
+            if const_expr(not self.launch.even_n):
+                rX.fill(0)
+                rG.fill(0)
+            self.copy_row(part(mX, last), rX, tXcX, self.x_dtype)
+            self.copy_row(part(mDout, last), rG, tXcX, self.dout_dtype)
+            rStat[slot, 0] = mRstd[tXcX[0][0]]
+            if const_expr(mMean is not None):
+                rStat[slot, 1] = mMean[tXcX[0][0]]
+        else:
+            self.load_tile_guarded(mX, mDout, mRstd, mMean, tile, num_tiles, rX, rG, rStat, slot, part, ident, M)
+
+    @cute.jit
+    def load_tile_guarded(self, mX: cute.Tensor, mDout: cute.Tensor, mRstd: cute.Tensor,
+                          mMean: Optional[cute.Tensor], tile: Int32, num_tiles: Int32, rX: cute.Tensor,
+                          rG: cute.Tensor, rStat: cute.Tensor, slot: cutlass.Constexpr[int], part,
+                          ident: cute.Tensor, M: Int32):
         rX.fill(0)
         rG.fill(0)
         rStat[slot, 0] = Float32(0.0)
@@ -131,53 +179,49 @@ class RMSNormBackward(RMSNormForward):
             rDres = cute.make_rmem_tensor_like(proto, self.dres_dtype)
         self.wait_cluster()
 
-        # Software pipeline: the next tile's x, dout and row statistics are loaded into a second set of
-        # registers before this tile's reduction, so each thread keeps two rows' loads in flight.
-        rXn = cute.make_rmem_tensor_like(proto)
-        rGn = cute.make_rmem_tensor_like(proto, self.dout_dtype)
-        rStat = cute.make_rmem_tensor(cute.make_layout((2, 2), stride=(2, 1)), Float32)
         num_tiles = cute.ceil_div(M, L.rows_per_cta)
-        self.load_tile(mX, mDout, mRstd, mMean, bidx, num_tiles, rX, rG, rStat, 0, part, ident, M)
         it = Int32(0)
-        for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
-            self.load_tile(mX, mDout, mRstd, mMean, tile + gdim, num_tiles, rXn, rGn, rStat, 1, part, ident, M)
-            tXcX = part(ident, tile)
-            row = tXcX[0][0]
-            rstd = rStat[0, 0]
-            if const_expr(self.layernorm):
-                # padding columns get xhat = -mean * rstd but wdy = 0 there (dout loads as 0)
-                xhat = (rX.load().to(Float32) - rStat[0, 1]) * rstd
-            else:
-                xhat = rX.load().to(Float32) * rstd
-            g = rG.load().to(Float32)
-            wdy = g * rW.load().to(Float32) if const_expr(mW is not None) else g
-            phase = (it // 2) % 2
-            dot = (xhat * wdy).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-            if const_expr(self.layernorm):
-                total = wdy.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-                dot, total = self.row_allreduce_pair(dot, total, add, Float32(0.0), buf, mbar, it % 2, 2 + it % 2,
-                                                     phase)
-                dx = (wdy - xhat * (dot / L.N) - total / L.N) * rstd
-            else:
-                dot = self.row_allreduce(dot, add, Float32(0.0), buf, mbar, it % 2, phase)
-                dx = (wdy - xhat * (dot / L.N)) * rstd
-            if const_expr(mDres is not None):
-                rDres.fill(0)
-                if row < M:
-                    self.copy_row(part(mDres, tile), rDres, tXcX, self.dres_dtype)
-                dx = dx + rDres.load().to(Float32)
-            rDx.store(dx.to(self.x_dtype))
-            if row < M:
-                self.copy_row(rDx, part(mDx, tile), tXcX, self.x_dtype)
-            if const_expr(self.has_dw):
-                acc_dw.store(acc_dw.load() + g * xhat)  # rows past M have g = 0
-            if const_expr(self.has_db):
-                acc_db.store(acc_db.load() + g)
-            rX.store(rXn.load())
-            rG.store(rGn.load())
-            rStat[0, 0] = rStat[1, 0]
-            rStat[0, 1] = rStat[1, 1]
-            it += 1
+        if const_expr(self.depth <= 1):
+            # Software pipeline: the next tile's x, dout and row statistics are loaded into a second set of
+            # registers before this tile's reduction, so each thread keeps two rows' loads in flight.
+            rXn = cute.make_rmem_tensor_like(proto)
+            rGn = cute.make_rmem_tensor_like(proto, self.dout_dtype)
+            rStat = cute.make_rmem_tensor(cute.make_layout((2, 2), stride=(2, 1)), Float32)
+            self.load_tile(mX, mDout, mRstd, mMean, bidx, num_tiles, rX, rG, rStat, 0, part, ident, M)
+            for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
+                self.load_tile(mX, mDout, mRstd, mMean, tile + gdim, num_tiles, rXn, rGn, rStat, 1, part, ident, M)
+                self.tile_step(rX, rG, rStat[0, 0], rStat[0, 1], rW, rDres, rDx, acc_dw, acc_db, mDres, mDx, tile,
+                               it, buf, mbar, part, ident, M)
+                rX.store(rXn.load())
+                rG.store(rGn.load())
+                rStat[0, 0] = rStat[1, 0]
+                rStat[0, 1] = rStat[1, 1]
+                it += 1
+        else:
+            # Software pipeline of depth D: D register sets of x, dout and row statistics, each loaded
+            # D - 1 tiles ahead of its use. The loop body is traced D times with the sets' roles fixed
+            # (no register moves, which would wait on the loads), so while a tile is reduced the
+            # loads of the next D - 1 tiles are in flight.
+            D = self.depth
+            rXs = [rX] + [cute.make_rmem_tensor_like(proto) for _ in range(D - 1)]
+            rGs = [rG] + [cute.make_rmem_tensor_like(proto, self.dout_dtype) for _ in range(D - 1)]
+            rStat = cute.make_rmem_tensor(cute.make_layout((D, 2), stride=(2, 1)), Float32)
+            for d in cutlass.range_constexpr(D - 1):
+                self.load_tile(mX, mDout, mRstd, mMean, bidx + d * gdim, num_tiles, rXs[d], rGs[d], rStat, d,
+                               part, ident, M)
+            for base in cutlass.range(bidx, num_tiles, D * gdim, unroll=1):
+                for s in cutlass.range_constexpr(D):
+                    tile = base + s * gdim
+                    ahead = (s + D - 1) % D  # the set the previous step used is free
+                    self.load_tile(mX, mDout, mRstd, mMean, tile + (D - 1) * gdim, num_tiles, rXs[ahead],
+                                   rGs[ahead], rStat, ahead, part, ident, M)
+                    if tile < num_tiles:
+                        self.tile_step(rXs[s], rGs[s], rStat[s, 0], rStat[s, 1], rW, rDres, rDx, acc_dw, acc_db,
+                                       mDres, mDx, tile, it, buf, mbar, part, ident, M)
+                        it += 1
+        if const_expr(self.pdl):
+            # the partials' sum (launched with PDL) may start launching; it waits for this grid's end
+            cute.arch.griddepcontrol_launch_dependents()
 
         # One partial row per (CTA, row slot): row index bidx * rows_per_cta + this thread's row.
         pc = part(ident, bidx)  # coordinates with the row tile of this CTA's own partial rows
@@ -185,6 +229,45 @@ class RMSNormBackward(RMSNormForward):
             self.copy_row(acc_dw, part(mDw, bidx), pc, Float32)
         if const_expr(self.has_db):
             self.copy_row(acc_db, part(mDb, bidx), pc, Float32)
+
+    @cute.jit
+    def tile_step(self, rX: cute.Tensor, rG: cute.Tensor, rstd: Float32, mean: Float32, rW, rDres, rDx: cute.Tensor,
+                  acc_dw: cute.Tensor, acc_db: cute.Tensor, mDres: Optional[cute.Tensor], mDx: cute.Tensor,
+                  tile: Int32, it: Int32, buf, mbar, part, ident: cute.Tensor, M: Int32):
+        """dx of one row tile from its registers, and its terms added to the dweight/dbias sums.
+        ``it`` (tiles done so far) alternates the reduction slots and their mbarrier phases."""
+        L = self.launch
+        tXcX = part(ident, tile)
+        row = tXcX[0][0]
+        if const_expr(self.layernorm):
+            # padding columns get xhat = -mean * rstd but wdy = 0 there (dout loads as 0)
+            xhat = (rX.load().to(Float32) - mean) * rstd
+        else:
+            xhat = rX.load().to(Float32) * rstd
+        g = rG.load().to(Float32)
+        wdy = g * rW.load().to(Float32) if const_expr(rW is not None) else g
+        phase = (it // 2) % 2
+        dot = (xhat * wdy).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        if const_expr(self.layernorm):
+            total = wdy.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+            dot, total = self.row_allreduce_pair(dot, total, add, Float32(0.0), buf, mbar, it % 2, 2 + it % 2,
+                                                 phase)
+            dx = (wdy - xhat * (dot / L.N) - total / L.N) * rstd
+        else:
+            dot = self.row_allreduce(dot, add, Float32(0.0), buf, mbar, it % 2, phase)
+            dx = (wdy - xhat * (dot / L.N)) * rstd
+        if const_expr(mDres is not None):
+            rDres.fill(0)
+            if row < M:
+                self.copy_row(part(mDres, tile), rDres, tXcX, self.dres_dtype)
+            dx = dx + rDres.load().to(Float32)
+        rDx.store(dx.to(self.x_dtype))
+        if row < M:
+            self.copy_row(rDx, part(mDx, tile), tXcX, self.x_dtype)
+        if const_expr(self.has_dw):
+            acc_dw.store(acc_dw.load() + g * xhat)  # rows past M have g = 0
+        if const_expr(self.has_db):
+            acc_db.store(acc_db.load() + g)
 
 
 def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout_dtype: str,
@@ -194,14 +277,15 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
         raise ValueError(f"N={N}: the norm kernels handle 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
     launch = backward_launch(N, xd.width, arch, layernorm)
+    pdl, depth = use_pdl(), _knobs(layernorm)[2]
     key = ("layernorm_bwd" if layernorm else "rmsnorm_bwd", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N,
-           arch, launch)
+           arch, launch, pdl, depth)
 
     def build():
         wd = None if w_dtype is None else cute_dtype(w_dtype)
         gd = cute_dtype(dout_dtype)
         rd = None if dres_dtype is None else cute_dtype(dres_dtype)
-        kernel = RMSNormBackward(launch, xd, wd, gd, rd, w_dtype is not None, has_db, layernorm)
+        kernel = RMSNormBackward(launch, xd, wd, gd, rd, w_dtype is not None, has_db, layernorm, pdl, depth)
         one = Int64(launch.vec)
         return compile_kernel(
             kernel, gmem_ptr(xd), None if wd is None else gmem_ptr(wd), gmem_ptr(gd), gmem_ptr(Float32, 4),
@@ -216,15 +300,18 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
 class PartialSum:
     """dweight and/or dbias from the backward's fp32 partials in one launch: out_k[n] = the sum
     over p of part[p, k, n] (part is [P, kinds, Np], Np = N rounded up to 4), accumulated in fp32
-    in a fixed order (deterministic) and written in the weight's dtype. A CTA owns 32 columns of
-    4 floats; its 8 warps split the partial rows (a thread's loads are independent, so they are
-    in flight together) and warp 0 adds the 8 sums from shared memory. Replaces a torch sum and
-    a cast per kind (~5 us a kind on H100 at N=6144, against a ~1.3 us launch floor)."""
+    in a fixed order (deterministic) and written in the weight's dtype. A CTA owns 8 columns of 4
+    floats (128 contiguous bytes of a partial row) and 32 streams of threads split the partial
+    rows, so a thread has few, independent loads in flight and the grid spans the GPU even for
+    N = 4096 (128 CTAs); warp 0 adds the 32 stream sums from shared memory. With ``pdl`` it is
+    launched as a programmatic dependent of the backward: its launch overlaps the backward's
+    tail and ``griddepcontrol.wait`` holds the loads until the backward's writes are visible."""
 
-    WARPS = 8
+    QUADS = 8  # float4 columns a CTA
+    STREAMS = 32  # threads along the partial rows
 
-    def __init__(self, N: int, kinds: int, out_dtype):
-        self.N, self.kinds, self.out_dtype = N, kinds, out_dtype
+    def __init__(self, N: int, kinds: int, out_dtype, pdl: bool = False):
+        self.N, self.kinds, self.out_dtype, self.pdl = N, kinds, out_dtype, pdl
         self.quads = -(-N // 4)  # float4 columns a kind
         self.cols = kinds * self.quads
 
@@ -234,51 +321,56 @@ class PartialSum:
         mPart = cute.make_tensor(ppart, cute.make_layout((P, self.cols, 4), stride=(self.cols * 4, 4, 1)))
         mOut0 = cute.make_tensor(pout0, cute.make_layout((self.N,)))
         mOut1 = cute.make_tensor(pout1, cute.make_layout((self.N,))) if const_expr(pout1 is not None) else None
-        self.kernel(mPart, mOut0, mOut1).launch(grid=[cute.ceil_div(self.cols, 32), 1, 1],
-                                                block=[32 * self.WARPS, 1, 1], stream=stream)
+        self.kernel(mPart, mOut0, mOut1).launch(grid=[cute.ceil_div(self.cols, self.QUADS), 1, 1],
+                                                block=[self.QUADS * self.STREAMS, 1, 1], stream=stream,
+                                                use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mPart: cute.Tensor, mOut0: cute.Tensor, mOut1: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        warp, lane = tidx // 32, tidx % 32
-        c = bidx * 32 + lane
+        Q, S = self.QUADS, self.STREAMS
+        q, stream = tidx % Q, tidx // Q
+        c = bidx * Q + q
         P = cute.size(mPart, mode=[0])
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
         acc = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
         acc.fill(0.0)
         frag = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
         if c < self.cols:
-            for p in cutlass.range(warp, P, self.WARPS, unroll=4):
+            for p in cutlass.range(stream, P, S, unroll=4):
                 cute.copy(atom, mPart[p, c, None], frag)
                 acc.store(acc.load() + frag.load())
         smem = cutlass.memory.SmemAllocator()
-        sbuf = smem.allocate_tensor(Float32, cute.make_layout((self.WARPS, 32, 4), stride=(128, 4, 1)),
-                                    byte_alignment=16)
+        sbuf = smem.allocate_tensor(Float32, cute.make_layout((S, Q, 4), stride=(Q * 4, 4, 1)), byte_alignment=16)
         for j in cutlass.range_constexpr(4):
-            sbuf[warp, lane, j] = acc[j]
+            sbuf[stream, q, j] = acc[j]
         cute.arch.barrier()
-        if warp == 0 and c < self.cols:
-            kind = c // self.quads
-            col = (c % self.quads) * 4
-            for j in cutlass.range_constexpr(4):
-                total = sbuf[0, lane, j]
-                for w in cutlass.range_constexpr(1, self.WARPS):
-                    total = total + sbuf[w, lane, j]
-                if col + j < self.N:
-                    if kind == 0:
-                        mOut0[col + j] = total.to(self.out_dtype)
-                    else:
-                        if const_expr(mOut1 is not None):
-                            mOut1[col + j] = total.to(self.out_dtype)
+        if tidx < Q * 4:
+            # lane -> (column quad, component): reads of one stream's row hit 32 distinct banks
+            qq, j = tidx // 4, tidx % 4
+            total = sbuf[0, qq, j]
+            for st in cutlass.range_constexpr(1, S):
+                total = total + sbuf[st, qq, j]
+            cq = bidx * Q + qq
+            col = (cq % self.quads) * 4 + j
+            if cq < self.cols and col < self.N:
+                if cq < self.quads:
+                    mOut0[col] = total.to(self.out_dtype)
+                else:
+                    if const_expr(mOut1 is not None):
+                        mOut1[col] = total.to(self.out_dtype)
 
 
 def compiled_partial_sum(N: int, kinds: int, out_dtype: str, arch: str):
     """Compile (or fetch) the partials' sum for (N, kinds, dtype, arch); the partial row count is runtime."""
     od = cute_dtype(out_dtype)
+    pdl = use_pdl()
 
     def build():
-        return compile_kernel(PartialSum(N, kinds, od), gmem_ptr(Float32), gmem_ptr(od, 2),
+        return compile_kernel(PartialSum(N, kinds, od, pdl), gmem_ptr(Float32), gmem_ptr(od, 2),
                               gmem_ptr(od, 2) if kinds == 2 else None, Int32(1), fake_stream(), arch=arch)
 
-    return CACHE.get(("partial_sum", N, kinds, out_dtype, arch), build)
+    return CACHE.get(("partial_sum", N, kinds, out_dtype, arch, pdl), build)
