@@ -109,6 +109,19 @@ def test_rmsnorm_backward_compiles(arch, dtype, w, has_db, dres):
         assert callable(fn)
 
 
+def test_forward_launch_for_a_wider_weight(monkeypatch):
+    """An fp32 weight with 16-bit x: 2 units a thread where that tiles the row exactly, else the
+    default; OINK_FWD_UPT overrides both."""
+    from oink.kernels.rmsnorm import forward_launch
+
+    assert forward_launch(4096, 16, "sm_90a").threads_per_row == 128
+    assert forward_launch(4096, 16, "sm_90a", 32).threads_per_row == 256
+    assert forward_launch(6144, 16, "sm_90a", 32) == forward_launch(6144, 16, "sm_90a")  # 2 units: not exact
+    assert forward_launch(4096, 32, "sm_90a", 32) == forward_launch(4096, 32, "sm_90a")  # same width
+    monkeypatch.setenv("OINK_FWD_UPT", "4")
+    assert forward_launch(4096, 16, "sm_90a", 32).threads_per_row == 128
+
+
 def test_backward_launch_whole_warp_rows(monkeypatch):
     """Rows that whole warps cover exactly take that many threads (no idle last access); others
     keep the power-of-two shape, and OINK_BWD_EXACT=0 restores it everywhere."""
