@@ -17,11 +17,17 @@ def _opt(t: Tensor, wanted: bool):
 
 
 def rmsnorm_forward(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None,
-                    residual: Tensor | None = None, eps: float = 1e-6, store_rstd: bool = False):
-    """RMSNorm: -> (y, rstd | None, residual_out | None); residual_out = x + residual."""
-    validate.rmsnorm_forward(x, weight, bias, residual)
-    y, rstd, res_out = _oink.rmsnorm_forward(x, weight, bias, residual, eps, store_rstd)
-    return y, _opt(rstd, store_rstd), _opt(res_out, residual is not None)
+                    residual: Tensor | None = None, eps: float = 1e-6, store_rstd: bool = False, *,
+                    out_dtype: torch.dtype | None = None, residual_dtype: torch.dtype | None = None,
+                    weight_offset: float = 0.0):
+    """RMSNorm: -> (y, rstd | None, residual_out | None); residual_out = x + residual in
+    ``residual_dtype`` (default the residual's), and the norm is of that stored sum.
+    y = x_hat * (weight + weight_offset) + bias in ``out_dtype`` (default x's); weight and bias
+    are [N] or per head [H, D] for x [..., H, D], in any float dtype."""
+    validate.rmsnorm_forward(x, weight, bias, residual, eps, store_rstd, out_dtype, residual_dtype, weight_offset)
+    y, rstd, res_out = _oink.rmsnorm_forward(x, weight, bias, residual, eps, store_rstd, out_dtype, residual_dtype,
+                                             float(weight_offset))
+    return y, _opt(rstd, store_rstd), _opt(res_out, residual is not None or residual_dtype is not None)
 
 
 def fused_add_rmsnorm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
@@ -31,10 +37,11 @@ def fused_add_rmsnorm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float =
 
 
 def rmsnorm_backward(x: Tensor, weight: Tensor | None, dout: Tensor, rstd: Tensor,
-                     dresidual_out: Tensor | None = None, has_bias: bool = False, has_residual: bool = False):
+                     dresidual_out: Tensor | None = None, has_bias: bool = False, has_residual: bool = False, *,
+                     weight_offset: float = 0.0):
     """-> (dx, dw | None, db | None, dresidual | None); dresidual is dx itself."""
-    validate.rmsnorm_backward(x, weight, dout, rstd, dresidual_out)
-    dx, dw, db = _oink.rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias)
+    validate.rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias, has_residual, weight_offset)
+    dx, dw, db = _oink.rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias, float(weight_offset))
     return dx, _opt(dw, weight is not None), _opt(db, has_bias), _opt(dx, has_residual)
 
 
@@ -70,22 +77,29 @@ def softmax_fwd_bwd(dy: Tensor, x: Tensor) -> Tensor:
     return _oink.softmax_fwd_bwd(dy, x)
 
 
-def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "none"):
-    """-> (loss, lse), fp32."""
-    validate.cross_entropy_forward(logits, target, ignore_index, reduction)
-    return tuple(_oink.cross_entropy_forward(logits, target, ignore_index, reduction))
+def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "none", *,
+                          weight: Tensor | None = None, lse_partial: Tensor | None = None,
+                          target_logit: Tensor | None = None):
+    """-> (loss, lse), fp32. ``weight``: per-class [V]; ``lse_partial`` [M, K]: per-shard logsumexps
+    (vocab-parallel), the row's lse is theirs; ``target_logit`` [M] or [M, V]: where to read the
+    target's logit instead of ``logits``."""
+    validate.cross_entropy_forward(logits, target, ignore_index, reduction, weight, lse_partial, target_logit)
+    return tuple(_oink.cross_entropy_forward(logits, target, ignore_index, reduction, weight, lse_partial,
+                                             target_logit))
 
 
 def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
-                           ignore_index: int = -100) -> Tensor:
-    validate.cross_entropy_backward(dloss, logits, target, lse)
-    return _oink.cross_entropy_backward(dloss, logits, target, lse, ignore_index)
+                           ignore_index: int = -100, *, weight: Tensor | None = None) -> Tensor:
+    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight)
+    return _oink.cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight)
 
 
-def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int = -100):
-    """-> (loss fp32 [M], dlogits)."""
-    validate.cross_entropy_fwd_bwd(dloss, logits, target)
-    return tuple(_oink.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index))
+def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int = -100, *,
+                          weight: Tensor | None = None, return_lse: bool = False):
+    """-> (loss fp32 [M], dlogits), or (loss, dlogits, lse) with ``return_lse``."""
+    validate.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index, weight, return_lse)
+    loss, dlogits, lse = _oink.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index, weight)
+    return (loss, dlogits, lse) if return_lse else (loss, dlogits)
 
 
 def nvfp4_quantize(x: Tensor, global_scale: Tensor, swizzled: bool = False):

@@ -50,15 +50,32 @@ def same_shape(name: str, t, ref_name: str, ref) -> None:
         raise ValueError(f"{name}: shape {tuple(t.shape)} must equal {ref_name}'s {tuple(ref.shape)}")
 
 
-def vector(name: str, t, N: int, x_dtype, allow_fp32: bool = True) -> None:
-    """A per-column parameter (weight, bias): shape (N,), dtype x's or (optionally) fp32."""
+def vector(name: str, t, N: int) -> None:
+    """A per-column parameter (weight, bias): shape (N,), any float dtype (x's or another)."""
     if t is None:
         return
     tensor(name, t)
     if tuple(t.shape) != (N,):
         raise ValueError(f"{name}: expected shape ({N},), got {tuple(t.shape)}")
-    if t.dtype != x_dtype and not (allow_fp32 and t.dtype == torch.float32):
-        raise TypeError(f"{name}: dtype {t.dtype} must match x ({x_dtype}) or be float32")
+
+
+def norm_param(name: str, t, x) -> None:
+    """A norm's weight or bias: shape (N,), or (H, D) per head for x [..., H, D]; any float dtype."""
+    if t is None:
+        return
+    tensor(name, t)
+    if t.dim() == 2 and x.dim() >= 2 and tuple(t.shape) == tuple(x.shape[-2:]):
+        return
+    if tuple(t.shape) != (x.shape[-1],):
+        heads = f" or {tuple(x.shape[-2:])} (per head)" if x.dim() >= 2 else ""
+        raise ValueError(f"{name}: expected shape ({x.shape[-1]},){heads}, got {tuple(t.shape)}")
+
+
+def dtype_arg(name: str, d) -> None:
+    """An optional output dtype argument: None or a float dtype the kernels store."""
+    if d is not None and d not in FLOAT_DTYPES:
+        allowed = ", ".join(str(f).removeprefix("torch.") for f in FLOAT_DTYPES)
+        raise TypeError(f"{name}: {d} is not supported (expected None or one of {allowed})")
 
 
 def row_stat(name: str, t, M_shape) -> None:

@@ -11,10 +11,19 @@ from . import ops as _ops  # noqa: F401  (registers torch.ops.oink.* and their a
 from . import validate
 
 
-def rmsnorm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
-    """Differentiable RMSNorm over the last dim (kernel forward and backward where they apply)."""
-    validate.rmsnorm_forward(x, weight)
-    return torch.ops.oink.rmsnorm_forward(x, weight, None, None, eps, True)[0]
+def rmsnorm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, bias: Tensor | None = None,
+            residual: Tensor | None = None, out_dtype: torch.dtype | None = None,
+            residual_dtype: torch.dtype | None = None, prenorm: bool = False, weight_offset: float = 0.0):
+    """Differentiable RMSNorm over the last dim (kernel forward and backward where they apply), in
+    x, weight, bias and residual. y = x_hat * (weight + weight_offset) + bias, where x_hat is the
+    norm of x + residual stored in ``residual_dtype``; weight and bias are [N] or per head [H, D].
+    -> y, or (y, residual_out) with ``prenorm`` (Quack's signature, keyword arguments past eps)."""
+    validate.rmsnorm_forward(x, weight, bias, residual, eps, True, out_dtype, residual_dtype, weight_offset)
+    y, _, res_out = torch.ops.oink.rmsnorm_forward(x, weight, bias, residual, eps, True, out_dtype, residual_dtype,
+                                                   float(weight_offset))
+    if prenorm:
+        return y, (res_out if res_out.numel() or x.numel() == 0 else x)
+    return y
 
 
 def softmax(x: Tensor) -> Tensor:
@@ -25,38 +34,44 @@ def softmax(x: Tensor) -> Tensor:
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction, inplace_backward):
-        loss, lse = torch.ops.oink.cross_entropy_forward(logits, target, ignore_index, reduction)
+    def forward(ctx, logits, target, ignore_index, reduction, inplace_backward, weight, lse_partial):
+        loss, lse = torch.ops.oink.cross_entropy_forward(logits, target, ignore_index, reduction, weight, lse_partial)
         ctx.ignore_index, ctx.reduction, ctx.inplace = ignore_index, reduction, inplace_backward
-        ctx.save_for_backward(logits, target, lse)
+        ctx.save_for_backward(logits, target, lse, weight)
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
-        logits, target, lse = ctx.saved_tensors
+        logits, target, lse, weight = ctx.saved_tensors
         if ctx.reduction == "mean":  # a device division: no host read of the count
-            dloss = dloss / (target != ctx.ignore_index).sum().clamp_min(1).to(dloss.dtype)
-        if ctx.inplace:
-            torch.ops.oink.cross_entropy_backward_(dloss, logits, target, lse, ctx.ignore_index)
-            return logits, None, None, None, None
-        return torch.ops.oink.cross_entropy_backward(dloss, logits, target, lse, ctx.ignore_index), None, None, None, None
+            valid = target != ctx.ignore_index
+            count = (weight[torch.where(valid, target, 0)] * valid).sum() if weight is not None else valid.sum()
+            dloss = torch.where(count > 0, dloss / count.to(dloss.dtype), torch.zeros_like(dloss))
+        # Under torch.compile the in-place write would mutate a graph input that may be a leaf
+        # requiring grad (AOTAutograd refuses): compiled graphs take the out-of-place backward.
+        if ctx.inplace and not torch.compiler.is_compiling():
+            torch.ops.oink.cross_entropy_backward_(dloss, logits, target, lse, ctx.ignore_index, weight)
+            return logits, None, None, None, None, None, None
+        dlogits = torch.ops.oink.cross_entropy_backward(dloss, logits, target, lse, ctx.ignore_index, weight)
+        return dlogits, None, None, None, None, None, None
 
 
 def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
-                  inplace_backward: bool = False) -> Tensor:
+                  inplace_backward: bool = False, *, weight: Tensor | None = None,
+                  lse_partial: Tensor | None = None) -> Tensor:
     """Differentiable cross-entropy of logits [M, V] against int targets [M]; fp32 loss.
-    ``inplace_backward=True`` writes dlogits over the logits in the backward (saves an [M, V]
-    buffer, as Quack's option does): the logits' values are gone after ``backward()``."""
-    validate.cross_entropy_forward(logits, target, ignore_index, reduction)
-    return _CrossEntropy.apply(logits, target, ignore_index, reduction, inplace_backward)
+    ``weight``: per-class [V] weights (torch's rule for "mean"); ``lse_partial`` [M, K]: per-shard
+    logsumexps of a vocab-parallel model, combined into the row's lse (logits are then only read
+    at the target and in the backward). ``inplace_backward=True`` writes dlogits over the logits in
+    the backward (saves an [M, V] buffer, as Quack's option does): the logits' values are gone after
+    ``backward()``. Under torch.compile the backward is out of place (the values are the same)."""
+    validate.cross_entropy_forward(logits, target, ignore_index, reduction, weight, lse_partial)
+    return _CrossEntropy.apply(logits, target, ignore_index, reduction, inplace_backward, weight, lse_partial)
 
 
-def _flat_weight(w: Tensor | None, x: Tensor) -> Tensor | None:
-    """A (possibly multi-dim) parameter as the kernels' [N] vector in x's dtype or fp32."""
-    if w is None:
-        return None
-    w = w.reshape(-1)
-    return w if w.dtype in (x.dtype, torch.float32) else w.to(x.dtype)
+def _flat_weight(w: Tensor | None) -> Tensor | None:
+    """A (possibly multi-dim) parameter as the kernels' [N] vector (any float dtype)."""
+    return None if w is None else w.reshape(-1)
 
 
 class _LastDimsNorm(torch.nn.Module):
@@ -101,7 +116,7 @@ class RMSNorm(_LastDimsNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return self._rows(x, lambda x2: rmsnorm(x2, _flat_weight(self.weight, x), eps))
+        return self._rows(x, lambda x2: rmsnorm(x2, _flat_weight(self.weight), eps))
 
 
 class LayerNorm(_LastDimsNorm):
@@ -128,8 +143,8 @@ class LayerNorm(_LastDimsNorm):
             torch.nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        w = _flat_weight(self.weight if self.weight is not None else self._ones, x)
-        b = _flat_weight(self.bias, x)
+        w = _flat_weight(self.weight if self.weight is not None else self._ones)
+        b = _flat_weight(self.bias)
 
         def norm(x2):
             validate.layernorm(x2, w, b)

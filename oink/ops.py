@@ -50,37 +50,45 @@ def _(x, residual, weight, eps):
 # ---------------------------------------------------------------- RMSNorm, general
 @torch.library.custom_op(f"{NS}::rmsnorm_forward", mutates_args=())
 def rmsnorm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                    eps: float, store_rstd: bool) -> tuple[Tensor, Tensor, Tensor]:
-    validate.rmsnorm_forward(x, weight, bias, residual, eps, store_rstd)
+                    eps: float, store_rstd: bool, out_dtype: Optional[torch.dtype] = None,
+                    residual_dtype: Optional[torch.dtype] = None,
+                    weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    validate.rmsnorm_forward(x, weight, bias, residual, eps, store_rstd, out_dtype, residual_dtype, weight_offset)
     y, rstd, res_out = call("rmsnorm_forward", x=x, weight=weight, bias=bias, residual=residual, eps=eps,
-                            store_rstd=store_rstd)
+                            store_rstd=store_rstd, out_dtype=out_dtype, residual_dtype=residual_dtype,
+                            weight_offset=weight_offset)
     return y, (rstd if rstd is not None else _empty_like_none(y).float()), (
         res_out if res_out is not None else _empty_like_none(y))
 
 
 @rmsnorm_forward.register_fake
-def _(x, weight, bias, residual, eps, store_rstd):
-    validate.rmsnorm_forward(x, weight, bias, residual, eps, store_rstd)
+def _(x, weight, bias, residual, eps, store_rstd, out_dtype=None, residual_dtype=None, weight_offset=0.0):
+    validate.rmsnorm_forward(x, weight, bias, residual, eps, store_rstd, out_dtype, residual_dtype, weight_offset)
     rstd = x.new_empty(x.shape[:-1], dtype=torch.float32) if store_rstd else x.new_empty(0, dtype=torch.float32)
-    res_out = torch.empty_like(residual) if residual is not None else x.new_empty(0)
-    return torch.empty_like(x), rstd, res_out
+    if residual is not None or residual_dtype is not None:
+        res_out = x.new_empty(x.shape, dtype=residual_dtype or residual.dtype)
+    else:
+        res_out = x.new_empty(0)
+    return torch.empty_like(x, dtype=out_dtype or x.dtype), rstd, res_out
 
 
 @torch.library.custom_op(f"{NS}::rmsnorm_backward", mutates_args=())
 def rmsnorm_backward(x: Tensor, weight: Optional[Tensor], dout: Tensor, rstd: Tensor,
-                     dresidual_out: Optional[Tensor], has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    validate.rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias)
+                     dresidual_out: Optional[Tensor], has_bias: bool,
+                     weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    validate.rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias, False, weight_offset)
     dx, dw, db, _ = call("rmsnorm_backward", x=x, weight=weight, dout=dout, rstd=rstd,
-                         dresidual_out=dresidual_out, has_bias=has_bias, has_residual=False)
+                         dresidual_out=dresidual_out, has_bias=has_bias, has_residual=False,
+                         weight_offset=weight_offset)
     return dx, (dw if dw is not None else x.new_empty(0)), (db if db is not None else x.new_empty(0))
 
 
 @rmsnorm_backward.register_fake
-def _(x, weight, dout, rstd, dresidual_out, has_bias):
-    validate.rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias)
-    N, wdt = x.shape[-1], (weight.dtype if weight is not None else x.dtype)
-    dw = x.new_empty(N, dtype=wdt) if weight is not None else x.new_empty(0)
-    db = x.new_empty(N, dtype=wdt) if has_bias else x.new_empty(0)
+def _(x, weight, dout, rstd, dresidual_out, has_bias, weight_offset=0.0):
+    validate.rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias, False, weight_offset)
+    shape, wdt = ((weight.shape, weight.dtype) if weight is not None else ((x.shape[-1],), x.dtype))
+    dw = x.new_empty(shape, dtype=wdt) if weight is not None else x.new_empty(0)
+    db = x.new_empty(shape, dtype=wdt) if has_bias else x.new_empty(0)
     return torch.empty_like(x), dw, db
 
 
@@ -152,59 +160,68 @@ def _(dy, x):
 
 # ---------------------------------------------------------------- CrossEntropy
 @torch.library.custom_op(f"{NS}::cross_entropy_forward", mutates_args=())
-def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
-    validate.cross_entropy_forward(logits, target, ignore_index, reduction)
+def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
+                          weight: Optional[Tensor] = None, lse_partial: Optional[Tensor] = None,
+                          target_logit: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    validate.cross_entropy_forward(logits, target, ignore_index, reduction, weight, lse_partial, target_logit)
     validate.target_values(logits, target, ignore_index)
     return call("cross_entropy_forward", logits=logits, target=target, ignore_index=ignore_index,
-                reduction=reduction)
+                reduction=reduction, weight=weight, lse_partial=lse_partial, target_logit=target_logit)
 
 
 @cross_entropy_forward.register_fake
-def _(logits, target, ignore_index, reduction):
-    validate.cross_entropy_forward(logits, target, ignore_index, reduction)
+def _(logits, target, ignore_index, reduction, weight=None, lse_partial=None, target_logit=None):
+    validate.cross_entropy_forward(logits, target, ignore_index, reduction, weight, lse_partial, target_logit)
     lse = logits.new_empty(logits.shape[0], dtype=torch.float32)
     loss = torch.empty_like(lse) if reduction == "none" else logits.new_empty((), dtype=torch.float32)
     return loss, lse
 
 
 @torch.library.custom_op(f"{NS}::cross_entropy_backward", mutates_args=())
-def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int) -> Tensor:
-    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index)
+def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
+                           weight: Optional[Tensor] = None) -> Tensor:
+    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight)
     validate.target_values(logits, target, ignore_index)
     return call("cross_entropy_backward", dloss=dloss, logits=logits, target=target, lse=lse,
-                ignore_index=ignore_index)
+                ignore_index=ignore_index, weight=weight)
 
 
 @cross_entropy_backward.register_fake
-def _(dloss, logits, target, lse, ignore_index):
-    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index)
+def _(dloss, logits, target, lse, ignore_index, weight=None):
+    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight)
     return torch.empty_like(logits)
 
 
 @torch.library.custom_op(f"{NS}::cross_entropy_backward_", mutates_args=("logits",))
-def cross_entropy_backward_(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int) -> None:
+def cross_entropy_backward_(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
+                            weight: Optional[Tensor] = None) -> None:
     """dlogits written over the logits (no second [M, V] buffer)."""
-    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index)
+    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight)
     validate.target_values(logits, target, ignore_index)
-    call("cross_entropy_backward_", dloss=dloss, logits=logits, target=target, lse=lse, ignore_index=ignore_index)
+    call("cross_entropy_backward_", dloss=dloss, logits=logits, target=target, lse=lse, ignore_index=ignore_index,
+         weight=weight)
 
 
 @cross_entropy_backward_.register_fake
-def _(dloss, logits, target, lse, ignore_index):
-    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index)
+def _(dloss, logits, target, lse, ignore_index, weight=None):
+    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight)
 
 
 @torch.library.custom_op(f"{NS}::cross_entropy_fwd_bwd", mutates_args=())
-def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
-    validate.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index)
+def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int,
+                          weight: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (loss, dlogits, lse): the op always returns the lse (the public function drops it unless asked)."""
+    validate.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index, weight)
     validate.target_values(logits, target, ignore_index)
-    return call("cross_entropy_fwd_bwd", dloss=dloss, logits=logits, target=target, ignore_index=ignore_index)
+    return call("cross_entropy_fwd_bwd", dloss=dloss, logits=logits, target=target, ignore_index=ignore_index,
+                weight=weight, return_lse=True)
 
 
 @cross_entropy_fwd_bwd.register_fake
-def _(dloss, logits, target, ignore_index):
-    validate.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index)
-    return logits.new_empty(logits.shape[0], dtype=torch.float32), torch.empty_like(logits)
+def _(dloss, logits, target, ignore_index, weight=None):
+    validate.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index, weight)
+    row = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    return row, torch.empty_like(logits), torch.empty_like(row)
 
 
 # ---------------------------------------------------------------- NVFP4
@@ -332,23 +349,28 @@ ALL_OPS = (
 
 # ---------------------------------------------------------------- autograd
 def _rmsnorm_setup(ctx, inputs, output):
-    x, weight, bias, residual, eps, store_rstd = inputs
+    x, weight, bias, residual, eps, store_rstd, out_dtype, residual_dtype, weight_offset = inputs
     y, rstd, res_out = output
     if not store_rstd:
         raise RuntimeError("oink::rmsnorm_forward needs store_rstd=True to be differentiated")
     ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
+    ctx.normed_res_out = residual is not None or residual_dtype is not None  # the norm was of res_out
     ctx.x_dtype = x.dtype
     ctx.res_dtype = residual.dtype if residual is not None else None
-    ctx.save_for_backward(res_out if residual is not None else x, weight, rstd)
+    ctx.bias_shape = bias.shape if bias is not None else None
+    ctx.weight_offset = weight_offset
+    ctx.save_for_backward(res_out if ctx.normed_res_out else x, weight, rstd)
 
 
 def _rmsnorm_backward(ctx, dy, drstd, dres_out):
     h, weight, rstd = ctx.saved_tensors
-    dres = dres_out if ctx.has_residual and dres_out is not None and dres_out.numel() else None
-    dh, dw, db = torch.ops.oink.rmsnorm_backward(h, weight, dy.contiguous(), rstd, dres, ctx.has_bias)
+    dres = dres_out if ctx.normed_res_out and dres_out is not None and dres_out.numel() else None
+    dh, dw, db = torch.ops.oink.rmsnorm_backward(h, weight, dy.contiguous(), rstd, dres, ctx.has_bias,
+                                                 ctx.weight_offset)
     dx = dh.to(ctx.x_dtype)
     dresidual = dh.to(ctx.res_dtype) if ctx.has_residual else None
-    return (dx, dw if weight is not None else None, db if ctx.has_bias else None, dresidual, None, None)
+    db = db.reshape(ctx.bias_shape) if ctx.has_bias else None
+    return (dx, dw if weight is not None else None, db, dresidual, None, None, None, None, None)
 
 
 torch.library.register_autograd(f"{NS}::rmsnorm_forward", _rmsnorm_backward, setup_context=_rmsnorm_setup)

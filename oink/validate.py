@@ -12,13 +12,15 @@ from .reference.cross_entropy import REDUCTIONS
 from .reference.nvfp4 import round_up
 
 
-def rmsnorm_forward(x, weight=None, bias=None, residual=None, eps=1e-6, store_rstd=False):
+def rmsnorm_forward(x, weight=None, bias=None, residual=None, eps=1e-6, store_rstd=False, out_dtype=None,
+                    residual_dtype=None, weight_offset=0.0):
     c.rows_input("x", x)
-    N = x.shape[-1]
-    c.vector("weight", weight, N, x.dtype)
-    c.vector("bias", bias, N, x.dtype)
+    c.norm_param("weight", weight, x)
+    c.norm_param("bias", bias, x)
     c.optional("residual", residual)
     c.same_shape("residual", residual, "x", x)
+    c.dtype_arg("out_dtype", out_dtype)
+    c.dtype_arg("residual_dtype", residual_dtype)
     c.same_device(x=x, weight=weight, bias=bias, residual=residual)
 
 
@@ -27,13 +29,14 @@ def fused_add_rmsnorm_(x, residual, weight, eps=1e-6):
     c.tensor("residual", residual)
     c.same_shape("residual", residual, "x", x)
     c.tensor("weight", weight)
-    c.vector("weight", weight, x.shape[-1], x.dtype)
+    c.vector("weight", weight, x.shape[-1])
     c.same_device(x=x, residual=residual, weight=weight)
 
 
-def rmsnorm_backward(x, weight, dout, rstd, dresidual_out=None, has_bias=False, has_residual=False):
+def rmsnorm_backward(x, weight, dout, rstd, dresidual_out=None, has_bias=False, has_residual=False,
+                     weight_offset=0.0):
     c.rows_input("x", x)
-    c.vector("weight", weight, x.shape[-1], x.dtype)
+    c.norm_param("weight", weight, x)
     c.tensor("dout", dout)
     c.same_shape("dout", dout, "x", x)
     c.row_stat("rstd", rstd, x.shape[:-1])
@@ -45,8 +48,8 @@ def rmsnorm_backward(x, weight, dout, rstd, dresidual_out=None, has_bias=False, 
 def layernorm(x, weight, bias=None, eps=1e-6, return_rstd=False, return_mean=False):
     c.rows_input("x", x)
     c.tensor("weight", weight)
-    c.vector("weight", weight, x.shape[-1], x.dtype)
-    c.vector("bias", bias, x.shape[-1], x.dtype)
+    c.vector("weight", weight, x.shape[-1])
+    c.vector("bias", bias, x.shape[-1])
     c.same_device(x=x, weight=weight, bias=bias)
 
 
@@ -55,8 +58,8 @@ def layernorm_backward(dout, x, weight, rstd, mean, bias=None):
     c.tensor("dout", dout)
     c.same_shape("dout", dout, "x", x)
     c.tensor("weight", weight)
-    c.vector("weight", weight, x.shape[-1], x.dtype)
-    c.vector("bias", bias, x.shape[-1], x.dtype)
+    c.vector("weight", weight, x.shape[-1])
+    c.vector("bias", bias, x.shape[-1])
     c.row_stat("rstd", rstd, x.shape[:-1])
     c.row_stat("mean", mean, x.shape[:-1])
     c.same_device(dout=dout, x=x, weight=weight, rstd=rstd, mean=mean, bias=bias)
@@ -89,11 +92,29 @@ def _logits_target(logits, target):
         raise ValueError(f"target: expected shape ({logits.shape[0]},), got {tuple(target.shape)}")
 
 
-def cross_entropy_forward(logits, target, ignore_index=-100, reduction="none"):
+def _class_weight(weight, logits):
+    if weight is not None:
+        c.vector("weight", weight, logits.shape[-1])
+        c.same_device(logits=logits, weight=weight)
+
+
+def cross_entropy_forward(logits, target, ignore_index=-100, reduction="none", weight=None, lse_partial=None,
+                          target_logit=None):
     _logits_target(logits, target)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: {reduction!r} is not one of {REDUCTIONS}")
     c.same_device(logits=logits, target=target)
+    _class_weight(weight, logits)
+    M = logits.shape[0]
+    if lse_partial is not None:
+        c.tensor("lse_partial", lse_partial, min_dim=2)
+        if lse_partial.dim() != 2 or lse_partial.shape[0] != M:
+            raise ValueError(f"lse_partial: expected shape ({M}, K), got {tuple(lse_partial.shape)}")
+    if target_logit is not None:
+        c.tensor("target_logit", target_logit)
+        if target_logit.shape[0] != M or target_logit.dim() > 2:
+            raise ValueError(f"target_logit: expected shape ({M},) or ({M}, V), got {tuple(target_logit.shape)}")
+    c.same_device(logits=logits, lse_partial=lse_partial, target_logit=target_logit)
 
 
 def _dloss(dloss, M):
@@ -102,17 +123,19 @@ def _dloss(dloss, M):
         raise ValueError(f"dloss: expected a scalar or shape ({M},), got {tuple(dloss.shape)}")
 
 
-def cross_entropy_backward(dloss, logits, target, lse, ignore_index=-100):
+def cross_entropy_backward(dloss, logits, target, lse, ignore_index=-100, weight=None):
     _logits_target(logits, target)
     _dloss(dloss, logits.shape[0])
     c.row_stat("lse", lse, logits.shape[:-1])
     c.same_device(dloss=dloss, logits=logits, target=target, lse=lse)
+    _class_weight(weight, logits)
 
 
-def cross_entropy_fwd_bwd(dloss, logits, target, ignore_index=-100):
+def cross_entropy_fwd_bwd(dloss, logits, target, ignore_index=-100, weight=None, return_lse=False):
     _logits_target(logits, target)
     _dloss(dloss, logits.shape[0])
     c.same_device(dloss=dloss, logits=logits, target=target)
+    _class_weight(weight, logits)
 
 
 def target_values(logits, target, ignore_index) -> None:

@@ -106,6 +106,16 @@ def test_empty_rows_give_empty_results():
     assert loss.shape == (0,) and lse.shape == (0,)
 
 
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_empty_rows_dequantize(swizzled):
+    # regression: the dequantize references reshaped 0 elements to [0, -1] (found on the GPU fuzz run)
+    x = torch.empty(0, 32000)
+    q, sf = oink.nvfp4_quantize(x, GS, swizzled=swizzled)
+    assert oink.nvfp4_dequantize(q, sf, GS, swizzled=swizzled).shape == (0, 32000)
+    q, sf = oink.mxfp4_quantize(x, swizzled=swizzled)
+    assert oink.mxfp4_dequantize(q, sf, swizzled=swizzled).shape == (0, 32000)
+
+
 def test_strided_inputs_give_correct_results():
     base = torch.randn(8, 128)
     x = base[:, ::2]  # non-contiguous last dim
@@ -134,7 +144,11 @@ BAD = [
     ("rmsnorm_forward", dict(x="not a tensor"), TypeError, "x: expected a torch.Tensor"),
     ("rmsnorm_forward", dict(x=torch.randn(4, 0)), ValueError, "x: the last dim"),
     ("rmsnorm_forward", dict(weight=torch.randn(31)), ValueError, "weight: expected shape"),
-    ("rmsnorm_forward", dict(weight=torch.randn(32, dtype=torch.float16)), TypeError, "weight: dtype"),
+    ("rmsnorm_forward", dict(weight=torch.randn(32, dtype=torch.float64)), TypeError, "weight: dtype"),
+    ("rmsnorm_forward", dict(out_dtype=torch.int8), TypeError, "out_dtype"),
+    ("rmsnorm_forward", dict(weight=torch.randn(3, 32)), ValueError, "weight: expected shape"),
+    ("cross_entropy_forward", dict(weight=torch.randn(7)), ValueError, "weight: expected shape"),
+    ("cross_entropy_forward", dict(lse_partial=torch.randn(3)), ValueError, "lse_partial"),
     ("rmsnorm_forward", dict(residual=torch.randn(4, 16)), ValueError, "residual: shape"),
     ("fused_add_rmsnorm_", dict(residual=torch.randn(5, 32)), ValueError, "residual: shape"),
     ("fused_add_rmsnorm_", dict(weight=None), TypeError, "weight: expected a torch.Tensor"),

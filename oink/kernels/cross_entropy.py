@@ -123,7 +123,7 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
         raise ValueError(f"N={N}: the cross-entropy kernels handle 1 <= N <= {MAX_N}")
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
     launch = cross_entropy_launch(N, dt.width, arch)
-    store_lse = store_lse and mode == "forward"
+    store_lse = store_lse and mode != "backward"
 
     def build():
         one = Int64(launch.vec)

@@ -1,11 +1,14 @@
 """CrossEntropy kernels on torch tensors (CHECKS/RUNNERS for the dispatch path). The reductions
-"mean" and "sum" are a device sum of the kernel's per-row losses (no host round trip)."""
+"mean" and "sum" are a device sum of the kernel's per-row losses (no host round trip). A class
+weight scales the per-row loss and the per-row upstream gradient by weight[target] ([M]-sized
+torch ops around the [M, V] kernel); with ``lse_partial`` the forward needs no pass over the
+logits at all: lse and the target logit are [M]-sized torch ops."""
 from __future__ import annotations
 
 import torch
 
 from .compile import current_stream
-from ..reference.cross_entropy import reduce_loss
+from ..reference.cross_entropy import _per_row, _safe_target, loss_from_lse, reduce_loss, row_weight
 from .cross_entropy import compiled_cross_entropy
 from .host import dtype_name, ld, prepare_rows, ptr, vec_for, width_reason
 
@@ -19,6 +22,12 @@ def _check(t: dict, arch: str) -> str | None:
     if not INT32.min <= t["ignore_index"] <= INT32.max:
         return f"ignore_index {t['ignore_index']} does not fit int32: reference"
     return None
+
+
+def _check_forward(t: dict, arch: str) -> str | None:
+    if t.get("lse_partial") is not None:
+        return None  # no [M, V] pass: [M]-sized torch ops on the device
+    return _check(t, arch)
 
 
 def _check_inplace(t: dict, arch: str) -> str | None:
@@ -51,41 +60,69 @@ def _inputs(logits, target):
     return x2, target.contiguous()
 
 
-def run_forward(arch, logits, target, ignore_index=-100, reduction="none"):
+def _row_factor(weight, target, ignore_index):
+    """weight[target] on rows not ignored, 0 on ignored ones (fp32 [M]); None without a weight."""
+    if weight is None:
+        return None
+    valid, safe = _safe_target(target, ignore_index)
+    return row_weight(weight, safe, valid)
+
+
+def _scaled_dloss(dloss, M, rw):
+    d = _row_vector(dloss, M, torch.float32)
+    return d if rw is None else d * rw
+
+
+def run_forward(arch, logits, target, ignore_index=-100, reduction="none", weight=None, lse_partial=None,
+                target_logit=None):
+    if lse_partial is not None:
+        loss, lse, rw = _per_row(logits, target, ignore_index, weight, lse_partial, target_logit)
+        return reduce_loss(loss, rw, reduction), lse
     x2, tgt = _inputs(logits, target)
     M = x2.shape[0]
     loss = torch.empty(M, device=logits.device, dtype=torch.float32)
     lse = torch.empty(M, device=logits.device, dtype=torch.float32)
     launch("forward", arch, x2, tgt, ignore_index, loss=loss, lse_out=lse)
-    return reduce_loss(loss, tgt != ignore_index, reduction), lse  # the reference's reduction, on device
+    valid, safe = _safe_target(tgt, ignore_index)
+    if target_logit is not None:  # the target's logit comes from elsewhere
+        loss = loss_from_lse(lse, target_logit, valid, safe)
+    rw = row_weight(weight, safe, valid)
+    if weight is not None:
+        loss = loss * rw
+    return reduce_loss(loss, rw, reduction), lse  # the reference's reduction, on device
 
 
-def run_backward(arch, dloss, logits, target, lse, ignore_index=-100):
+def run_backward(arch, dloss, logits, target, lse, ignore_index=-100, weight=None):
     x2, tgt = _inputs(logits, target)
     M = x2.shape[0]
     dx = torch.empty_like(x2)
-    launch("backward", arch, x2, tgt, ignore_index, dloss=_row_vector(dloss, M, torch.float32),
+    launch("backward", arch, x2, tgt, ignore_index, dloss=_scaled_dloss(dloss, M, _row_factor(weight, tgt, ignore_index)),
            lse_in=_row_vector(lse, M, torch.float32), dx=dx)
     return dx
 
 
-def run_backward_(arch, dloss, logits, target, lse, ignore_index=-100):
+def run_backward_(arch, dloss, logits, target, lse, ignore_index=-100, weight=None):
     """dlogits written over the logits (each element read before it is written, by one thread)."""
     M = logits.shape[0]
-    launch("backward", arch, logits, target.contiguous(), ignore_index, dloss=_row_vector(dloss, M, torch.float32),
+    tgt = target.contiguous()
+    launch("backward", arch, logits, tgt, ignore_index, dloss=_scaled_dloss(dloss, M, _row_factor(weight, tgt, ignore_index)),
            lse_in=_row_vector(lse, M, torch.float32), dx=logits)
 
 
-def run_fwd_bwd(arch, dloss, logits, target, ignore_index=-100):
+def run_fwd_bwd(arch, dloss, logits, target, ignore_index=-100, weight=None, return_lse=False):
     x2, tgt = _inputs(logits, target)
     M = x2.shape[0]
     loss = torch.empty(M, device=logits.device, dtype=torch.float32)
+    lse = torch.empty(M, device=logits.device, dtype=torch.float32) if return_lse else None
     dx = torch.empty_like(x2)
-    launch("fwd_bwd", arch, x2, tgt, ignore_index, dloss=_row_vector(dloss, M, torch.float32), loss=loss, dx=dx)
-    return loss, dx
+    rw = _row_factor(weight, tgt, ignore_index)
+    launch("fwd_bwd", arch, x2, tgt, ignore_index, dloss=_scaled_dloss(dloss, M, rw), loss=loss, lse_out=lse, dx=dx)
+    if rw is not None:
+        loss = loss * rw
+    return (loss, dx, lse) if return_lse else (loss, dx)
 
 
-CHECKS = {"cross_entropy_forward": _check, "cross_entropy_backward": _check, "cross_entropy_backward_": _check_inplace,
-          "cross_entropy_fwd_bwd": _check}
+CHECKS = {"cross_entropy_forward": _check_forward, "cross_entropy_backward": _check,
+          "cross_entropy_backward_": _check_inplace, "cross_entropy_fwd_bwd": _check}
 RUNNERS = {"cross_entropy_forward": run_forward, "cross_entropy_backward": run_backward,
            "cross_entropy_backward_": run_backward_, "cross_entropy_fwd_bwd": run_fwd_bwd}

@@ -126,6 +126,16 @@ class RowKernelBase:
                 if tXcX[(0, 0), 0, i][1] < L.N:
                     cute.copy(atom, src[None, None, i], dst[None, None, i])
 
+    @cute.jit
+    def zero_padding(self, vals, like: cute.Tensor, tXcX: cute.Tensor):
+        """``vals`` (fp32, shaped like the register tensor ``like``) with the vectors past N set to 0."""
+        r = cute.make_rmem_tensor_like(like, Float32)
+        r.store(vals)
+        for i in cutlass.range_constexpr(cute.size(r, mode=[2])):
+            if tXcX[(0, 0), 0, i][1] >= self.launch.N:
+                r[None, None, i].fill(0.0)
+        return r.load()
+
     def cta_setup(self, tc):
         """Per-CTA prologue, traced inline into each kernel: the block index (row tile) and the
         cluster rank (y), the reduction buffer and cluster barriers, and ``part(tensor, tile)``

@@ -43,12 +43,21 @@ class RMSNormForward(RowKernelBase):
     two reductions: the mean, then the sum of squared deviations."""
 
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, b_dtype, res_dtype, out_dtype, res_out_dtype,
-                 store_rstd: bool, layernorm: bool = False):
+                 store_rstd: bool, layernorm: bool = False, weight_offset: float = 0.0):
         super().__init__(launch, num_reductions=2 if layernorm else 1)
         self.x_dtype, self.w_dtype, self.b_dtype = x_dtype, w_dtype, b_dtype
         self.res_dtype, self.out_dtype, self.res_out_dtype = res_dtype, out_dtype, res_out_dtype
         self.store_rstd = store_rstd
         self.layernorm = layernorm
+        self.weight_offset = weight_offset  # y = x_hat * (w + offset): Gemma's (1 + w) is 1.0
+
+    @cute.jit
+    def weight_values(self, rW: cute.Tensor):
+        """The weight registers in fp32, offset added (a compile-time constant, added only if nonzero)."""
+        w = rW.load().to(Float32)
+        if const_expr(self.weight_offset != 0.0):
+            w = w + Float32(self.weight_offset)
+        return w
 
     def broadcast_rows(self, ptr):
         """A per-column vector seen as a (rows_per_cta, N) matrix with row stride 0."""
@@ -144,16 +153,17 @@ class RMSNormForward(RowKernelBase):
             total = h.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
             mean = self.row_allreduce(total, add, Float32(0.0), buf, mbar, 0) / L.N
             h = h - mean
+            if const_expr(not L.even_n):
+                # padding columns hold 0 - mean after centring: zero them before the squares (subtracting
+                # pad * mean^2 afterwards cancels catastrophically when |mean| >> the row's spread)
+                h = self.zero_padding(h, rX, tXcX)
         ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
         ss = self.row_allreduce(ss, add, Float32(0.0), buf, mbar, 1 if const_expr(self.layernorm) else 0)
-        if const_expr(self.layernorm and not L.even_n):
-            # the row tile's padding columns hold 0 - mean after centring: remove their squares
-            ss = ss - (L.cols_per_cta * L.cluster_n - L.N) * mean * mean
         rstd = cute.math.rsqrt(ss / L.N + eps, fastmath=False)
 
         y = h * rstd
         if const_expr(mW is not None):
-            y = y * rW.load().to(Float32)
+            y = y * self.weight_values(rW)
         if const_expr(mB is not None):
             y = y + rB.load().to(Float32)
         return y, rX, rstd, mean
@@ -165,22 +175,25 @@ def _cute(name):
 
 def compiled_forward(x_dtype: str, N: int, arch: str, w_dtype: str | None = None, b_dtype: str | None = None,
                      res_dtype: str | None = None, res_out_dtype: str | None = None, store_rstd: bool = False,
-                     layernorm: bool = False, store_mean: bool = False):
-    """Compile (or fetch) the forward for (dtypes, N, flags, arch). M, strides and eps are runtime."""
+                     layernorm: bool = False, store_mean: bool = False, out_dtype: str | None = None,
+                     weight_offset: float = 0.0):
+    """Compile (or fetch) the forward for (dtypes, N, flags, arch). M, strides and eps are runtime;
+    ``out_dtype`` defaults to x's, ``weight_offset`` is compiled in."""
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the RMSNorm kernel handles 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
+    out_dtype = out_dtype or x_dtype
     launch = forward_launch(N, xd.width, arch, 0 if w_dtype is None else cute_dtype(w_dtype).width)
     key = ("layernorm_fwd" if layernorm else "rmsnorm_fwd", x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype,
-           store_rstd, store_mean, N, arch, launch)
+           out_dtype, store_rstd, store_mean, float(weight_offset), N, arch, launch)
 
     def build():
-        dts = [_cute(d) for d in (w_dtype, b_dtype, res_dtype, res_out_dtype)]
-        kernel = RMSNormForward(launch, xd, *dts[:3], xd, dts[3], store_rstd, layernorm)
+        dts = [_cute(d) for d in (w_dtype, b_dtype, res_dtype, res_out_dtype, out_dtype)]
+        kernel = RMSNormForward(launch, xd, *dts[:3], dts[4], dts[3], store_rstd, layernorm, float(weight_offset))
         ptr = lambda dt: None if dt is None else gmem_ptr(dt)  # noqa: E731
         one = Int64(launch.vec)
         return compile_kernel(
-            kernel, gmem_ptr(xd), ptr(dts[0]), ptr(dts[1]), ptr(dts[2]), gmem_ptr(xd), ptr(dts[3]),
+            kernel, gmem_ptr(xd), ptr(dts[0]), ptr(dts[1]), ptr(dts[2]), gmem_ptr(dts[4]), ptr(dts[3]),
             gmem_ptr(Float32, 4) if store_rstd else None, gmem_ptr(Float32, 4) if store_mean else None,
             Int32(1), one, one, one, one, Float32(1e-6),
             fake_stream(), arch=arch)

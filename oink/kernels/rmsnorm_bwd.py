@@ -78,8 +78,9 @@ class RMSNormBackward(RMSNormForward):
     loop (slots 0/1: the dot product; LayerNorm adds 2/3: the sum of wdy)."""
 
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, dout_dtype, dres_dtype, has_dw: bool, has_db: bool,
-                 layernorm: bool = False, pdl: bool = False, depth: int = 1):
-        RMSNormForward.__init__(self, launch, x_dtype, w_dtype, None, None, x_dtype, None, False, layernorm)
+                 layernorm: bool = False, pdl: bool = False, depth: int = 1, weight_offset: float = 0.0):
+        RMSNormForward.__init__(self, launch, x_dtype, w_dtype, None, None, x_dtype, None, False, layernorm,
+                                weight_offset)
         self.num_reductions = 4 if layernorm else 2
         self.dout_dtype, self.dres_dtype = dout_dtype, dres_dtype
         self.has_dw, self.has_db = has_dw, has_db
@@ -245,7 +246,7 @@ class RMSNormBackward(RMSNormForward):
         else:
             xhat = rX.load().to(Float32) * rstd
         g = rG.load().to(Float32)
-        wdy = g * rW.load().to(Float32) if const_expr(rW is not None) else g
+        wdy = g * self.weight_values(rW) if const_expr(rW is not None) else g
         phase = (it // 2) % 2
         dot = (xhat * wdy).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
         if const_expr(self.layernorm):
@@ -271,21 +272,23 @@ class RMSNormBackward(RMSNormForward):
 
 
 def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout_dtype: str,
-                      dres_dtype: str | None, has_db: bool, layernorm: bool = False):
-    """Compile (or fetch) the RMSNorm (or, with ``layernorm``, LayerNorm) backward; M is runtime."""
+                      dres_dtype: str | None, has_db: bool, layernorm: bool = False, weight_offset: float = 0.0):
+    """Compile (or fetch) the RMSNorm (or, with ``layernorm``, LayerNorm) backward; M is runtime,
+    ``weight_offset`` (dx's weight is w + offset; dw is unchanged) compiled in."""
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the norm kernels handle 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
     launch = backward_launch(N, xd.width, arch, layernorm)
     pdl, depth = use_pdl(), _knobs(layernorm)[2]
     key = ("layernorm_bwd" if layernorm else "rmsnorm_bwd", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N,
-           arch, launch, pdl, depth)
+           arch, launch, pdl, depth, float(weight_offset))
 
     def build():
         wd = None if w_dtype is None else cute_dtype(w_dtype)
         gd = cute_dtype(dout_dtype)
         rd = None if dres_dtype is None else cute_dtype(dres_dtype)
-        kernel = RMSNormBackward(launch, xd, wd, gd, rd, w_dtype is not None, has_db, layernorm, pdl, depth)
+        kernel = RMSNormBackward(launch, xd, wd, gd, rd, w_dtype is not None, has_db, layernorm, pdl, depth,
+                                 float(weight_offset))
         one = Int64(launch.vec)
         return compile_kernel(
             kernel, gmem_ptr(xd), None if wd is None else gmem_ptr(wd), gmem_ptr(gd), gmem_ptr(Float32, 4),

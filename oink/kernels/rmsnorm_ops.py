@@ -12,11 +12,26 @@ from .rmsnorm import compiled_forward
 from .rmsnorm_bwd import backward_launch, compiled_backward, compiled_partial_sum, persistent_ctas
 
 
+def _per_head(t: dict) -> bool:
+    return any(t.get(k) is not None and t[k].dim() == 2 for k in ("weight", "bias"))
+
+
 def check_forward(t: dict, arch: str) -> str | None:
+    if _per_head(t):
+        return "per-head weight or bias [H, D]: reference (no per-head kernel yet)"
+    if t.get("residual") is None and t.get("residual_dtype") is not None:
+        return "residual_dtype without a residual: reference"
     return width_reason(t["x"].shape[-1])
 
 
-check_backward = check_forward
+def check_backward(t: dict, arch: str) -> str | None:
+    if _per_head(t):
+        return "per-head weight [H, D]: reference (no per-head kernel yet)"
+    return width_reason(t["x"].shape[-1])
+
+
+def check_layernorm(t: dict, arch: str) -> str | None:
+    return width_reason(t["x"].shape[-1])
 
 
 def check_fused_add(t: dict, arch: str) -> str | None:
@@ -25,26 +40,30 @@ def check_fused_add(t: dict, arch: str) -> str | None:
             or in_place_reason("residual", t["residual"], vec))
 
 
-def _rows_and_output(x):
-    """x as kernel-ready [M, N] rows, a fresh output like them, and what restores x's shape."""
+def _rows_and_output(x, out_dtype=None):
+    """x as kernel-ready [M, N] rows, a fresh output like them (in ``out_dtype``, default x's), and
+    what restores x's shape."""
     N = x.shape[-1]
     vec = vec_for(N, x)
     x2 = prepare_rows(x, vec)
-    return x2, torch.empty(x2.shape, device=x.device, dtype=x.dtype), x.shape[:-1], vec
+    return x2, torch.empty(x2.shape, device=x.device, dtype=out_dtype or x.dtype), x.shape[:-1], vec
 
 
 def _row_stat(x2, wanted: bool):
     return torch.empty(x2.shape[0], device=x2.device, dtype=torch.float32) if wanted else None
 
 
-def run_forward(arch, x, weight=None, bias=None, residual=None, eps=1e-6, store_rstd=False):
-    x2, out, lead, vec = _rows_and_output(x)
+def run_forward(arch, x, weight=None, bias=None, residual=None, eps=1e-6, store_rstd=False, out_dtype=None,
+                residual_dtype=None, weight_offset=0.0):
+    x2, out, lead, vec = _rows_and_output(x, out_dtype)
     M, N = x2.shape
     rstd = _row_stat(x2, store_rstd)
     res2 = prepare_rows(residual, vec)
-    res_out = torch.empty((M, N), device=x.device, dtype=residual.dtype) if residual is not None else None
+    res_out = (torch.empty((M, N), device=x.device, dtype=residual_dtype or residual.dtype)
+               if residual is not None else None)
     if M > 0:
-        _launch(arch, x2, prepare_vector(weight, vec), prepare_vector(bias, vec), res2, out, res_out, rstd, eps)
+        _launch(arch, x2, prepare_vector(weight, vec), prepare_vector(bias, vec), res2, out, res_out, rstd, eps,
+                weight_offset=weight_offset)
     return (out.view(*lead, N), None if rstd is None else rstd.view(lead),
             None if res_out is None else res_out.view(*lead, N))
 
@@ -57,10 +76,11 @@ def run_fused_add(arch, x, residual, weight, eps=1e-6):
         _launch(arch, x2, prepare_vector(weight, vec_for(N, x)), None, r2, x2, r2, None, eps)
 
 
-def _launch(arch, x, w, b, res, out, res_out, rstd, eps, mean=None, layernorm=False):
+def _launch(arch, x, w, b, res, out, res_out, rstd, eps, mean=None, layernorm=False, weight_offset=0.0):
     M, N = x.shape
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
-                          dtype_name(res_out), rstd is not None, layernorm, mean is not None)
+                          dtype_name(res_out), rstd is not None, layernorm, mean is not None, dtype_name(out),
+                          float(weight_offset))
     fn(ptr(x), ptr(w), ptr(b), ptr(res), ptr(out), ptr(res_out), ptr(rstd, 4), ptr(mean, 4), M, ld(x), ld(res),
        ld(out), ld(res_out), float(eps), current_stream(x.device))
 
@@ -78,8 +98,9 @@ def run_layernorm(arch, x, weight, bias=None, eps=1e-6, return_rstd=False, retur
     return (y, *extra) if extra else y
 
 
-def run_backward(arch, x, weight, dout, rstd, dresidual_out=None, has_bias=False, has_residual=False):
-    dx, dw, db = _backward(arch, x, weight, dout, rstd, None, dresidual_out, has_bias)
+def run_backward(arch, x, weight, dout, rstd, dresidual_out=None, has_bias=False, has_residual=False,
+                 weight_offset=0.0):
+    dx, dw, db = _backward(arch, x, weight, dout, rstd, None, dresidual_out, has_bias, weight_offset)
     return dx, dw, db, (dx if has_residual else None)
 
 
@@ -87,7 +108,7 @@ def run_layernorm_backward(arch, dout, x, weight, rstd, mean, bias=None):
     return _backward(arch, x, weight, dout, rstd, mean, None, bias is not None)
 
 
-def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias):
+def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight_offset=0.0):
     """dx, and dw/db summed from per-CTA fp32 partials (a device sum, no host round trip)."""
     N = x.shape[-1]
     vec = vec_for(N, x)
@@ -103,7 +124,7 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias):
     parts = ctas * launch.rows_per_cta
     buf, dw_part, db_part = partial_buffers(parts, N, weight is not None, has_bias, x.device, torch.empty)
     if M > 0:
-        launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean)
+        launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean, weight_offset)
     else:
         buf.zero_()
     dw, db = sum_partials(arch, buf, weight is not None, has_bias, N,
@@ -139,12 +160,12 @@ def sum_partials(arch: str, buf, has_dw: bool, has_db: bool, N: int, dtype):
     return (outs[0] if has_dw else None), (outs[-1] if has_db else None)
 
 
-def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean=None):
+def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean=None, weight_offset=0.0):
     """Launch into given outputs; dw_part/db_part have ctas * rows_per_cta rows (unit column stride,
     both with the same row stride). With ``mean`` (per-row fp32) it is the LayerNorm backward."""
     M, N = x2.shape
     fn = compiled_backward(dtype_name(x2), N, arch, dtype_name(w), dtype_name(g2), dtype_name(dr2),
-                           db_part is not None, mean is not None)
+                           db_part is not None, mean is not None, float(weight_offset))
     stat = lambda t: None if t is None else ptr(t.reshape(-1).contiguous(), 4)  # noqa: E731
     part = dw_part if dw_part is not None else db_part
     ldpart = part.stride(0) if part is not None else N
@@ -153,7 +174,7 @@ def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean
 
 
 CHECKS = {"rmsnorm_forward": check_forward, "fused_add_rmsnorm_": check_fused_add,
-          "rmsnorm_backward": check_backward, "layernorm": check_forward, "layernorm_backward": check_forward}
+          "rmsnorm_backward": check_backward, "layernorm": check_layernorm, "layernorm_backward": check_layernorm}
 RUNNERS = {"rmsnorm_forward": run_forward, "fused_add_rmsnorm_": run_fused_add,
            "rmsnorm_backward": run_backward, "layernorm": run_layernorm,
            "layernorm_backward": run_layernorm_backward}

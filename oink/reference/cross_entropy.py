@@ -1,7 +1,13 @@
 """Cross-entropy over the last dim of logits [M, V]: fp32 loss and logsumexp.
 
-Rows whose target equals ``ignore_index`` give loss 0 and gradient 0; "mean" divides by the
-number of rows not ignored (0 when all are ignored, as a sum over nothing)."""
+Rows whose target equals ``ignore_index`` give loss 0 and gradient 0. A class ``weight`` [V]
+scales row i's loss and gradient by weight[target_i], and "mean" then divides by the sum of
+those weights over rows not ignored (torch.nn.functional.cross_entropy's rule); without one it
+divides by the number of rows not ignored ("mean" over nothing is 0, not torch's NaN).
+
+Vocab-parallel use (tensor parallelism): ``lse_partial`` [M, K] holds each shard's logsumexp
+and the row's lse is their logsumexp; ``target_logit`` ([M], or [M, V] read at the target)
+supplies the target's logit where the local logits do not hold it."""
 from __future__ import annotations
 
 import torch
@@ -10,53 +16,71 @@ from torch import Tensor
 REDUCTIONS = ("none", "mean", "sum")
 
 
-def _per_row(logits: Tensor, target: Tensor, ignore_index: int):
-    lf = logits.float()
-    lse = torch.logsumexp(lf, dim=-1)
+def _safe_target(target: Tensor, ignore_index: int):
     valid = target != ignore_index
-    safe = torch.where(valid, target, torch.zeros_like(target)).long()
-    picked = lf.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    loss = torch.where(valid, lse - picked, torch.zeros_like(lse))
-    return loss, lse, valid, safe
+    return valid, torch.where(valid, target, torch.zeros_like(target)).long()
 
 
-def reduce_loss(loss: Tensor, valid: Tensor, reduction: str) -> Tensor:
+def row_weight(weight: Tensor | None, safe: Tensor, valid: Tensor) -> Tensor:
+    """Per-row factor: weight[target] (1 without a class weight), 0 on ignored rows; fp32 [M]."""
+    w = weight.float()[safe] if weight is not None else torch.ones(safe.shape, device=safe.device)
+    return w * valid
+
+
+def _per_row(logits: Tensor, target: Tensor, ignore_index: int, weight=None, lse_partial=None,
+             target_logit=None):
+    valid, safe = _safe_target(target, ignore_index)
+    lse = torch.logsumexp((lse_partial if lse_partial is not None else logits).float(), dim=-1)
+    rw = row_weight(weight, safe, valid)
+    return loss_from_lse(lse, target_logit if target_logit is not None else logits, valid, safe) * rw, lse, rw
+
+
+def loss_from_lse(lse: Tensor, src: Tensor, valid: Tensor, safe: Tensor) -> Tensor:
+    """lse - the target's logit (read from ``src``: [M] as is, [M, V] at the target); 0 where ignored."""
+    picked = src.float() if src.dim() == 1 else src.gather(-1, safe.unsqueeze(-1)).squeeze(-1).float()
+    return torch.where(valid, lse - picked, torch.zeros_like(lse))
+
+
+def reduce_loss(loss: Tensor, rw: Tensor, reduction: str) -> Tensor:
+    """``rw``: the per-row factors of ``row_weight`` (their sum is "mean"'s divisor)."""
     if reduction == "none":
         return loss
     total = loss.sum()
     if reduction == "sum":
         return total
-    return total / valid.sum().clamp_min(1).to(total.dtype)
+    denom = rw.sum().to(total.dtype)
+    return torch.where(denom > 0, total / denom, torch.zeros_like(total))  # nothing counted: 0
 
 
 def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int = -100,
-                          reduction: str = "none"):
+                          reduction: str = "none", weight: Tensor | None = None,
+                          lse_partial: Tensor | None = None, target_logit: Tensor | None = None):
     """-> (loss, lse): loss fp32 [M] ("none") or a 0-d tensor; lse fp32 [M]."""
-    loss, lse, valid, _ = _per_row(logits, target, ignore_index)
-    return reduce_loss(loss, valid, reduction), lse
+    loss, lse, rw = _per_row(logits, target, ignore_index, weight, lse_partial, target_logit)
+    return reduce_loss(loss, rw, reduction), lse
 
 
 def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
-                           ignore_index: int = -100) -> Tensor:
-    """dlogits = (softmax(logits) - onehot(target)) * dloss[row]; 0 on ignored rows.
-    ``dloss`` is the per-row upstream gradient [M] (or a scalar, broadcast)."""
+                           ignore_index: int = -100, weight: Tensor | None = None) -> Tensor:
+    """dlogits = (softmax(logits) - onehot(target)) * dloss[row] * weight[target]; 0 on ignored
+    rows. ``dloss`` is the per-row upstream gradient [M] (or a scalar, broadcast)."""
     lf = logits.float()
-    valid = target != ignore_index
-    safe = torch.where(valid, target, torch.zeros_like(target)).long()
+    valid, safe = _safe_target(target, ignore_index)
     p = torch.exp(lf - lse.float().unsqueeze(-1))
     p.scatter_add_(-1, safe.unsqueeze(-1), -torch.ones_like(p[:, :1]))
-    g = torch.broadcast_to(dloss.float(), lse.shape) * valid
+    g = torch.broadcast_to(dloss.float(), lse.shape) * row_weight(weight, safe, valid)
     return (p * g.unsqueeze(-1)).to(logits.dtype)
 
 
-def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor,
-                          ignore_index: int = -100):
-    """-> (loss fp32 [M], dlogits) in one call, per-row loss (reduction "none")."""
-    loss, lse, _, _ = _per_row(logits, target, ignore_index)
-    return loss, cross_entropy_backward(dloss, logits, target, lse, ignore_index)
+def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int = -100,
+                          weight: Tensor | None = None, return_lse: bool = False):
+    """-> (loss fp32 [M], dlogits), or (loss, dlogits, lse) with ``return_lse``; per-row loss."""
+    loss, lse, _ = _per_row(logits, target, ignore_index, weight)
+    dlogits = cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight)
+    return (loss, dlogits, lse) if return_lse else (loss, dlogits)
 
 
 def cross_entropy_backward_(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
-                            ignore_index: int = -100) -> None:
+                            ignore_index: int = -100, weight: Tensor | None = None) -> None:
     """In place: logits <- dlogits (the memory-saving backward of ``oink.cross_entropy``)."""
-    logits.copy_(cross_entropy_backward(dloss, logits, target, lse, ignore_index))
+    logits.copy_(cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight))

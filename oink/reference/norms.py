@@ -15,21 +15,27 @@ def _rows(t: Tensor) -> Tensor:
 
 
 def rmsnorm_forward(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None,
-                    residual: Tensor | None = None, eps: float = 1e-6, store_rstd: bool = False):
-    """-> (y, rstd | None, residual_out | None). rstd is fp32 of shape x.shape[:-1]."""
+                    residual: Tensor | None = None, eps: float = 1e-6, store_rstd: bool = False,
+                    out_dtype: torch.dtype | None = None, residual_dtype: torch.dtype | None = None,
+                    weight_offset: float = 0.0):
+    """-> (y, rstd | None, residual_out | None). rstd is fp32 of shape x.shape[:-1].
+    y = x_hat * (weight + weight_offset) + bias, in ``out_dtype`` (default x's); weight and bias
+    are [N], or [H, D] per head for x [..., H, D]. residual_out = x + residual in
+    ``residual_dtype`` (default residual's; without a residual, x itself in that dtype)."""
     residual_out = None
-    if residual is not None:
-        residual_out = (x.float() + residual.float()).to(residual.dtype)
+    if residual is not None or residual_dtype is not None:
+        total = x.float() + residual.float() if residual is not None else x.float()
+        residual_out = total.to(residual_dtype or residual.dtype)
         h = residual_out.float()
     else:
         h = x.float()
     rstd = torch.rsqrt(h.square().mean(-1) + eps)
     y = h * rstd.unsqueeze(-1)
     if weight is not None:
-        y = y * weight.float()
+        y = y * (weight.float() + weight_offset)
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype), (rstd if store_rstd else None), residual_out
+    return y.to(out_dtype or x.dtype), (rstd if store_rstd else None), residual_out
 
 
 def fused_add_rmsnorm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
@@ -41,23 +47,25 @@ def fused_add_rmsnorm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float =
 
 def rmsnorm_backward(x: Tensor, weight: Tensor | None, dout: Tensor, rstd: Tensor,
                      dresidual_out: Tensor | None = None, has_bias: bool = False,
-                     has_residual: bool = False):
+                     has_residual: bool = False, weight_offset: float = 0.0):
     """-> (dx, dw, db, dresidual). ``x`` is the tensor that was normalised (residual_out when
     the forward had a residual). dw, db are summed over rows in fp32 and cast to the weight's
-    dtype; dresidual is dx (the gradient flowing into the residual branch)."""
+    dtype, in the weight's shape ([N] or per-head [H, D]); the offset does not change dw.
+    dresidual is dx (the gradient flowing into the residual branch)."""
     N = x.shape[-1]
-    xf, gf = _rows(x).float(), _rows(dout).float()
-    r = rstd.reshape(-1, 1).float()
+    xf, gf = x.float(), dout.float()
+    r = rstd.float().reshape(x.shape[:-1]).unsqueeze(-1)
     xhat = xf * r
-    wdy = gf * weight.float() if weight is not None else gf
+    wdy = gf * (weight.float() + weight_offset) if weight is not None else gf
     c = (xhat * wdy).sum(-1, keepdim=True) / N
     dx = (wdy - xhat * c) * r
     if dresidual_out is not None:
-        dx = dx + _rows(dresidual_out).float()
+        dx = dx + dresidual_out.float()
     wdtype = weight.dtype if weight is not None else x.dtype
-    dw = (gf * xhat).sum(0).to(wdtype) if weight is not None else None
-    db = gf.sum(0).to(wdtype) if has_bias else None
-    dx = dx.to(x.dtype).reshape(x.shape)
+    wshape = tuple(weight.shape) if weight is not None else (N,)
+    dw = (gf * xhat).reshape(-1, *wshape).sum(0).to(wdtype) if weight is not None else None
+    db = gf.reshape(-1, *wshape).sum(0).to(wdtype) if has_bias else None
+    dx = dx.to(x.dtype)
     dresidual = dx if has_residual else None
     return dx, dw, db, dresidual
 

@@ -113,7 +113,7 @@ def nvfp4_dequantize(q: Tensor, sf: Tensor, global_scale: Tensor, swizzled: bool
     """fp32 [M, N]: e2m1(code) * float(sf) / global_scale."""
     vals, sf_rm = _decode(q, sf, swizzled, BLOCK)
     M, K = sf_rm.shape
-    return (vals * sf_rm.float().unsqueeze(-1) / global_scale.reshape(()).float()).reshape(M, -1)
+    return (vals * sf_rm.float().unsqueeze(-1) / global_scale.reshape(()).float()).reshape(M, K * BLOCK)
 
 
 def _decode(q: Tensor, sf: Tensor, swizzled: bool, block: int):
@@ -207,4 +207,4 @@ def mxfp4_dequantize(q: Tensor, sf: Tensor, swizzled: bool = False) -> Tensor:
     """fp32 [M, N]: e2m1(code) * 2^(sf - 127)."""
     vals, sf_rm = _decode(q, sf, swizzled, MX_BLOCK)
     scale = torch.ldexp(torch.ones(sf_rm.shape, device=q.device), sf_rm.view(torch.uint8).int() - 127)
-    return (vals * scale.unsqueeze(-1)).reshape(sf_rm.shape[0], -1)
+    return (vals * scale.unsqueeze(-1)).reshape(q.shape[0], q.shape[1] * 2)
