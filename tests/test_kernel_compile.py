@@ -287,3 +287,38 @@ def test_host_prepare_rows_and_vectors():
     assert prepare_vector(w, 8) is w and prepare_vector(None, 8) is None
     w_odd = torch.randn(65)[1:]
     assert prepare_vector(w_odd, 8).data_ptr() % 16 == 0 and torch.equal(prepare_vector(w_odd, 8), w_odd)
+
+
+# Quack's arguments (#16): Gemma's weight offset, an output dtype other than x's, an fp32
+# residual stream with 16-bit activations, and weights of any float dtype (bf16 with fp16 or fp32 x).
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("x,w", [("float16", "bfloat16"), ("float32", "bfloat16"), ("bfloat16", "float16"),
+                                 ("bfloat16", "float32")])
+def test_rmsnorm_mixed_weight_dtypes_compile(arch, x, w):
+    for N in (769, 4096):
+        assert callable(compiled_forward(x, N, arch, w, w, None, None, True))
+        assert callable(compiled_backward(x, N, arch, w, x, None, True))
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("N", [1000, 4096, 131072])
+def test_rmsnorm_quack_arguments_compile(arch, dtype, N):
+    # weight offset, forward and backward (dx reads w + offset)
+    assert callable(compiled_forward(dtype, N, arch, "float32", None, None, None, True, weight_offset=1.0))
+    assert callable(compiled_backward(dtype, N, arch, "float32", dtype, None, False, weight_offset=1.0))
+    # fp32 residual stream (residual in, sum out) with 16-bit x and output; fp32 output of bf16 x
+    assert callable(compiled_forward(dtype, N, arch, "float32", None, "float32", "float32", True))
+    assert callable(compiled_forward(dtype, N, arch, "float32", None, dtype, "float32", True))
+    assert callable(compiled_forward(dtype, N, arch, "bfloat16", None, None, None, False, out_dtype="float32"))
+    # the backward of an fp32 residual stream: x (the stored sum) fp32, dout 16-bit, dresidual fp32
+    assert callable(compiled_backward("float32", N, arch, "bfloat16", dtype, "float32", False))
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_layernorm_ragged_widths_compile(arch):
+    # ragged widths take the padding-lane mask in the variance (N not a multiple of the row tile)
+    for dtype in DTYPES:
+        for N in (769, 1128, 4097):
+            assert callable(compiled_forward(dtype, N, arch, "float32", "float32", None, None, True,
+                                             layernorm=True, store_mean=True))
