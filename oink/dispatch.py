@@ -106,6 +106,7 @@ def explain(op: str, *args, **kwargs) -> str:
     if fn is None:
         raise ValueError(f"unknown op {op!r}; known: {', '.join(reference.__all__)}")
     bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()  # the kernel checks read every argument by name, defaults included
     return str(route(op, dict(bound.arguments)))
 
 

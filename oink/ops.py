@@ -403,3 +403,21 @@ def _softmax_backward(ctx, dy):
 
 
 torch.library.register_autograd(f"{NS}::softmax_forward", _softmax_backward, setup_context=_softmax_setup)
+
+
+# Ops whose outputs are gradients, statistics or quantized codes: not differentiable. Their
+# outputs are marked so; without this a call on inputs that require grad (e.g. Quack's
+# cross_entropy_fwd under torch.compile) fails to compile, as AOTAutograd finds no formula.
+def _mark_not_differentiable(ctx, inputs, output):
+    outs = output if isinstance(output, (tuple, list)) else (output,)
+    ctx.mark_non_differentiable(*outs)
+
+
+def _not_differentiable(ctx, *grads):
+    raise RuntimeError("this oink op is not differentiable (its outputs were marked so)")
+
+
+for _op in (rmsnorm_backward, layernorm_backward, softmax_backward, softmax_fwd_bwd, cross_entropy_forward,
+            cross_entropy_backward, cross_entropy_fwd_bwd, nvfp4_quantize, nvfp4_dequantize, silu_mul_fp4quant,
+            mxfp4_quantize, mxfp4_dequantize, silu_mul_mxfp4quant):
+    torch.library.register_autograd(_op, _not_differentiable, setup_context=_mark_not_differentiable)

@@ -54,3 +54,13 @@ def run_backward_poisoned(x, w, dout, rstd, dres, has_bias, mean=None):
                     prepare_rows(dres, vec), dx, dw_part, db_part, ctas, mean)
     dw, db = sum_partials(cuda_arch(), buf, w is not None, has_bias, N, w.dtype if w is not None else x.dtype)
     return dx, dw, db
+
+
+def scales_exact(sf, esf):
+    """Scales exact except where fp32 arithmetic and the fp64 reference put a block's amax on
+    opposite sides of an E4M3 rounding boundary: measured 0-3 blocks in 0.5-3.8 million
+    (H100), always one step. Allowed: at most 1e-5 of the blocks, one step each."""
+    diff = sf.view(torch.uint8).int() - esf.view(torch.uint8).int()
+    n = int((diff != 0).sum())
+    assert n <= max(1, diff.numel() // 100_000), f"{n} of {diff.numel()} scales differ"
+    assert int(diff.abs().max()) <= 1, "a scale is more than one E4M3 step off"

@@ -2,7 +2,7 @@
 scale bytes, both layouts, swizzled padding included). The fused ops compute v in fp32 in
 another order than the reference (reduction order, exp rounding), so against the reference
 evaluated in float64 then rounded to fp32 they give: scales exact but for ~1 block in a million
-(one E4M3 step, see _scales_exact), >= 99.9% of codes exact, every other code one E2M1 step
+(one E4M3 step, see gpu_helpers.scales_exact), >= 99.9% of codes exact, every other code one E2M1 step
 away with the same sign. The MXFP4 variants the same, counting a power-of-two scale step as one
 step and checking codes where the scales agree."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import oink
 from oink import reference as R
 from oink.reference.nvfp4 import _mx_quantize_rows, _quantize_rows, unswizzle
-from tests.gpu_helpers import DTYPES, cuda_arch
+from tests.gpu_helpers import DTYPES, cuda_arch, scales_exact
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
 
@@ -110,19 +110,9 @@ def _codes_within_one_step(q, eq, what):
         assert bool(((same_sign & (step == 1)) | zero_sign_flip).all()), f"{what}: a code is more than one step off"
 
 
-def _scales_exact(sf, esf):
-    """Scales exact except where fp32 arithmetic and the fp64 reference put a block's amax on
-    opposite sides of an E4M3 rounding boundary: measured 0-3 blocks in 0.5-3.8 million
-    (H100), always one step. Allowed: at most 1e-5 of the blocks, one step each."""
-    diff = _bytes(sf).int() - _bytes(esf).int()
-    n = int((diff != 0).sum())
-    assert n <= max(1, diff.numel() // 100_000), f"{n} of {diff.numel()} scales differ"
-    assert int(diff.abs().max()) <= 1, "a scale is more than one E4M3 step off"
-
-
 def _fused_codes_close(q, sf, eq, esf, swizzled, what):
     """_codes_within_one_step over the blocks whose scales agree. An MXFP4 block whose power-of-two
-    scale moved (an fp32 amax on the other side of a power of two; _scales_exact bounds how many)
+    scale moved (an fp32 amax on the other side of a power of two; scales_exact bounds how many)
     has every code moved with it, so it is left out; an NVFP4 block's codes move by one step at most."""
     if sf.dtype == torch.float8_e8m0fnu:
         M, K = q.shape[0], q.shape[1] * 2 // 32
@@ -155,7 +145,7 @@ def test_silu_mul_fp4quant(fmt, dtype, N, M, swizzled, seed):
     x64 = x.double()
     v64 = torch.nn.functional.silu(x64[:, :N]) * x64[:, N:]
     eq, esf = _fp64_then_fp32_quantize(v64, gs, swizzled)
-    _scales_exact(sf, esf)
+    scales_exact(sf, esf)
     _fused_codes_close(q, sf, eq, esf, swizzled, "silu_mul codes")
 
 
@@ -184,7 +174,7 @@ def test_add_rmsnorm_fp4quant(fmt, dtype, w_fp32, N, M, swizzled, seed):
     r64 = res_ref.double()
     v64 = r64 * torch.rsqrt(r64.square().mean(-1, keepdim=True) + 1e-6) * w.double()
     eq, esf = _fp64_then_fp32_quantize(v64, gs, swizzled)
-    _scales_exact(sf, esf)
+    scales_exact(sf, esf)
     _fused_codes_close(q, sf, eq, esf, swizzled, "add_rmsnorm codes")
     atol = {torch.float32: 1e-4}.get(dtype, 2e-2)
     torch.testing.assert_close(y.float(), eq_y.float(), atol=atol, rtol=atol)

@@ -1,6 +1,7 @@
 """RMSNorm family in CuTeDSL: forward (optional weight, bias, residual, rstd), the fused
 add + RMSNorm in place (the forward kernel with its outputs aliased onto x and residual), and
-the LayerNorm forward (the same kernel with the row mean subtracted first).
+the LayerNorm forward (the same kernel with the row mean subtracted first, and corrected by the
+sum of the centred values).
 
 One pass over memory: each thread loads its slice of a row into registers (128-bit accesses),
 the row's sum of squares is all-reduced (warp, block, cluster), and the results are stored from
@@ -40,11 +41,12 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0) -> RowLaunch
 
 class RMSNormForward(RowKernelBase):
     """RMSNorm forward; with ``layernorm`` it subtracts the row mean first (LayerNorm), taking
-    two reductions: the mean, then the sum of squared deviations."""
+    reductions: the mean, then the sum of the centred values (a correction to the mean) and of their
+    squares in one barrier round."""
 
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, b_dtype, res_dtype, out_dtype, res_out_dtype,
                  store_rstd: bool, layernorm: bool = False, weight_offset: float = 0.0):
-        super().__init__(launch, num_reductions=2 if layernorm else 1)
+        super().__init__(launch, num_reductions=3 if layernorm else 1)
         self.x_dtype, self.w_dtype, self.b_dtype = x_dtype, w_dtype, b_dtype
         self.res_dtype, self.out_dtype, self.res_out_dtype = res_dtype, out_dtype, res_out_dtype
         self.store_rstd = store_rstd
@@ -157,9 +159,19 @@ class RMSNormForward(RowKernelBase):
                 # padding columns hold 0 - mean after centring: zero them before the squares (subtracting
                 # pad * mean^2 afterwards cancels catastrophically when |mean| >> the row's spread)
                 h = self.zero_padding(h, rX, tXcX)
-        ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-        ss = self.row_allreduce(ss, add, Float32(0.0), buf, mbar, 1 if const_expr(self.layernorm) else 0)
-        rstd = cute.math.rsqrt(ss / L.N + eps, fastmath=False)
+            # The fp32 row sum leaves the mean a few ulps of |mean| off, which the spread then divides:
+            # the sum of the centred values (nearly exact) corrects it, in the squares' barrier round.
+            dsum = h.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+            ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+            dsum, ss = self.row_allreduce_pair(dsum, ss, add, Float32(0.0), buf, mbar, 1, 2)
+            corr = dsum / L.N
+            mean = mean + corr
+            h = h - corr
+            var = cute.arch.fmax(ss / L.N - corr * corr, Float32(0.0))
+        else:
+            ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+            var = self.row_allreduce(ss, add, Float32(0.0), buf, mbar, 0) / L.N
+        rstd = cute.math.rsqrt(var + eps, fastmath=False)
 
         y = h * rstd
         if const_expr(mW is not None):
