@@ -40,9 +40,9 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0) -> RowLaunch
 
 
 class RMSNormForward(RowKernelBase):
-    """RMSNorm forward; with ``layernorm`` it subtracts the row mean first (LayerNorm), taking
-    reductions: the mean, then the sum of the centred values (a correction to the mean) and of their
-    squares in one barrier round."""
+    """RMSNorm forward; with ``layernorm`` it subtracts the row mean first (LayerNorm), in two
+    reduction rounds: the mean, then the sum of the centred values (a correction to the mean) with
+    the sum of their squares."""
 
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, b_dtype, res_dtype, out_dtype, res_out_dtype,
                  store_rstd: bool, layernorm: bool = False, weight_offset: float = 0.0):
