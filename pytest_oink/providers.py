@@ -84,6 +84,21 @@ def _norm_w32_inputs(M, N, dtype, device, gen):
     return dict(x=_rand((M, N), dtype, device, gen), weight=_rand((N,), torch.float32, device, gen))
 
 
+def _gemma_inputs(M, N, dtype, device, gen):
+    import torch
+
+    # Gemma's zero-initialised weight (plus noise), applied as (1 + w)
+    return dict(x=_rand((M, N), dtype, device, gen), weight=_rand((N,), torch.float32, device, gen, scale=0.1))
+
+
+def _res32_inputs(M, N, dtype, device, gen):
+    import torch
+
+    # the fp32 residual stream of mixed-precision training: x and y in dtype, the residual in fp32
+    return dict(x=_rand((M, N), dtype, device, gen), residual=_rand((M, N), torch.float32, device, gen),
+                weight=_rand((N,), torch.float32, device, gen))
+
+
 def _fused_inputs(M, N, dtype, device, gen):
     return dict(x=_rand((M, N), dtype, device, gen), residual=_rand((M, N), dtype, device, gen),
                 weight=_rand((N,), dtype, device, gen))
@@ -167,6 +182,15 @@ def _rmsnorm_forward_reference(a):
     return (_R().rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0],)
 
 
+def _gemma_reference(a):
+    return (_R().rmsnorm_forward(a["x"], a["weight"], eps=EPS, weight_offset=1.0)[0],)
+
+
+def _res32_reference(a):
+    y, _, res_out = _R().rmsnorm_forward(a["x"], a["weight"], residual=a["residual"], eps=EPS)
+    return y, res_out
+
+
 def _fused_reference(a):
     x, r = a["x"].clone(), a["residual"].clone()
     _R().fused_add_rmsnorm_(x, r, a["weight"], EPS)
@@ -181,6 +205,12 @@ SPECS = {
     # the same op with an fp32 weight (mixed-precision training keeps the weight in fp32)
     "rmsnorm_forward_w32": OpSpec("rmsnorm", _norm_w32_inputs, _rmsnorm_forward_reference,
                                   lambda M, N, e: 2 * M * N * e + N * 4),
+    # Gemma's RMSNorm: y = x_hat * (1 + w), fp32 weight
+    "rmsnorm_forward_gemma": OpSpec("rmsnorm", _gemma_inputs, _gemma_reference,
+                                    lambda M, N, e: 2 * M * N * e + N * 4),
+    # an fp32 residual stream: y in x's dtype and residual_out = x + residual in fp32
+    "rmsnorm_forward_res32": OpSpec(("rmsnorm", "rmsnorm"), _res32_inputs, _res32_reference,
+                                    lambda M, N, e: 2 * M * N * e + 8 * M * N + N * 4),
     "fused_add_rmsnorm_": OpSpec("rmsnorm", _fused_inputs, _fused_reference,
                                  lambda M, N, e: 4 * M * N * e + N * e, mutates=("x", "residual")),
     # dx and dw: every provider must compute both (a compiler would drop an unused dw)
@@ -283,9 +313,13 @@ def _compiled(fn):
 
 
 # Oink: every op through the public API, outputs in the reference's order.
-_API_NAME = {"rmsnorm_forward_w32": "rmsnorm_forward"}  # bench ops that are another op's variant
+# bench ops that are another op's variant: (API function, call); the call defaults to the op's own
+_API_NAME = {"rmsnorm_forward_w32": "rmsnorm_forward", "rmsnorm_forward_gemma": "rmsnorm_forward",
+             "rmsnorm_forward_res32": "rmsnorm_forward"}
 _OINK_CALLS = {
     "rmsnorm_forward": lambda f, a: (f(a["x"], a["weight"], eps=EPS)[0],),
+    "rmsnorm_forward_gemma": lambda f, a: (f(a["x"], a["weight"], eps=EPS, weight_offset=1.0)[0],),
+    "rmsnorm_forward_res32": lambda f, a: f(a["x"], a["weight"], residual=a["residual"], eps=EPS)[::2],
     "fused_add_rmsnorm_": lambda f, a: (f(a["x"], a["residual"], a["weight"], EPS), a["x"], a["residual"])[1:],
     "rmsnorm_backward": lambda f, a: f(a["x"], a["weight"], a["dout"], a["rstd"])[:2],
     "layernorm": lambda f, a: (f(a["x"], a["weight"], a["bias"], EPS),),
@@ -309,7 +343,7 @@ for _op in SPECS:
         import oink
 
         name = _API_NAME.get(_op, _op)
-        f, call = getattr(oink, name), _OINK_CALLS[name]
+        f, call = getattr(oink, name), _OINK_CALLS.get(_op, _OINK_CALLS[name])
         return lambda a: call(f, a)
 
     provider(_op, "oink")(_oink_builder)
@@ -363,6 +397,20 @@ def _quack_rms_fwd(device):
     _needs_cuda(device)
     m = _peer("quack.rmsnorm", "quack-kernels")
     return lambda a: (m.rmsnorm_fwd(a["x"], a["weight"], eps=EPS)[0],)
+
+
+@provider("rmsnorm_forward_gemma", "quack")
+def _quack_rms_gemma(device):
+    _needs_cuda(device)
+    m = _peer("quack.rmsnorm", "quack-kernels")
+    return lambda a: (m.rmsnorm_fwd(a["x"], a["weight"], eps=EPS, weight_offset=1.0)[0],)
+
+
+@provider("rmsnorm_forward_res32", "quack")
+def _quack_rms_res32(device):
+    _needs_cuda(device)
+    m = _peer("quack.rmsnorm", "quack-kernels")
+    return lambda a: m.rmsnorm_fwd(a["x"], a["weight"], residual=a["residual"], eps=EPS)[:2]
 
 
 @provider("fused_add_rmsnorm_", "quack", label="out-of-place + 2 copies")

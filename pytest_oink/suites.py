@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Ops the benchmark knows how to drive (see providers.py); suites pick among them.
-BENCH_OPS = ("rmsnorm_forward", "rmsnorm_forward_w32", "fused_add_rmsnorm_", "rmsnorm_backward", "layernorm",
-             "layernorm_backward", "softmax_forward", "softmax_backward", "softmax_fwd_bwd", "cross_entropy_forward",
+BENCH_OPS = ("rmsnorm_forward", "rmsnorm_forward_w32", "rmsnorm_forward_gemma", "rmsnorm_forward_res32",
+             "fused_add_rmsnorm_", "rmsnorm_backward", "layernorm", "layernorm_backward", "softmax_forward", "softmax_backward", "softmax_fwd_bwd", "cross_entropy_forward",
              "cross_entropy_backward", "cross_entropy_fwd_bwd", "nvfp4_quantize", "add_rmsnorm_fp4quant",
              "silu_mul_fp4quant", "mxfp4_quantize", "add_rmsnorm_mxfp4quant", "silu_mul_mxfp4quant")
 FP4_OPS = ("nvfp4_quantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant", "mxfp4_quantize", "add_rmsnorm_mxfp4quant",
