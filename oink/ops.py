@@ -357,7 +357,7 @@ def _rmsnorm_setup(ctx, inputs, output):
     ctx.normed_res_out = residual is not None or residual_dtype is not None  # the norm was of res_out
     ctx.x_dtype = x.dtype
     ctx.res_dtype = residual.dtype if residual is not None else None
-    ctx.bias_shape = bias.shape if bias is not None else None
+    ctx.bias_meta = (bias.shape, bias.dtype) if bias is not None else None
     ctx.weight_offset = weight_offset
     ctx.save_for_backward(res_out if ctx.normed_res_out else x, weight, rstd)
 
@@ -369,7 +369,11 @@ def _rmsnorm_backward(ctx, dy, drstd, dres_out):
                                                  ctx.weight_offset)
     dx = dh.to(ctx.x_dtype)
     dresidual = dh.to(ctx.res_dtype) if ctx.has_residual else None
-    db = db.reshape(ctx.bias_shape) if ctx.has_bias else None
+    if ctx.has_bias:  # db comes in the weight's shape and dtype: a [D] bias beside [H, D] weights sums heads
+        shape, dtype = ctx.bias_meta
+        db = db.reshape(-1, *shape).sum(0).to(dtype)
+    else:
+        db = None
     return (dx, dw if weight is not None else None, db, dresidual, None, None, None, None, None)
 
 

@@ -17,6 +17,8 @@ def rmsnorm_forward(x, weight=None, bias=None, residual=None, eps=1e-6, store_rs
     c.rows_input("x", x)
     c.norm_param("weight", weight, x)
     c.norm_param("bias", bias, x)
+    if bias is not None and bias.dim() == 2 and (weight is None or weight.dim() != 2):
+        raise ValueError("bias: a per-head bias [H, D] needs a per-head weight [H, D]")
     c.optional("residual", residual)
     c.same_shape("residual", residual, "x", x)
     c.dtype_arg("out_dtype", out_dtype)

@@ -322,3 +322,15 @@ def test_layernorm_ragged_widths_compile(arch):
         for N in (769, 1128, 4097):
             assert callable(compiled_forward(dtype, N, arch, "float32", "float32", None, None, True,
                                              layernorm=True, store_mean=True))
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("D,heads", [(64, 4), (128, 8), (128, 32), (256, 40)])
+def test_per_head_norm_compiles(arch, D, heads):
+    # QK-norm: weight/bias [H, D], row r of x [..., H, D] takes head r % H
+    from oink.kernels.rmsnorm_bwd import backward_launch, head_launch
+
+    assert callable(compiled_forward("bfloat16", D, arch, "float32", "float32", None, None, True, heads=heads))
+    L = head_launch(backward_launch(D, 16, arch), heads)
+    assert L is not None and L.rows_per_cta % heads == 0
+    assert callable(compiled_backward("bfloat16", D, arch, "float32", "bfloat16", None, True, heads=heads))

@@ -231,3 +231,26 @@ def test_cross_entropy_inplace_backward_under_compile(seed):
     xd = x.detach().double().requires_grad_()
     (ex,) = torch.autograd.grad(F.cross_entropy(xd, target, reduction="none"), xd, dloss.double())
     check(dx, ex, "norm_backward", torch.bfloat16, "outlier", "dlogits")
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 4, 64), (1, 1, 32, 128), (3, 50, 40, 256), (4, 33, 8, 1000)])
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+def test_rmsnorm_per_head_kernel(shape, dtype, seed):
+    """QK-norm with per-head weight and bias [H, D]: forward and backward on the kernel path."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    H, D = shape[-2:]
+    x = torch.randn(shape, device="cuda", generator=g).to(dtype)
+    w, b = torch.randn(H, D, device="cuda", generator=g), torch.randn(H, D, device="cuda", generator=g)
+    assert "kernel" in oink.explain("rmsnorm_forward", x, w, b)
+    y, rstd, _ = oink.rmsnorm_forward(x, w, b, store_rstd=True)
+    x64 = x.double()
+    check(y, _rms64(x64, w.double()) + b.double(), "rmsnorm", dtype, "outlier", "y")
+    dy = torch.randn(shape, device="cuda", generator=g).to(dtype)
+    assert "kernel" in oink.explain("rmsnorm_backward", x, w, dy, rstd, has_bias=True)
+    dx, dw, db, _ = oink.rmsnorm_backward(x, w, dy, rstd, has_bias=True)
+    xd, wd = x64.clone().requires_grad_(), w.double().requires_grad_()
+    gx, gw = torch.autograd.grad(_rms64(xd, wd), (xd, wd), dy.double())
+    assert dw.shape == db.shape == (H, D)
+    check(dx, gx, "norm_backward", dtype, "outlier", "dx")
+    check(dw, gw, "weight_grad", torch.float32, "outlier", "dw")
+    check(db, dy.double().reshape(-1, H, D).sum(0), "weight_grad", torch.float32, "outlier", "db")

@@ -45,13 +45,14 @@ class RMSNormForward(RowKernelBase):
     the sum of their squares."""
 
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, b_dtype, res_dtype, out_dtype, res_out_dtype,
-                 store_rstd: bool, layernorm: bool = False, weight_offset: float = 0.0):
+                 store_rstd: bool, layernorm: bool = False, weight_offset: float = 0.0, heads: int = 1):
         super().__init__(launch, num_reductions=3 if layernorm else 1)
         self.x_dtype, self.w_dtype, self.b_dtype = x_dtype, w_dtype, b_dtype
         self.res_dtype, self.out_dtype, self.res_out_dtype = res_dtype, out_dtype, res_out_dtype
         self.store_rstd = store_rstd
         self.layernorm = layernorm
         self.weight_offset = weight_offset  # y = x_hat * (w + offset): Gemma's (1 + w) is 1.0
+        self.heads = heads  # per-head weight/bias [H, D]: row r (of [..., H, D] rows) takes head r % H
 
     @cute.jit
     def weight_values(self, rW: cute.Tensor):
@@ -62,8 +63,18 @@ class RMSNormForward(RowKernelBase):
         return w
 
     def broadcast_rows(self, ptr):
-        """A per-column vector seen as a (rows_per_cta, N) matrix with row stride 0."""
-        return cute.make_tensor(ptr, cute.make_layout((self.launch.rows_per_cta, self.launch.N), stride=(0, 1)))
+        """A per-column vector seen as a (rows_per_cta, N) matrix with row stride 0; per head, H such
+        matrices (H, rows_per_cta, N) that ``head_rows`` picks from."""
+        L = self.launch
+        if const_expr(self.heads > 1):
+            return cute.make_tensor(ptr, cute.make_layout((self.heads, L.rows_per_cta, L.N), stride=(L.N, 0, 1)))
+        return cute.make_tensor(ptr, cute.make_layout((L.rows_per_cta, L.N), stride=(0, 1)))
+
+    def head_rows(self, mP: cute.Tensor, row):
+        """The (rows_per_cta, N) broadcast view of a per-column parameter for ``row``'s head."""
+        if const_expr(self.heads > 1):
+            return mP[row % self.heads, None, None]
+        return mP
 
     @cute.jit
     def __call__(self, px: cute.Pointer, pw: Optional[cute.Pointer], pb: Optional[cute.Pointer],
@@ -129,11 +140,11 @@ class RMSNormForward(RowKernelBase):
                 self.copy_row(tXgRes, rRes, tXcX, self.res_dtype)
         rW, rB = None, None
         if const_expr(mW is not None):
-            tXgW = part(mW, 0)
+            tXgW = part(self.head_rows(mW, row), 0)
             rW = cute.make_rmem_tensor_like(tXgW)
             self.copy_row(tXgW, rW, tXcX, self.w_dtype)
         if const_expr(mB is not None):
-            tXgB = part(mB, 0)
+            tXgB = part(self.head_rows(mB, row), 0)
             rB = cute.make_rmem_tensor_like(tXgB)
             self.copy_row(tXgB, rB, tXcX, self.b_dtype)
 
@@ -188,20 +199,21 @@ def _cute(name):
 def compiled_forward(x_dtype: str, N: int, arch: str, w_dtype: str | None = None, b_dtype: str | None = None,
                      res_dtype: str | None = None, res_out_dtype: str | None = None, store_rstd: bool = False,
                      layernorm: bool = False, store_mean: bool = False, out_dtype: str | None = None,
-                     weight_offset: float = 0.0):
+                     weight_offset: float = 0.0, heads: int = 1):
     """Compile (or fetch) the forward for (dtypes, N, flags, arch). M, strides and eps are runtime;
-    ``out_dtype`` defaults to x's, ``weight_offset`` is compiled in."""
+    ``out_dtype`` defaults to x's, ``weight_offset`` and ``heads`` (per-head parameters) are compiled in."""
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the RMSNorm kernel handles 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
     out_dtype = out_dtype or x_dtype
     launch = forward_launch(N, xd.width, arch, 0 if w_dtype is None else cute_dtype(w_dtype).width)
     key = ("layernorm_fwd" if layernorm else "rmsnorm_fwd", x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype,
-           out_dtype, store_rstd, store_mean, float(weight_offset), N, arch, launch)
+           out_dtype, store_rstd, store_mean, float(weight_offset), heads, N, arch, launch)
 
     def build():
         dts = [_cute(d) for d in (w_dtype, b_dtype, res_dtype, res_out_dtype, out_dtype)]
-        kernel = RMSNormForward(launch, xd, *dts[:3], dts[4], dts[3], store_rstd, layernorm, float(weight_offset))
+        kernel = RMSNormForward(launch, xd, *dts[:3], dts[4], dts[3], store_rstd, layernorm, float(weight_offset),
+                                heads)
         ptr = lambda dt: None if dt is None else gmem_ptr(dt)  # noqa: E731
         one = Int64(launch.vec)
         return compile_kernel(

@@ -14,6 +14,7 @@ With xhat = (x - mean) * rstd (mean = 0 for RMSNorm) and wdy = dout * weight:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Optional
 
@@ -50,6 +51,15 @@ def use_pdl() -> bool:
     return os.environ.get("OINK_BWD_PDL", "1") != "0"
 
 
+def head_launch(launch: RowLaunch, heads: int) -> RowLaunch | None:
+    """``launch`` with rows_per_cta a multiple of ``heads`` (more rows a CTA), or None if that would
+    pass 1024 threads: a thread's dweight partial must hold one head's rows only."""
+    rows = launch.rows_per_cta * heads // math.gcd(launch.rows_per_cta, heads)
+    if rows * launch.threads_per_row > 1024 or launch.cluster_n > 1:
+        return None
+    return dataclasses.replace(launch, num_threads=rows * launch.threads_per_row)
+
+
 def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False) -> RowLaunch:
     """Launch heuristic for the norm backward (the one place it is chosen); SM100 reuses SM90's.
     Where a whole number of warps covers a row exactly in at most ``upt`` accesses a thread
@@ -78,9 +88,12 @@ class RMSNormBackward(RMSNormForward):
     loop (slots 0/1: the dot product; LayerNorm adds 2/3: the sum of wdy)."""
 
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, dout_dtype, dres_dtype, has_dw: bool, has_db: bool,
-                 layernorm: bool = False, pdl: bool = False, depth: int = 1, weight_offset: float = 0.0):
+                 layernorm: bool = False, pdl: bool = False, depth: int = 1, weight_offset: float = 0.0,
+                 heads: int = 1):
         RMSNormForward.__init__(self, launch, x_dtype, w_dtype, None, None, x_dtype, None, False, layernorm,
-                                weight_offset)
+                                weight_offset, heads)
+        # per head, a thread's rows must all be of one head (its partial row is that head's)
+        assert launch.rows_per_cta % heads == 0, (launch, heads)
         self.num_reductions = 4 if layernorm else 2
         self.dout_dtype, self.dres_dtype = dout_dtype, dres_dtype
         self.has_dw, self.has_db = has_dw, has_db
@@ -163,7 +176,9 @@ class RMSNormBackward(RMSNormForward):
 
         rW = None
         if const_expr(mW is not None):
-            tXgW = part(mW, 0)
+            # per head: rows_per_cta is a multiple of H, so every row this thread takes has the head
+            # of its row in the first tile
+            tXgW = part(self.head_rows(mW, part(ident, 0)[0][0]), 0)
             rW = cute.make_rmem_tensor_like(tXgW)
             rW.fill(0)  # columns past N stay 0: they enter the row's dot product
             self.copy_row(tXgW, rW, part(ident, 0), self.w_dtype)
@@ -272,23 +287,29 @@ class RMSNormBackward(RMSNormForward):
 
 
 def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout_dtype: str,
-                      dres_dtype: str | None, has_db: bool, layernorm: bool = False, weight_offset: float = 0.0):
+                      dres_dtype: str | None, has_db: bool, layernorm: bool = False, weight_offset: float = 0.0,
+                      heads: int = 1):
     """Compile (or fetch) the RMSNorm (or, with ``layernorm``, LayerNorm) backward; M is runtime,
-    ``weight_offset`` (dx's weight is w + offset; dw is unchanged) compiled in."""
+    ``weight_offset`` (dx's weight is w + offset; dw is unchanged) and ``heads`` (per-head weights,
+    rows_per_cta a multiple of them: ``head_launch``) compiled in."""
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the norm kernels handle 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
     launch = backward_launch(N, xd.width, arch, layernorm)
+    if heads > 1:
+        launch = head_launch(launch, heads)
+        if launch is None:
+            raise ValueError(f"N={N} with {heads} heads: no backward launch has a whole number of heads a CTA")
     pdl, depth = use_pdl(), _knobs(layernorm)[2]
     key = ("layernorm_bwd" if layernorm else "rmsnorm_bwd", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N,
-           arch, launch, pdl, depth, float(weight_offset))
+           arch, launch, pdl, depth, float(weight_offset), heads)
 
     def build():
         wd = None if w_dtype is None else cute_dtype(w_dtype)
         gd = cute_dtype(dout_dtype)
         rd = None if dres_dtype is None else cute_dtype(dres_dtype)
         kernel = RMSNormBackward(launch, xd, wd, gd, rd, w_dtype is not None, has_db, layernorm, pdl, depth,
-                                 float(weight_offset))
+                                 float(weight_offset), heads)
         one = Int64(launch.vec)
         return compile_kernel(
             kernel, gmem_ptr(xd), None if wd is None else gmem_ptr(wd), gmem_ptr(gd), gmem_ptr(Float32, 4),

@@ -9,25 +9,39 @@ import torch
 from .compile import current_stream
 from .host import dtype_name, in_place_reason, ld, prepare_rows, prepare_vector, ptr, rows_view, vec_for, width_reason
 from .rmsnorm import compiled_forward
-from .rmsnorm_bwd import backward_launch, compiled_backward, compiled_partial_sum, persistent_ctas
+from .rmsnorm_bwd import backward_launch, compiled_backward, compiled_partial_sum, head_launch, persistent_ctas
 
 
-def _per_head(t: dict) -> bool:
-    return any(t.get(k) is not None and t[k].dim() == 2 for k in ("weight", "bias"))
+def heads_of(weight, bias) -> int:
+    """H of per-head parameters [H, D] (either may be [D], or None), else 1."""
+    return next((t.shape[0] for t in (weight, bias) if t is not None and t.dim() == 2), 1)
+
+
+def head_params(weight, bias, heads: int, vec: int):
+    """Kernel-ready parameters: per head both [H, D] (a [D] one broadcast over the heads), else [D]."""
+    def one(t):
+        if t is None:
+            return None
+        if heads > 1:
+            t = t.expand(heads, t.shape[-1]).contiguous() if t.dim() == 1 else t
+            return prepare_vector(t.reshape(-1), vec).view(heads, -1)
+        return prepare_vector(t, vec)
+
+    return one(weight), one(bias)
 
 
 def check_forward(t: dict, arch: str) -> str | None:
-    if _per_head(t):
-        return "per-head weight or bias [H, D]: reference (no per-head kernel yet)"
     if t.get("residual") is None and t.get("residual_dtype") is not None:
         return "residual_dtype without a residual: reference"
     return width_reason(t["x"].shape[-1])
 
 
 def check_backward(t: dict, arch: str) -> str | None:
-    if _per_head(t):
-        return "per-head weight [H, D]: reference (no per-head kernel yet)"
-    return width_reason(t["x"].shape[-1])
+    heads = heads_of(t["weight"], None)
+    x = t["x"]
+    if heads > 1 and head_launch(backward_launch(x.shape[-1], x.element_size() * 8, arch), heads) is None:
+        return f"{heads} heads of width {x.shape[-1]}: no backward launch holds whole heads a CTA: reference"
+    return width_reason(x.shape[-1])
 
 
 def check_layernorm(t: dict, arch: str) -> str | None:
@@ -61,9 +75,10 @@ def run_forward(arch, x, weight=None, bias=None, residual=None, eps=1e-6, store_
     res2 = prepare_rows(residual, vec)
     res_out = (torch.empty((M, N), device=x.device, dtype=residual_dtype or residual.dtype)
                if residual is not None else None)
+    heads = heads_of(weight, bias)
     if M > 0:
-        _launch(arch, x2, prepare_vector(weight, vec), prepare_vector(bias, vec), res2, out, res_out, rstd, eps,
-                weight_offset=weight_offset)
+        w, b = head_params(weight, bias, heads, vec)
+        _launch(arch, x2, w, b, res2, out, res_out, rstd, eps, weight_offset=weight_offset, heads=heads)
     return (out.view(*lead, N), None if rstd is None else rstd.view(lead),
             None if res_out is None else res_out.view(*lead, N))
 
@@ -76,11 +91,11 @@ def run_fused_add(arch, x, residual, weight, eps=1e-6):
         _launch(arch, x2, prepare_vector(weight, vec_for(N, x)), None, r2, x2, r2, None, eps)
 
 
-def _launch(arch, x, w, b, res, out, res_out, rstd, eps, mean=None, layernorm=False, weight_offset=0.0):
+def _launch(arch, x, w, b, res, out, res_out, rstd, eps, mean=None, layernorm=False, weight_offset=0.0, heads=1):
     M, N = x.shape
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
                           dtype_name(res_out), rstd is not None, layernorm, mean is not None, dtype_name(out),
-                          float(weight_offset))
+                          float(weight_offset), heads)
     fn(ptr(x), ptr(w), ptr(b), ptr(res), ptr(out), ptr(res_out), ptr(rstd, 4), ptr(mean, 4), M, ld(x), ld(res),
        ld(out), ld(res_out), float(eps), current_stream(x.device))
 
@@ -113,22 +128,29 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
     N = x.shape[-1]
     vec = vec_for(N, x)
     x2, g2, dr2 = prepare_rows(x, vec), prepare_rows(dout, vec), prepare_rows(dresidual_out, vec)
-    w = prepare_vector(weight, vec)
+    heads = heads_of(weight, None)
+    w = head_params(weight, None, heads, vec)[0]
     M = x2.shape[0]
     dx = torch.empty((M, N), device=x.device, dtype=x.dtype)
     layernorm = mean is not None
     launch = backward_launch(N, x.element_size() * 8, arch, layernorm)
+    if heads > 1:
+        launch = head_launch(launch, heads)
     tiles = -(-M // launch.rows_per_cta)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     ctas = max(1, min(tiles, persistent_ctas(launch, sms, layernorm)))
     parts = ctas * launch.rows_per_cta
     buf, dw_part, db_part = partial_buffers(parts, N, weight is not None, has_bias, x.device, torch.empty)
     if M > 0:
-        launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean, weight_offset)
+        launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean, weight_offset, heads)
     else:
         buf.zero_()
-    dw, db = sum_partials(arch, buf, weight is not None, has_bias, N,
-                          weight.dtype if weight is not None else x.dtype)
+    wdtype = weight.dtype if weight is not None else x.dtype
+    if heads > 1:  # partial row p holds rows of head p % H: one torch sum per head
+        total = buf.view(parts // heads, heads, buf.shape[1], buf.shape[2]).sum(0)
+        dw, db = (total[:, i, :N].to(wdtype).contiguous() for i in (0, -1))
+        return dx.view(x.shape), (dw if weight is not None else None), (db if has_bias else None)
+    dw, db = sum_partials(arch, buf, weight is not None, has_bias, N, wdtype)
     return dx.view(x.shape), dw, db
 
 
@@ -160,12 +182,13 @@ def sum_partials(arch: str, buf, has_dw: bool, has_db: bool, N: int, dtype):
     return (outs[0] if has_dw else None), (outs[-1] if has_db else None)
 
 
-def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean=None, weight_offset=0.0):
+def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean=None, weight_offset=0.0,
+                    heads=1):
     """Launch into given outputs; dw_part/db_part have ctas * rows_per_cta rows (unit column stride,
     both with the same row stride). With ``mean`` (per-row fp32) it is the LayerNorm backward."""
     M, N = x2.shape
     fn = compiled_backward(dtype_name(x2), N, arch, dtype_name(w), dtype_name(g2), dtype_name(dr2),
-                           db_part is not None, mean is not None, float(weight_offset))
+                           db_part is not None, mean is not None, float(weight_offset), heads)
     stat = lambda t: None if t is None else ptr(t.reshape(-1).contiguous(), 4)  # noqa: E731
     part = dw_part if dw_part is not None else db_part
     ldpart = part.stride(0) if part is not None else N
