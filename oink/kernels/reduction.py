@@ -128,13 +128,20 @@ class RowKernelBase:
 
     @cute.jit
     def zero_padding(self, vals, like: cute.Tensor, tXcX: cute.Tensor):
-        """``vals`` (fp32, shaped like the register tensor ``like``) with the vectors past N set to 0."""
-        r = cute.make_rmem_tensor_like(like, Float32)
-        r.store(vals)
-        for i in cutlass.range_constexpr(cute.size(r, mode=[2])):
-            if tXcX[(0, 0), 0, i][1] >= self.launch.N:
-                r[None, None, i].fill(0.0)
-        return r.load()
+        """``vals`` (fp32, shaped like the register tensor ``like``) with the vectors past N set to 0,
+        by selects (no branch, no register copy); only vectors that can pass N are tested."""
+        L = self.launch
+        keep = cute.make_rmem_tensor_like(like, cutlass.Boolean)
+        for i in cutlass.range_constexpr(cute.size(keep, mode=[2])):
+            vec_i = keep[None, None, i]
+            if const_expr(L.cluster_n == 1 and (i + 1) * L.threads_per_row * L.vec <= L.N):
+                for j in cutlass.range_constexpr(cute.size(vec_i)):
+                    vec_i[j] = cutlass.Boolean(True)
+            else:
+                inside = cute.elem_less(tXcX[(0, 0), 0, i][1], L.N)
+                for j in cutlass.range_constexpr(cute.size(vec_i)):
+                    vec_i[j] = inside
+        return cute.where(keep.load(), vals, cute.full_like(vals, 0.0))
 
     def cta_setup(self, tc):
         """Per-CTA prologue, traced inline into each kernel: the block index (row tile) and the
