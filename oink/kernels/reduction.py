@@ -8,6 +8,7 @@ element of memory once.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -75,6 +76,20 @@ def pick_row_launch(N: int, widest_bits: int, units_per_thread: int = 4,
     while units > tpr * cluster_n * max_units_per_thread and cluster_n < MAX_CLUSTER:
         cluster_n *= 2
     return RowLaunch(N=N, vec=vec, threads_per_row=tpr, num_threads=max(128, tpr), cluster_n=cluster_n)
+
+
+def whole_warp_rows(launch: RowLaunch, max_iters: int) -> RowLaunch:
+    """``launch`` retiled so a whole number of warps covers a row exactly in at most ``max_iters``
+    accesses a thread (7168 bf16 = 224 threads x 4 x 8), where the power-of-two tiling leaves an idle
+    padded tail (256 x 4 x 8 > 7168); unchanged if already exact, clustered, or no such tiling exists."""
+    if launch.even_n or launch.cluster_n > 1:
+        return launch
+    units = launch.N // launch.vec
+    for iters in range(max_iters, 0, -1):
+        tpr = units // iters
+        if units % iters == 0 and tpr % WARP == 0 and tpr <= 1024:
+            return dataclasses.replace(launch, threads_per_row=tpr, num_threads=tpr)
+    return launch
 
 
 class RowKernelBase:

@@ -24,7 +24,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
-from .reduction import WARP, RowLaunch, add, pick_row_launch
+from .reduction import WARP, RowLaunch, add, pick_row_launch, whole_warp_rows
 from .rmsnorm import MAX_N, RMSNormForward
 
 # Tuning knobs per family: (128-bit units per thread, resident threads per SM the persistent grid
@@ -67,14 +67,9 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False) -> 
     of two, whose last access would be idle on a quarter of the threads (512 x 2 x 8 > 6144)."""
     upt = _knobs(layernorm)[0]
     launch = pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=max(upt, 8))
-    if launch.even_n or launch.cluster_n > 1 or os.environ.get("OINK_BWD_EXACT", "1") == "0":
+    if os.environ.get("OINK_BWD_EXACT", "1") == "0":
         return launch
-    units = N // launch.vec
-    for iters in range(upt, 0, -1):
-        tpr = units // iters
-        if units % iters == 0 and tpr % WARP == 0 and tpr <= 1024:
-            return dataclasses.replace(launch, threads_per_row=tpr, num_threads=tpr)
-    return launch
+    return whole_warp_rows(launch, upt)
 
 
 def persistent_ctas(launch: RowLaunch, sm_count: int, layernorm: bool = False) -> int:
