@@ -26,9 +26,10 @@ MAX_N = 262144
 def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: bool = False) -> RowLaunch:
     """Launch heuristic for the forward (the one place it is chosen). Measured on SM90 only;
     SM100 takes the same shapes until a Blackwell card can tune them. A unit is one 128-bit
-    access of x, 4 a thread; a weight wider than x (fp32 with bf16 x) costs two accesses a unit,
-    so rows then take 2 units a thread where that still covers the row exactly (N = 4096: up to
-    2.5% faster on H100; where the tile would not be exact, 6144 and 7168, it lost 6-13%).
+    access of x, 4 a thread; a weight or residual wider than x (fp32 with bf16 x: ``w_bits``, the
+    widest) costs two accesses a unit, so rows then take 2 units a thread where that still covers the
+    row exactly (N = 4096: up to 2.5% faster on H100; where the tile would not be exact, 6144 and
+    7168, it lost 6-13%).
     LayerNorm rows take whole warps where that tiles them exactly (7168 bf16: 224 threads): its
     padded tail costs registers (mask, corrected mean: 105 instead of 80 at 256 threads).
     OINK_FWD_UPT (units a thread) overrides, for sweeps."""
@@ -210,7 +211,8 @@ def compiled_forward(x_dtype: str, N: int, arch: str, w_dtype: str | None = None
         raise ValueError(f"N={N}: the RMSNorm kernel handles 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
     out_dtype = out_dtype or x_dtype
-    launch = forward_launch(N, xd.width, arch, 0 if w_dtype is None else cute_dtype(w_dtype).width, layernorm)
+    wide = max([cute_dtype(d).width for d in (w_dtype, res_dtype, res_out_dtype) if d is not None], default=0)
+    launch = forward_launch(N, xd.width, arch, wide, layernorm)
     key = ("layernorm_fwd" if layernorm else "rmsnorm_fwd", x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype,
            out_dtype, store_rstd, store_mean, float(weight_offset), heads, N, arch, launch)
 
