@@ -66,10 +66,15 @@ def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor, lse: T
     rows. ``dloss`` is the per-row upstream gradient [M] (or a scalar, broadcast)."""
     lf = logits.float()
     valid, safe = _safe_target(target, ignore_index)
-    p = torch.exp(lf - lse.float().unsqueeze(-1))
-    p.scatter_add_(-1, safe.unsqueeze(-1), -torch.ones_like(p[:, :1]))
+    # softmax as torch's own backward forms it, exp(log_softmax), so 16-bit dlogits round as torch's
+    # do (exp(x - lse) moves ~1 in 1e4 values to the other neighbour); rescaled where lse is not the
+    # logits' own (vocab-parallel: the global lse of a shard)
+    own = torch.logsumexp(lf, dim=-1)
+    p = torch.exp(torch.log_softmax(lf, dim=-1)) * torch.exp(own - lse.float()).unsqueeze(-1)
     g = torch.broadcast_to(dloss.float(), lse.shape) * row_weight(weight, safe, valid)
-    return (p * g.unsqueeze(-1)).to(logits.dtype)
+    d = p * g.unsqueeze(-1)
+    d.scatter_add_(-1, safe.unsqueeze(-1), -g.unsqueeze(-1))
+    return d.to(logits.dtype)
 
 
 def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int = -100,
