@@ -24,6 +24,8 @@ def check_silu_mul(t: dict, arch: str) -> str | None:
 
 def check_add_rmsnorm(t: dict, arch: str, block: int = BLOCK) -> str | None:
     """The residual is updated in place, so its rows must already be whole scale blocks apart."""
+    if t["weight"].dtype not in (t["x"].dtype, torch.float32):  # other mixes compile, untested on a GPU
+        return f"weight dtype {t['weight'].dtype} with x {t['x'].dtype}: the fused FP4 kernels take x's or fp32"
     return width_reason(t["x"].shape[-1]) or in_place_reason("residual", t["residual"], block)
 
 
