@@ -9,6 +9,7 @@ from torch import Tensor
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.oink.* and their autograd)
 from . import validate
+from .reference.cross_entropy import row_weight, safe_target
 
 
 def rmsnorm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, bias: Tensor | None = None,
@@ -44,8 +45,7 @@ class _CrossEntropy(torch.autograd.Function):
     def backward(ctx, dloss):
         logits, target, lse, weight = ctx.saved_tensors
         if ctx.reduction == "mean":  # a device division: no host read of the count
-            valid = target != ctx.ignore_index
-            count = (weight[torch.where(valid, target, 0)] * valid).sum() if weight is not None else valid.sum()
+            count = row_weight(weight, *safe_target(target, ctx.ignore_index)).sum()
             dloss = torch.where(count > 0, dloss / count.to(dloss.dtype), torch.zeros_like(dloss))
         # Under torch.compile the in-place write would mutate a graph input that may be a leaf
         # requiring grad (AOTAutograd refuses): compiled graphs take the out-of-place backward.

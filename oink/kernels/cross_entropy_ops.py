@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .compile import current_stream
-from ..reference.cross_entropy import _per_row, _safe_target, loss_from_lse, reduce_loss, row_weight
+from ..reference.cross_entropy import per_row, safe_target, loss_from_lse, reduce_loss, row_weight
 from .cross_entropy import compiled_cross_entropy
 from .host import dtype_name, ld, prepare_rows, ptr, vec_for, width_reason
 
@@ -62,10 +62,7 @@ def _inputs(logits, target):
 
 def _row_factor(weight, target, ignore_index):
     """weight[target] on rows not ignored, 0 on ignored ones (fp32 [M]); None without a weight."""
-    if weight is None:
-        return None
-    valid, safe = _safe_target(target, ignore_index)
-    return row_weight(weight, safe, valid)
+    return None if weight is None else row_weight(weight, *safe_target(target, ignore_index))
 
 
 def _scaled_dloss(dloss, M, rw):
@@ -76,17 +73,17 @@ def _scaled_dloss(dloss, M, rw):
 def run_forward(arch, logits, target, ignore_index=-100, reduction="none", weight=None, lse_partial=None,
                 target_logit=None):
     if lse_partial is not None:
-        loss, lse, rw = _per_row(logits, target, ignore_index, weight, lse_partial, target_logit)
+        loss, lse, rw = per_row(logits, target, ignore_index, weight, lse_partial, target_logit)
         return reduce_loss(loss, rw, reduction), lse
     x2, tgt = _inputs(logits, target)
     M = x2.shape[0]
     loss = torch.empty(M, device=logits.device, dtype=torch.float32)
     lse = torch.empty(M, device=logits.device, dtype=torch.float32)
     launch("forward", arch, x2, tgt, ignore_index, loss=loss, lse_out=lse)
-    valid, safe = _safe_target(tgt, ignore_index)
+    valid, safe = safe_target(tgt, ignore_index)
     if target_logit is not None:  # the target's logit comes from elsewhere
         loss = loss_from_lse(lse, target_logit, valid, safe)
-    rw = row_weight(weight, safe, valid)
+    rw = row_weight(weight, valid, safe)
     if weight is not None:
         loss = loss * rw
     return reduce_loss(loss, rw, reduction), lse  # the reference's reduction, on device

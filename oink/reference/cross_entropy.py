@@ -16,22 +16,22 @@ from torch import Tensor
 REDUCTIONS = ("none", "mean", "sum")
 
 
-def _safe_target(target: Tensor, ignore_index: int):
+def safe_target(target: Tensor, ignore_index: int):
     valid = target != ignore_index
     return valid, torch.where(valid, target, torch.zeros_like(target)).long()
 
 
-def row_weight(weight: Tensor | None, safe: Tensor, valid: Tensor) -> Tensor:
+def row_weight(weight: Tensor | None, valid: Tensor, safe: Tensor) -> Tensor:
     """Per-row factor: weight[target] (1 without a class weight), 0 on ignored rows; fp32 [M]."""
     w = weight.float()[safe] if weight is not None else torch.ones(safe.shape, device=safe.device)
     return w * valid
 
 
-def _per_row(logits: Tensor, target: Tensor, ignore_index: int, weight=None, lse_partial=None,
+def per_row(logits: Tensor, target: Tensor, ignore_index: int, weight=None, lse_partial=None,
              target_logit=None):
-    valid, safe = _safe_target(target, ignore_index)
+    valid, safe = safe_target(target, ignore_index)
     lse = torch.logsumexp((lse_partial if lse_partial is not None else logits).float(), dim=-1)
-    rw = row_weight(weight, safe, valid)
+    rw = row_weight(weight, valid, safe)
     return loss_from_lse(lse, target_logit if target_logit is not None else logits, valid, safe) * rw, lse, rw
 
 
@@ -56,7 +56,7 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int = -1
                           reduction: str = "none", weight: Tensor | None = None,
                           lse_partial: Tensor | None = None, target_logit: Tensor | None = None):
     """-> (loss, lse): loss fp32 [M] ("none") or a 0-d tensor; lse fp32 [M]."""
-    loss, lse, rw = _per_row(logits, target, ignore_index, weight, lse_partial, target_logit)
+    loss, lse, rw = per_row(logits, target, ignore_index, weight, lse_partial, target_logit)
     return reduce_loss(loss, rw, reduction), lse
 
 
@@ -65,13 +65,13 @@ def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor, lse: T
     """dlogits = (softmax(logits) - onehot(target)) * dloss[row] * weight[target]; 0 on ignored
     rows. ``dloss`` is the per-row upstream gradient [M] (or a scalar, broadcast)."""
     lf = logits.float()
-    valid, safe = _safe_target(target, ignore_index)
+    valid, safe = safe_target(target, ignore_index)
     # softmax as torch's own backward forms it, exp(log_softmax), so 16-bit dlogits round as torch's
     # do (exp(x - lse) moves ~1 in 1e4 values to the other neighbour); rescaled where lse is not the
     # logits' own (vocab-parallel: the global lse of a shard)
     own = torch.logsumexp(lf, dim=-1)
     p = torch.exp(torch.log_softmax(lf, dim=-1)) * torch.exp(own - lse.float()).unsqueeze(-1)
-    g = torch.broadcast_to(dloss.float(), lse.shape) * row_weight(weight, safe, valid)
+    g = torch.broadcast_to(dloss.float(), lse.shape) * row_weight(weight, valid, safe)
     d = p * g.unsqueeze(-1)
     d.scatter_add_(-1, safe.unsqueeze(-1), -g.unsqueeze(-1))
     return d.to(logits.dtype)
@@ -80,7 +80,7 @@ def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor, lse: T
 def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int = -100,
                           weight: Tensor | None = None, return_lse: bool = False):
     """-> (loss fp32 [M], dlogits), or (loss, dlogits, lse) with ``return_lse``; per-row loss."""
-    loss, lse, _ = _per_row(logits, target, ignore_index, weight)
+    loss, lse, _ = per_row(logits, target, ignore_index, weight)
     dlogits = cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight)
     return (loss, dlogits, lse) if return_lse else (loss, dlogits)
 
