@@ -164,7 +164,9 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int, red
                           weight: Optional[Tensor] = None, lse_partial: Optional[Tensor] = None,
                           target_logit: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     validate.cross_entropy_forward(logits, target, ignore_index, reduction, weight, lse_partial, target_logit)
-    validate.target_values(logits, target, ignore_index)
+    indexed = target_logit if target_logit is not None else logits  # what the targets index
+    if indexed.dim() == 2:  # a gathered [M] target logit: the vocabulary is another rank's to check
+        validate.target_values(indexed, target, ignore_index)
     return call("cross_entropy_forward", logits=logits, target=target, ignore_index=ignore_index,
                 reduction=reduction, weight=weight, lse_partial=lse_partial, target_logit=target_logit)
 
