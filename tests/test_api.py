@@ -236,3 +236,17 @@ def test_routing_on_a_pretend_gpu(monkeypatch):
         assert r.backend == "reference" and "compute capability 8.0" in r.reason
     finally:
         dispatch.device_arch.cache_clear()
+
+
+def test_cross_entropy_vocab_parallel_shard():
+    # one rank's logits shard [M, V/4] with global targets: lse from the shards' lse_partial, the
+    # target logit gathered elsewhere; loss equals the full-vocabulary loss
+    full = torch.randn(6, 400)
+    target = torch.randint(0, 400, (6,))
+    lse_partial = torch.logsumexp(full.view(6, 4, 100), -1)
+    target_logit = full.gather(-1, target[:, None]).squeeze(-1)
+    loss, lse = oink.cross_entropy_forward(full[:, :100].contiguous(), target, lse_partial=lse_partial,
+                                           target_logit=target_logit)
+    expect = torch.nn.functional.cross_entropy(full.double(), target, reduction="none")
+    torch.testing.assert_close(loss.double(), expect, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(full.double(), -1), atol=1e-5, rtol=1e-5)
