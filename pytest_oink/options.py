@@ -12,7 +12,10 @@ OPTIONS = [
     ("--oink-svg", "oink_svg", "write per-suite SVG plots (TB/s per shape per provider, roofline drawn) into DIR", None, False),
     ("--oink-summary", "oink_summary", "write Markdown tables with per-op geomean speedups to PATH", None, False),
     ("--oink-baseline", "oink_baseline", "compare Oink rows with this saved JSON (ours or pytest-benchmark's)", None, False),
-    ("--oink-max-regression", "oink_max_regression", "slowdown vs the baseline that fails the session (e.g. 5%)", "5%", False),
+    ("--oink-max-regression", "oink_max_regression", "slowdown vs the baseline that fails the session, with its unit (e.g. 5%)", "5%", False),
+    ("--oink-gate-providers", "oink_gate_providers", "comma-separated providers whose rows the regression gate compares", "oink", False),
+    ("--oink-allow-missing", "oink_allow_missing", "let the regression gate pass when some gated rows have no baseline entry (they are still listed)", False, True),
+    ("--oink-gate-cpu", "oink_gate_cpu", "gate CPU-timed rows too (off by default: CPU timings are too noisy to gate)", False, True),
     ("--oink-profile", "oink_profile", "add per-kernel resource usage (registers, spills, smem, occupancy) to results", False, True),
 ]
 
@@ -39,12 +42,18 @@ def get(config, flag: str):
     raise KeyError(flag)
 
 
-def parse_percent(text: str) -> float:
-    """'5%' -> 0.05; '0.05' -> 0.05."""
+def parse_percent(text: str, flag: str = "--oink-max-regression") -> float:
+    """'5%' -> 0.05. The unit is required (a bare 5 would be ambiguous) and negatives are refused."""
     text = str(text).strip()
-    if text.endswith("%"):
-        return float(text[:-1]) / 100
-    return float(text)
+    try:
+        if not text.endswith("%"):
+            raise ValueError
+        value = float(text[:-1]) / 100
+    except ValueError:
+        raise ValueError(f"{flag}={text!r}: expected a percentage with its unit, e.g. 5%") from None
+    if value < 0:
+        raise ValueError(f"{flag}={text!r}: a regression threshold can't be negative")
+    return value
 
 
 def split_list(text) -> list[str] | None:

@@ -23,12 +23,21 @@ def pytest_configure(config):
     for line in markers.MARKERS:
         config.addinivalue_line("markers", line)
     config.stash[ROWS] = []
-    config.stash[STATE] = {"regressions": [], "regression_lines": [], "written": []}
+    config.stash[STATE] = {"regressions": [], "regression_lines": [], "not_compared": [], "written": []}
     try:
         options.parse_percent(options.get(config, "--oink-max-regression"))
+        validate_names(config)
         config.stash[CASES] = selected_cases(config)
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
+    baseline = options.get(config, "--oink-baseline")
+    if baseline:  # read now: a bad file must not cost a whole benchmark run
+        from .report import load_baseline
+
+        try:
+            config.stash[STATE]["baseline"] = load_baseline(baseline)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise pytest.UsageError(f"--oink-baseline={baseline}: not a readable results file ({e})") from None
     if options.get(config, "--oink-profile"):
         os.environ["OINK_KEEP_CUBIN"] = "1"  # before any kernel compiles: profiles read the cubin
     if options.get(config, "--oink-svg") and importlib.util.find_spec("matplotlib") is None:
@@ -37,7 +46,7 @@ def pytest_configure(config):
         from .strategies import register_profiles
 
         register_profiles()
-    if importlib.util.find_spec("pytest_benchmark") is not None:
+    if config.pluginmanager.hasplugin("benchmark"):  # not with -p no:benchmark: its hook specs are absent
         from . import benchmark_hooks
 
         config.pluginmanager.register(benchmark_hooks, "oink-benchmark-hooks")
@@ -53,6 +62,22 @@ def pytest_runtest_setup(item):
         pytest.skip(reason)
 
 
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def validate_names(config) -> None:
+    """Dtype and provider names checked before collection: one usage error, not one per test."""
+    from .providers import ALL_PROVIDERS
+
+    dtype = options.get(config, "--oink-dtype")
+    if dtype not in DTYPES:
+        raise ValueError(f"--oink-dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
+    for flag in ("--oink-providers", "--oink-gate-providers"):
+        unknown = [p for p in options.split_list(options.get(config, flag)) or [] if p not in ALL_PROVIDERS]
+        if unknown:
+            raise ValueError(f"{flag}: unknown {unknown}; known: {', '.join(ALL_PROVIDERS)}")
+
+
 def selected_cases(config):
     suite = options.get(config, "--oink-suite")
     if not suite:
@@ -62,7 +87,22 @@ def selected_cases(config):
     cases = suites.expand(suite, options.split_list(options.get(config, "--oink-ops")),
                           options.get(config, "--oink-configs"), options.get(config, "--oink-dtype"))
     wanted = options.split_list(options.get(config, "--oink-providers"))
-    return [(c, p) for c in cases for p in providers_for(c.op, wanted)]
+    pairs = [(c, p) for c in cases for p in providers_for(c.op, wanted)]
+    if not pairs:
+        raise ValueError(f"--oink-suite={suite}: no (op, provider) pair selected (providers {wanted} have none "
+                         f"of the ops {sorted({c.op for c in cases})})")
+    return pairs
+
+
+def pytest_collection_modifyitems(config, items):
+    """With a suite, the session is the benchmark and nothing else, wherever pytest is pointed."""
+    if config.stash.get(CASES, None) is None:
+        return
+    keep = [it for it in items if "oink_case" in getattr(it, "fixturenames", ())]
+    dropped = [it for it in items if "oink_case" not in getattr(it, "fixturenames", ())]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 def pytest_generate_tests(metafunc):
@@ -164,12 +204,15 @@ def pytest_sessionfinish(session, exitstatus):
     svg_dir = options.get(config, "--oink-svg")
     if svg_dir:
         state["written"] += report.write_svg(rows, svg_dir, roof)
-    baseline = options.get(config, "--oink-baseline")
-    if baseline:
-        lines, bad = report.regressions(rows, report.load_baseline(baseline),
-                                        options.parse_percent(options.get(config, "--oink-max-regression")))
-        state["regression_lines"], state["regressions"] = lines, bad
-        if bad and session.exitstatus == 0:
+    if "baseline" in state:
+        lines, bad, missing = report.regressions(
+            rows, state["baseline"], options.parse_percent(options.get(config, "--oink-max-regression")),
+            tuple(options.split_list(options.get(config, "--oink-gate-providers"))),
+            bool(options.get(config, "--oink-gate-cpu")))
+        state["regression_lines"], state["regressions"], state["not_compared"] = lines, bad, missing
+        state["compared"] = len(lines)
+        refused = not options.get(config, "--oink-allow-missing") and (missing or not lines)
+        if (bad or refused) and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -177,13 +220,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     state = config.stash.get(STATE, None)
     if not state:
         return
-    if state["regression_lines"]:
+    if "baseline" in state:
         terminalreporter.section("oink regression gate")
         for line in state["regression_lines"]:
             terminalreporter.write_line(line)
         if state["regressions"]:
             terminalreporter.write_line(f"regressed beyond {options.get(config, '--oink-max-regression')}: "
                                         + ", ".join(state["regressions"]), red=True)
+        if state["not_compared"]:
+            terminalreporter.write_line("not compared (no baseline entry): " + ", ".join(state["not_compared"]),
+                                        red=not options.get(config, "--oink-allow-missing"))
+        if not state.get("compared"):
+            why = "" if options.get(config, "--oink-gate-cpu") else " (CPU rows are gated only with --oink-gate-cpu)"
+            terminalreporter.write_line(f"the regression gate compared nothing{why}", red=True)
+        # pytest's final line then counts them: "... 4 passed, 2 regressed"
+        terminalreporter.stats.setdefault("regressed", []).extend(state["regressions"])
+        terminalreporter.stats.setdefault("not compared", []).extend(state["not_compared"])
     for path in state["written"]:
         terminalreporter.write_line(f"[oink] wrote {path}")
 

@@ -187,20 +187,25 @@ def load_baseline(path) -> dict:
     return out
 
 
-def regressions(rows, baseline: dict, max_regression: float):
-    """(table lines, names of regressed rows) comparing Oink's rows with the baseline."""
-    lines, bad = [], []
-    for r in sorted((r for r in rows if r.provider == "oink" and r.status == "ok" and r.median_s), key=lambda r: r.key):
+def regressions(rows, baseline: dict, max_regression: float, providers=("oink",), gate_cpu: bool = False):
+    """Compare the timed rows of ``providers`` (GPU rows only unless ``gate_cpu``) with the baseline.
+    -> (table lines, names of regressed rows, names of rows the baseline has no entry for)."""
+    lines, bad, missing = [], [], []
+    gated = [r for r in rows if r.provider in providers and r.status == "ok" and r.median_s
+             and (gate_cpu or r.device != "cpu")]
+    for r in sorted(gated, key=lambda r: r.key):
+        name = f"{r.op}-{r.M}x{r.N}-{r.dtype}-{r.provider}"
         old = baseline.get(r.key)
         if old is None:
+            missing.append(name)
             continue
         ratio = r.median_s / old
         verdict = "REGRESSED" if ratio > 1 + max_regression else ("improved" if ratio < 1 - max_regression else "same")
-        lines.append(f"{r.op} {r.M}x{r.N} {r.dtype}: {old * 1e3:.4f} ms -> {r.median_s * 1e3:.4f} ms "
+        lines.append(f"{r.op} {r.M}x{r.N} {r.dtype} [{r.provider}]: {old * 1e3:.4f} ms -> {r.median_s * 1e3:.4f} ms "
                      f"({(ratio - 1) * 100:+.1f}%) {verdict}")
         if verdict == "REGRESSED":
-            bad.append(f"{r.op}-{r.M}x{r.N}-{r.dtype}")
-    return lines, bad
+            bad.append(name)
+    return lines, bad, missing
 
 
 def rows_json(rows) -> str:

@@ -158,26 +158,100 @@ def test_smoke_suite_writes_every_output(smoke_run):
         assert ET.parse(p).getroot().tag.endswith("svg")
 
 
+def _doctored(data, path, factor, keep=None):
+    """``data`` (pytest-benchmark JSON) with every median times ``factor`` (rows whose name passes
+    ``keep`` only), written to ``path``."""
+    d = json.loads(json.dumps(data))
+    d["benchmarks"] = [b for b in d["benchmarks"] if keep is None or keep(b["name"])]
+    for b in d["benchmarks"]:
+        b["stats"]["median"] *= factor
+    path.write_text(json.dumps(d))
+    return path
+
+
 def test_regression_gate(smoke_run, tmp_path):
     run, out = smoke_run
-    assert run("--oink-providers=oink").ret == 0
+    gate = ("--oink-providers=oink", "--oink-gate-cpu")  # smoke rows are CPU-timed: gated only when asked
+    assert run(*gate).ret == 0
     data = json.loads((out / "b.json").read_text())
-    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
-    for path, factor in ((fast, 1e-6), (slow, 1e6)):
-        d = json.loads(json.dumps(data))
-        for b in d["benchmarks"]:
-            b["stats"]["median"] *= factor
-        path.write_text(json.dumps(d))
-    res = run("--oink-providers=oink", f"--oink-baseline={fast}", "--oink-max-regression=5%")
+    fast, slow = _doctored(data, tmp_path / "fast.json", 1e-6), _doctored(data, tmp_path / "slow.json", 1e6)
+    res = run(*gate, f"--oink-baseline={fast}", "--oink-max-regression=5%")
     assert res.ret == pytest.ExitCode.TESTS_FAILED
-    res.stdout.fnmatch_lines(["*oink regression gate*", "*REGRESSED*", "*regressed beyond 5%: *rmsnorm_forward-4x128*"])
-    res = run("--oink-providers=oink", f"--oink-baseline={slow}")
+    res.stdout.fnmatch_lines(["*oink regression gate*", "*REGRESSED*",
+                              "*regressed beyond 5%: *rmsnorm_forward-4x128-bfloat16-oink*"])
+    assert "4 regressed" in res.stdout.lines[-1]  # pytest's final line counts them
+    res = run(*gate, f"--oink-baseline={slow}")
     assert res.ret == 0
     res.stdout.fnmatch_lines(["*improved*"])
     ours = tmp_path / "ours.json"
     ours.write_text(json.dumps({"rows": [{"op": "rmsnorm_forward", "provider": "oink", "M": 4, "N": 128,
                                           "dtype": "bfloat16", "median_s": 1e-12}]}))
-    assert run("--oink-providers=oink", f"--oink-baseline={ours}").ret == pytest.ExitCode.TESTS_FAILED
+    assert run(*gate, f"--oink-baseline={ours}").ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_regression_gate_refuses_to_compare_nothing(smoke_run, tmp_path):
+    run, out = smoke_run
+    gate = ("--oink-providers=oink", "--oink-gate-cpu")
+    assert run(*gate).ret == 0
+    data = json.loads((out / "b.json").read_text())
+    # a baseline of other rows (here: only the fused op's) leaves the forward's rows uncompared; its
+    # times are scaled up so CPU noise can't make a compared row regress
+    part = _doctored(data, tmp_path / "part.json", 1e6, keep=lambda n: "fused_add" in n)
+    res = run(*gate, f"--oink-baseline={part}")
+    assert res.ret == pytest.ExitCode.TESTS_FAILED
+    res.stdout.fnmatch_lines(["*not compared (no baseline entry): *rmsnorm_forward-4x128-bfloat16-oink*"])
+    assert "2 not compared" in res.stdout.lines[-1]
+    assert run(*gate, f"--oink-baseline={part}", "--oink-allow-missing").ret == 0
+    # CPU rows without --oink-gate-cpu: nothing is compared, which fails and says why
+    res = run("--oink-providers=oink", f"--oink-baseline={part}")
+    assert res.ret == pytest.ExitCode.TESTS_FAILED
+    res.stdout.fnmatch_lines(["*the regression gate compared nothing (CPU rows are gated only with --oink-gate-cpu)*"])
+    # another provider's rows are gated when asked (the torch rows have no baseline entry here)
+    res = run("--oink-providers=oink,torch", "--oink-gate-cpu", "--oink-gate-providers=torch",
+              f"--oink-baseline={_doctored(data, tmp_path / 'all.json', 1e6)}")
+    assert res.ret == pytest.ExitCode.TESTS_FAILED
+    res.stdout.fnmatch_lines(["*not compared*rmsnorm_forward-4x128-bfloat16-torch*"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--oink-max-regression=5",), "*--oink-max-regression='5': expected a percentage with its unit*"),
+    (("--oink-max-regression=-5%",), "*can't be negative*"),
+    (("--oink-baseline=/nonexistent/base.json",), "*--oink-baseline=/nonexistent/base.json: not a readable*"),
+    (("--oink-providers=nope",), "*--oink-providers: unknown *nope*known: oink*"),
+    (("--oink-gate-providers=nope",), "*--oink-gate-providers: unknown *nope*"),
+    (("--oink-dtype=nope",), "*--oink-dtype='nope': expected one of bfloat16, float16, float32*"),
+    (("--oink-providers=quack", "--oink-ops=mxfp4_quantize"), "*no (op, provider) pair selected*"),
+])
+def test_bad_options_are_usage_errors_before_any_test(pytester, args, message):
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("--oink-suite=smoke", *args, *PLUGIN)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines([message])
+
+
+def test_baseline_that_is_not_json_is_a_usage_error(pytester, tmp_path):
+    bad = tmp_path / "b.json"
+    bad.write_text("not json")
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("--oink-suite=smoke", f"--oink-baseline={bad}", *PLUGIN)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*--oink-baseline=*b.json: not a readable results file*"])
+
+
+def test_suite_runs_the_benchmarks_and_nothing_else(pytester):
+    pytester.makepyfile(test_bench=BENCH, test_unit="def test_unit():\n    assert False\n")
+    res = pytester.runpytest_subprocess("--oink-suite=smoke", "--oink-ops=softmax_forward", "--oink-providers=torch",
+                                        *PLUGIN)
+    res.assert_outcomes(passed=2, deselected=1)
+    res = pytester.runpytest_subprocess(*PLUGIN)  # no suite: the unit tests run, the benchmark skips
+    res.assert_outcomes(failed=1, skipped=1)
+
+
+def test_without_pytest_benchmark_plugin(pytester):
+    pytester.makepyfile("def test_unit():\n    assert True\n")
+    res = pytester.runpytest_subprocess("-p", "no:benchmark", *PLUGIN)
+    assert res.ret == 0, res.stdout.str() + res.stderr.str()
+    res.assert_outcomes(passed=1)
 
 
 def test_failed_gate_marks_the_row_and_skips_timing(pytester, tmp_path):
