@@ -31,6 +31,22 @@ def _inputs(spec, case, dtype, device, seed):
     return spec.make_inputs(case.M, case.N, dtype, device, gen)
 
 
+def _first_line(e: Exception) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text.splitlines()[0][:300]
+
+
+def provider_compile_failed(e: Exception) -> bool:
+    """A torch.compile backend that cannot compile the reference (e.g. Inductor on CPU has no type for
+    float8_e8m0fnu): the provider is unavailable here, not wrong."""
+    try:
+        from torch._dynamo.exc import BackendCompilerFailed
+        from torch._inductor.exc import InductorError
+    except ImportError:  # another torch layout: judge by name
+        return type(e).__name__ in ("BackendCompilerFailed", "InductorError")
+    return isinstance(e, (BackendCompilerFailed, InductorError))
+
+
 def gate(spec, run, case, dtype, device) -> dict:
     """Worst error stats over the seeds; ``passed`` False if any output of any seed fails or the
     provider raises (the exception is the report)."""
@@ -43,6 +59,8 @@ def gate(spec, run, case, dtype, device) -> dict:
         try:
             actual = run(_clone(args))
         except Exception as e:  # noqa: BLE001  (a crashing provider is a failed row, not a crashed session)
+            if provider_compile_failed(e):
+                raise Unavailable(f"torch.compile could not compile it here: {_first_line(e)}") from None
             worst["passed"] = False
             worst["report"] = f"seed {seed}: raised {type(e).__name__}: {e}"
             return worst
@@ -88,7 +106,10 @@ def run_case(case, provider, device, roofline, benchmark, request) -> Row:
     profiling = provider == "oink" and bool(options.get(request.config, "--oink-profile"))
     if profiling:
         _kernel_cache().clear_used()
-    row.gate = gate(spec, run, case, dtype, device)
+    try:
+        row.gate = gate(spec, run, case, dtype, device)
+    except Unavailable as e:
+        pytest.skip(f"{provider}: {e}")
     if not row.gate["passed"]:
         row.status = "failed"
         return row

@@ -453,3 +453,37 @@ def test_nvfp4_suite_shapes():
     assert {(128, 2048), (128, 14336), (2048, 7168), (65536, 14336)} <= shapes
     assert all(c.N % 32 == 0 for c in cases if c.op in mx_ops)
     assert {c.op for c in cases} == {"add_rmsnorm_fp4quant", *mx_ops}
+
+
+def test_peer_compile_failure_is_a_skip(pytester):
+    # torch.compile that cannot compile (Inductor on CPU has no float8_e8m0fnu type) is an
+    # unavailable provider, skipped with its reason, not a failed correctness gate
+    pytester.makeconftest('''
+from pytest_oink import providers
+
+@providers.provider("softmax_forward", "nocompile")
+def _nocompile(device):
+    def run(a):
+        from torch._inductor.exc import InductorError
+        raise InductorError(AssertionError("no C++ type for this dtype"), None)
+    return run
+
+providers.ALL_PROVIDERS = providers.ALL_PROVIDERS + ("nocompile",)
+''')
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("-rs", "--oink-suite=smoke", "--oink-ops=softmax_forward",
+                                        "--oink-providers=nocompile", *PLUGIN)
+    res.assert_outcomes(skipped=2)
+    res.stdout.fnmatch_lines(["*nocompile: torch.compile could not compile it here: InductorError*no C++ type*"])
+
+
+def test_whole_smoke_suite_passes_with_every_output(pytester, tmp_path):
+    # the README's command for a CPU machine: every op, every provider available here
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("--oink-suite=smoke", f"--benchmark-json={tmp_path / 'out.json'}",
+                                        f"--oink-csv={tmp_path / 'r.csv'}", f"--oink-summary={tmp_path / 's.md'}",
+                                        *PLUGIN)
+    assert res.ret == 0, res.stdout.str()[-3000:]
+    outcomes = res.parseoutcomes()
+    assert outcomes["passed"] >= len(suites.BENCH_OPS) * 2 * 2  # oink and torch at least, 2 shapes each
+    assert len(json.loads((tmp_path / "out.json").read_text())["benchmarks"]) == outcomes["passed"]
