@@ -125,6 +125,7 @@ def run_case(case, provider, device, roofline, benchmark, request) -> Row:
     row.median_s, row.min_s = median(samples), min(samples)
     if profiling:
         row.profile = _profile(device)
+    benchmark.group = f"{case.op} {case.M}x{case.N} {case.dtype}"  # its table compares like with like
     feed_benchmark(benchmark, samples)
     benchmark.extra_info.update(row.extra_info())
     return row

@@ -2,9 +2,11 @@
 the benchmark machinery loads when a benchmark actually runs."""
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import os
+import time
 
 import pytest
 
@@ -23,7 +25,8 @@ def pytest_configure(config):
     for line in markers.MARKERS:
         config.addinivalue_line("markers", line)
     config.stash[ROWS] = []
-    config.stash[STATE] = {"regressions": [], "regression_lines": [], "not_compared": [], "written": []}
+    config.stash[STATE] = {"regressions": [], "regression_lines": [], "not_compared": [], "written": [],
+                           "started": time.monotonic()}
     try:
         options.parse_percent(options.get(config, "--oink-max-regression"))
         validate_names(config)
@@ -155,11 +158,26 @@ def oink_benchmark(request, benchmark, oink_device, oink_roofline):
         row = run_case(case, provider, oink_device, oink_roofline, benchmark, request)
         request.config.stash[ROWS].append(row)
         _progress(request.config, row)
+        partial = _partial_csv(request.config)
+        if partial:  # rows as they complete: an interrupted run keeps what it measured
+            from .report import write_csv
+
+            write_csv([row], partial, append=True)
         if row.status != "ok":
             pytest.fail(f"{case.id} [{provider}] failed the correctness gate (not timed):\n{row.gate.get('report', '')}")
         return row
 
     return run
+
+
+def _partial_csv(config) -> str | None:
+    """Where rows go as they complete: ``--oink-csv`` + ``.partial`` (this process's; the full CSV
+    is written at the end)."""
+    path = options.get(config, "--oink-csv")
+    if not path:
+        return None
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return f"{path}.{worker}.partial" if worker else f"{path}.partial"
 
 
 def _progress(config, row):
@@ -171,7 +189,12 @@ def _progress(config, row):
         msg = f"{row.median_s * 1e3:.4f} ms, {row.tbs:.3f} TB/s{frac} ({row.method})"
     else:
         msg = "GATE FAILED (not timed)"
-    line = f"[oink] {row.op} {row.M}x{row.N} {row.dtype} {row.provider}{' ' + row.label if row.label else ''}: {msg}"
+    done, total = len(config.stash[ROWS]), len(config.stash[CASES] or ())
+    eta = (time.monotonic() - config.stash[STATE]["started"]) / done * max(total - done, 0)
+    # an xdist worker runs a share of the rows it cannot count: no count there
+    count = f"[{done}/{total} rows, ETA {eta:.0f} s] " if total and "PYTEST_XDIST_WORKER" not in os.environ else ""
+    line = (f"[oink] {count}{row.op} {row.M}x{row.N} {row.dtype} {row.provider}"
+            f"{' ' + row.label if row.label else ''}: {msg}")
     capman = config.pluginmanager.getplugin("capturemanager")
     if capman is None:
         tr.write_line(line)
@@ -196,6 +219,8 @@ def pytest_sessionfinish(session, exitstatus):
     if csv_path:
         report.write_csv(rows, csv_path)
         state["written"].append(csv_path)
+        for partial in glob.glob(glob.escape(csv_path) + "*.partial"):  # the session's CSV replaces them
+            os.remove(partial)
     summary = options.get(config, "--oink-summary")
     if summary:
         with open(summary, "w") as f:

@@ -73,11 +73,15 @@ def geomean(values):
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
 
-def write_csv(rows, path) -> None:
+def write_csv(rows, path, append: bool = False) -> None:
+    """All ``rows`` to ``path``; with ``append``, added to it (the header only if the file is new),
+    so an interrupted run keeps the rows it measured."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", newline="") as f:
+    new = not append or not os.path.exists(path)
+    with open(path, "w" if new else "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
+        if new:
+            w.writeheader()
         for r in rows:
             w.writerow(r.csv_row())
 

@@ -136,13 +136,15 @@ def test_smoke_suite_writes_every_output(smoke_run):
     res = run()
     res.assert_outcomes(passed=6, skipped=6) if "GPU-only" in res.stdout.str() else None
     assert res.ret == 0
-    res.stdout.fnmatch_lines(["*?oink? rmsnorm_forward 4x128 bfloat16 oink*ms*TB/s*"])
+    res.stdout.fnmatch_lines(["*?oink? ?1/22 rows, ETA * s? rmsnorm_forward 4x128 bfloat16 oink*ms*TB/s*"])
+    assert not list(out.glob("*.partial"))  # the running CSV is replaced by the session's
     data = json.loads((out / "b.json").read_text())
     assert data["machine_info"]["oink_versions"]["torch"]
     names = {b["name"] for b in data["benchmarks"]}
     assert "test_benchmark[rmsnorm_forward-64x1024-bfloat16-oink]" in names
     for b in data["benchmarks"]:
         info = b["extra_info"]
+        assert b["group"] == f"{info['op']} {info['M']}x{info['N']} {info['dtype']}"
         assert {"op", "provider", "M", "N", "dtype", "bytes", "tbs", "roofline_frac", "gate"} <= info.keys()
         assert info["gate"]["passed"] and b["stats"]["median"] > 0 and b["stats"]["rounds"] >= 5
         assert abs(info["tbs"] - info["bytes"] / b["stats"]["median"] / 1e12) < 1e-9 * max(1, info["tbs"])
@@ -487,3 +489,13 @@ def test_whole_smoke_suite_passes_with_every_output(pytester, tmp_path):
     outcomes = res.parseoutcomes()
     assert outcomes["passed"] >= len(suites.BENCH_OPS) * 2 * 2  # oink and torch at least, 2 shapes each
     assert len(json.loads((tmp_path / "out.json").read_text())["benchmarks"]) == outcomes["passed"]
+
+
+def test_csv_rows_append_as_they_complete(tmp_path):
+    row = report.Row(suite="smoke", op="softmax_forward", provider="torch", M=4, N=128, dtype="bfloat16",
+                     device="cpu", status="ok", median_s=1e-5, bytes=2048)
+    path = tmp_path / "r.csv.partial"
+    report.write_csv([row], path, append=True)
+    report.write_csv([row], path, append=True)
+    rows = list(csv.DictReader(open(path)))
+    assert len(rows) == 2 and rows[1]["op"] == "softmax_forward"  # one header, two rows
