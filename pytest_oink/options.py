@@ -3,7 +3,7 @@ from __future__ import annotations
 
 OPTIONS = [
     # (flag, ini key, help, default, is_flag)
-    ("--oink-suite", "oink_suite", "run the benchmark suite NAME (quack, dsv3, smoke); benchmarks run only with it", None, False),
+    ("--oink-suite", "oink_suite", "run the benchmark suite NAME (quack, dsv3, nvfp4, smoke; --oink-list describes them); the session then runs the benchmarks only", None, False),
     ("--oink-configs", "oink_configs", "benchmark these shapes instead of the suite's: MxN,MxN,...", None, False),
     ("--oink-dtype", "oink_dtype", "benchmark dtype (bfloat16, float16, float32)", "bfloat16", False),
     ("--oink-ops", "oink_ops", "comma-separated ops to benchmark (default: the suite's)", None, False),
@@ -17,6 +17,8 @@ OPTIONS = [
     ("--oink-allow-missing", "oink_allow_missing", "let the regression gate pass when some gated rows have no baseline entry (they are still listed)", False, True),
     ("--oink-gate-cpu", "oink_gate_cpu", "gate CPU-timed rows too (off by default: CPU timings are too noisy to gate)", False, True),
     ("--oink-profile", "oink_profile", "add per-kernel resource usage (registers, spills, smem, occupancy) to results", False, True),
+    ("--oink-run-on-cpu", "oink_run_on_cpu", "run a GPU-sized suite on a CPU anyway (skipped there by default)", False, True),
+    ("--oink-list", "oink_list", "list the suites, ops and providers, then exit", False, True),
 ]
 
 
@@ -27,7 +29,8 @@ def add_options(parser) -> None:
             group.addoption(flag, action="store_true", default=None, help=help_)
             parser.addini(ini, help_, type="bool", default=default)
         else:
-            group.addoption(flag, default=None, help=f"{help_} (ini: {ini})".replace("%", "%%"))
+            shown = f"; default {default}" if default else ""
+            group.addoption(flag, default=None, help=f"{help_} (ini: {ini}{shown})".replace("%", "%%"))
             parser.addini(ini, help_, default=default)
 
 

@@ -59,6 +59,20 @@ def pytest_configure(config):
         config.pluginmanager.register(xdist_hooks, "oink-xdist-hooks")
 
 
+def pytest_cmdline_main(config):
+    if not options.get(config, "--oink-list"):
+        return None
+    from .providers import ALL_PROVIDERS, providers_for
+
+    lines = ["suites (--oink-suite):"]
+    lines += [f"  {name:8s} {about}{' (GPU)' if gpu else ''}" for name, (about, gpu) in suites.ABOUT.items()]
+    lines.append("ops (--oink-ops) and their providers:")
+    lines += [f"  {op:24s} {', '.join(providers_for(op))}" for op in suites.BENCH_OPS]
+    lines.append(f"providers (--oink-providers, --oink-gate-providers): {', '.join(ALL_PROVIDERS)}")
+    print("\n".join(lines))
+    return 0
+
+
 def pytest_runtest_setup(item):
     reason = markers.skip_reason(item)
     if reason:
@@ -116,7 +130,14 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("oink_case", [pytest.param(None, marks=pytest.mark.skip(
             reason="benchmarks run only with --oink-suite=NAME"))], ids=["no-suite"])
         return
-    metafunc.parametrize("oink_case", pairs, ids=[f"{c.id}-{p}" for c, p in pairs])
+    ids = [f"{c.id}-{p}" for c, p in pairs]
+    suite = options.get(metafunc.config, "--oink-suite")
+    if (suites.ABOUT[suite][1] and markers.device_capability() is None
+            and not options.get(metafunc.config, "--oink-run-on-cpu")):
+        skip = pytest.mark.skip(reason=f"suite {suite!r} is sized for a GPU and there is none "
+                                       "(--oink-suite=smoke runs on a CPU; --oink-run-on-cpu forces it)")
+        pairs = [pytest.param(pair, marks=skip) for pair in pairs]
+    metafunc.parametrize("oink_case", pairs, ids=ids)
 
 
 @pytest.fixture(scope="session")

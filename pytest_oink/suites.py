@@ -49,6 +49,13 @@ SUITES = {
     "dsv3": _dsv3_shapes,
     "smoke": lambda op: [(4, 128), (64, 1024)],
 }
+# what each suite is, and whether it is sized for a GPU (skipped on a CPU unless asked)
+ABOUT = {
+    "quack": ("Quack's benchmark shapes: N = 4096, M = batch x seq up to 2^31 / N", True),
+    "dsv3": ("DeepSeek-V3 widths 6144-8192 (vocabularies 3072-12288 for cross-entropy), M 4096-65536", True),
+    "nvfp4": ("the FP4 study's decode shapes, then M x N at scale (widths 2048-14336)", True),
+    "smoke": ("two tiny shapes a CPU runs in about a minute (reference timing, labelled)", False),
+}
 
 
 def parse_configs(text: str) -> list[tuple[int, int]]:

@@ -499,3 +499,23 @@ def test_csv_rows_append_as_they_complete(tmp_path):
     report.write_csv([row], path, append=True)
     rows = list(csv.DictReader(open(path)))
     assert len(rows) == 2 and rows[1]["op"] == "softmax_forward"  # one header, two rows
+
+
+def test_list_and_gpu_sized_suites_on_cpu(pytester, monkeypatch):
+    res = pytester.runpytest_subprocess("--oink-list", *PLUGIN)
+    assert res.ret == 0
+    res.stdout.fnmatch_lines(["suites (--oink-suite):", "*dsv3*(GPU)", "*smoke*", "*rmsnorm_forward_gemma*oink, quack*",
+                              "providers (--oink-providers, --oink-gate-providers): oink, *"])
+    monkeypatch.delenv("OINK_FAKE_SM", raising=False)
+    pytester.makepyfile(BENCH)
+    if not _has_gpu():
+        res = pytester.runpytest_subprocess("-rs", "--oink-suite=dsv3", "--oink-ops=softmax_forward",
+                                            "--oink-providers=torch", *PLUGIN)
+        res.assert_outcomes(skipped=9)
+        res.stdout.fnmatch_lines(["*suite 'dsv3' is sized for a GPU and there is none*"])
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
