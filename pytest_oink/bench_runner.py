@@ -85,15 +85,18 @@ def gate(spec, run, case, dtype, device) -> dict:
     return worst
 
 
-def run_case(case, provider, device, roofline, benchmark, request) -> Row:
+def run_case(case, provider, device, roofline, benchmark, request, spec=None, run=None) -> Row:
+    """Gate, then time one (case, provider). ``spec`` and ``run`` default to the registry's (an op of
+    ours); a user's own kernel passes them (the ``oink_measure`` fixture)."""
     import torch
 
     dtype = getattr(torch, case.dtype)
-    spec = SPECS[case.op]
-    try:
-        run = build(case.op, provider, device)
-    except Unavailable as e:
-        pytest.skip(f"{provider}: {e}")
+    spec = spec or SPECS[case.op]
+    if run is None:
+        try:
+            run = build(case.op, provider, device)
+        except Unavailable as e:
+            pytest.skip(f"{provider}: {e}")
     label = LABELS.get((case.op, provider), "")
     if device.type != "cuda":
         label = (label + "; " if label else "") + "CPU (reference timing, not a kernel number)"

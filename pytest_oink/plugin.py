@@ -176,19 +176,43 @@ def oink_benchmark(request, benchmark, oink_device, oink_roofline):
 
     def run(pair):
         case, provider = pair
-        row = run_case(case, provider, oink_device, oink_roofline, benchmark, request)
-        request.config.stash[ROWS].append(row)
-        _progress(request.config, row)
-        partial = _partial_csv(request.config)
-        if partial:  # rows as they complete: an interrupted run keeps what it measured
-            from .report import write_csv
-
-            write_csv([row], partial, append=True)
-        if row.status != "ok":
-            pytest.fail(f"{case.id} [{provider}] failed the correctness gate (not timed):\n{row.gate.get('report', '')}")
-        return row
+        return _record(request.config, run_case(case, provider, oink_device, oink_roofline, benchmark, request))
 
     return run
+
+
+@pytest.fixture
+def oink_measure(request, benchmark, oink_device, oink_roofline):
+    """Your own kernel through the same machinery: ``oink_measure(spec, fn, M, N, dtype="bfloat16",
+    name="my_op", provider="mine")`` gates ``fn`` against ``spec.reference`` on 3 seeded inputs from
+    ``spec.make_inputs``, then times it (CUDA-graph replay on a GPU) and adds the row to every output
+    (JSON, CSV, summary, SVG, regression gate). ``spec`` is a ``pytest_oink.OpSpec``; ``fn`` and the
+    reference take the inputs' dict and return a tuple of outputs. One call per test (pytest-benchmark
+    times one thing a test): parametrize the shapes."""
+    from .bench_runner import run_case
+    from .suites import Case
+
+    def measure(spec, fn, M: int, N: int, dtype: str = "bfloat16", name: str = "custom", provider: str = "mine"):
+        row = run_case(Case("custom", name, M, N, dtype), provider, oink_device, oink_roofline, benchmark, request,
+                       spec=spec, run=fn)
+        return _record(request.config, row)
+
+    return measure
+
+
+def _record(config, row):
+    """A finished row: kept for the reports, shown, appended to the running CSV; a failed gate fails the test."""
+    config.stash[ROWS].append(row)
+    _progress(config, row)
+    partial = _partial_csv(config)
+    if partial:  # rows as they complete: an interrupted run keeps what it measured
+        from .report import write_csv
+
+        write_csv([row], partial, append=True)
+    if row.status != "ok":
+        pytest.fail(f"{row.op} {row.M}x{row.N} {row.dtype} [{row.provider}] failed the correctness gate (not timed):\n"
+                    f"{row.gate.get('report', '')}")
+    return row
 
 
 def _partial_csv(config) -> str | None:

@@ -519,3 +519,29 @@ def _has_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+OWN = '''
+import torch
+from pytest_oink import OpSpec
+
+SPEC = OpSpec(family="softmax", nbytes=lambda M, N, e: 2 * M * N * e,
+              make_inputs=lambda M, N, dtype, device, gen: {"x": torch.randn(M, N, generator=gen).to(dtype)},
+              reference=lambda a: (torch.softmax(a["x"].float(), -1).to(a["x"].dtype),))
+
+def test_right(oink_measure):
+    oink_measure(SPEC, lambda a: (torch.softmax(a["x"], -1),), 8, 64, name="my_softmax")
+
+def test_wrong(oink_measure):
+    oink_measure(SPEC, lambda a: (torch.softmax(a["x"], 0),), 8, 64, name="my_softmax", provider="buggy")
+'''
+
+
+def test_own_kernel_is_gated_timed_and_reported(pytester, tmp_path):
+    pytester.makepyfile(OWN)
+    res = pytester.runpytest_subprocess(f"--oink-csv={tmp_path / 'r.csv'}", *PLUGIN)
+    res.assert_outcomes(passed=1, failed=1)
+    res.stdout.fnmatch_lines(["*my_softmax 8x64 bfloat16 [[]buggy[]] failed the correctness gate*"])
+    rows = {r["provider"]: r for r in csv.DictReader(open(tmp_path / "r.csv"))}
+    assert rows["mine"]["status"] == "ok" and float(rows["mine"]["median_ms"]) > 0
+    assert rows["buggy"]["status"] == "failed" and rows["buggy"]["median_ms"] == ""
