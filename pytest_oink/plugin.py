@@ -41,6 +41,12 @@ def pytest_configure(config):
             config.stash[STATE]["baseline"] = load_baseline(baseline)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise pytest.UsageError(f"--oink-baseline={baseline}: not a readable results file ({e})") from None
+    ignored = [a.split("=")[0] for a in config.invocation_params.args
+               if str(a).split("=")[0] in BENCHMARK_TIMING_OPTIONS]
+    if ignored and config.stash[CASES] is not None:
+        config.issue_config_time_warning(pytest.PytestConfigWarning(
+            f"{', '.join(ignored)}: not applied to Oink's rows, which time themselves (CUDA-graph replays, "
+            "median; host timer on a CPU) and hand pytest-benchmark the samples"), stacklevel=2)
     if options.get(config, "--oink-profile"):
         os.environ["OINK_KEEP_CUBIN"] = "1"  # before any kernel compiles: profiles read the cubin
     if options.get(config, "--oink-svg") and importlib.util.find_spec("matplotlib") is None:
@@ -80,6 +86,10 @@ def pytest_runtest_setup(item):
 
 
 DTYPES = ("bfloat16", "float16", "float32")
+# pytest-benchmark's own timing knobs: Oink's rows are timed by pytest_oink.timing instead
+BENCHMARK_TIMING_OPTIONS = ("--benchmark-min-rounds", "--benchmark-max-time", "--benchmark-min-time",
+                            "--benchmark-warmup", "--benchmark-warmup-iterations", "--benchmark-calibration-precision",
+                            "--benchmark-timer", "--benchmark-disable-gc")
 
 
 def validate_names(config) -> None:
@@ -274,6 +284,15 @@ def pytest_sessionfinish(session, exitstatus):
     svg_dir = options.get(config, "--oink-svg")
     if svg_dir:
         state["written"] += report.write_svg(rows, svg_dir, roof)
+    json_path = config.getoption("benchmark_json", None) if config.pluginmanager.hasplugin("benchmark") else None
+    if json_path and config.getoption("dist", "no") != "no":  # pytest-benchmark is off under xdist
+        from .benchmark_hooks import pytest_benchmark_update_machine_info
+
+        info: dict = {}
+        pytest_benchmark_update_machine_info(config, info)
+        with open(json_path, "w") as f:
+            json.dump(report.benchmark_json(rows, info), f, indent=1)
+        state["written"].append(str(json_path))
     if "baseline" in state:
         lines, bad, missing = report.regressions(
             rows, state["baseline"], options.parse_percent(options.get(config, "--oink-max-regression")),

@@ -212,5 +212,18 @@ def regressions(rows, baseline: dict, max_regression: float, providers=("oink",)
     return lines, bad, missing
 
 
+def benchmark_json(rows, machine_info: dict) -> dict:
+    """pytest-benchmark's JSON layout from rows, for sessions where it can't write its own (under
+    xdist it disables itself): each benchmark's stats hold the median and min we measured (no
+    per-round data), ``extra_info`` as in its own file, so ``--oink-baseline`` reads either."""
+    import datetime
+
+    benches = [{"name": r.test.split("::")[-1], "fullname": r.test, "group": f"{r.op} {r.M}x{r.N} {r.dtype}",
+                "params": None, "stats": {"median": r.median_s, "min": r.min_s}, "extra_info": r.extra_info()}
+               for r in rows if r.status == "ok" and r.median_s]
+    return {"machine_info": machine_info, "commit_info": {}, "benchmarks": benches,
+            "datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": "pytest_oink"}
+
+
 def rows_json(rows) -> str:
     return json.dumps({"rows": [dict(asdict(r), tbs=r.tbs) for r in rows]}, indent=1)

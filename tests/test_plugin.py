@@ -282,11 +282,16 @@ def test_xdist_workers_report_rows(pytester, tmp_path):
     pytester.makepyfile(BENCH)
     res = pytester.runpytest_subprocess("-n", "2", "--oink-suite=smoke", "--oink-ops=softmax_forward",
                                         "--oink-providers=oink,torch", f"--oink-csv={tmp_path / 'r.csv'}",
-                                        *PLUGIN)
+                                        f"--benchmark-json={tmp_path / 'b.json'}", *PLUGIN)
     res.assert_outcomes(passed=4)
     rows = list(csv.DictReader(open(tmp_path / "r.csv")))
     assert sorted((r["provider"], r["M"]) for r in rows) == [("oink", "4"), ("oink", "64"), ("torch", "4"),
                                                                ("torch", "64")]
+    # pytest-benchmark is off under xdist: the controller writes its layout from the merged rows
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert len(data["benchmarks"]) == 4 and data["machine_info"]["oink_versions"]["torch"]
+    assert all(b["stats"]["median"] > 0 for b in data["benchmarks"])
+    assert report.load_baseline(tmp_path / "b.json")  # the regression gate reads it
 
 
 # ---- units: timer logic with a fake clock, the gate's stats
@@ -545,3 +550,11 @@ def test_own_kernel_is_gated_timed_and_reported(pytester, tmp_path):
     rows = {r["provider"]: r for r in csv.DictReader(open(tmp_path / "r.csv"))}
     assert rows["mine"]["status"] == "ok" and float(rows["mine"]["median_ms"]) > 0
     assert rows["buggy"]["status"] == "failed" and rows["buggy"]["median_ms"] == ""
+
+
+def test_benchmark_timing_options_say_they_do_not_apply(pytester):
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("--oink-suite=smoke", "--oink-ops=softmax_forward", "--oink-providers=torch",
+                                        "--benchmark-min-rounds=50", *PLUGIN)
+    assert res.ret == 0
+    res.stdout.fnmatch_lines(["*--benchmark-min-rounds: not applied to Oink's rows*"])
