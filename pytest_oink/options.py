@@ -19,6 +19,7 @@ OPTIONS = [
     ("--oink-profile", "oink_profile", "add per-kernel resource usage (registers, spills, smem, occupancy) to results", False, True),
     ("--oink-run-on-cpu", "oink_run_on_cpu", "run a GPU-sized suite on a CPU anyway (skipped there by default)", False, True),
     ("--oink-list", "oink_list", "list the suites, ops and providers, then exit", False, True),
+    ("--oink-merge", "oink_merge", "merge these --oink-csv files (e.g. from several CI runners) into the --oink-csv/--oink-summary/--oink-svg outputs, then exit: FILE,FILE,...", None, False),
 ]
 
 

@@ -68,6 +68,27 @@ class Row:
         }
 
 
+def read_csv(path) -> list:
+    """Rows back from a file ``write_csv`` wrote (``--oink-merge``)."""
+    def num(v, cast=float, scale=1.0):
+        return None if v in ("", None) else cast(v) * scale
+
+    rows = []
+    with open(path, newline="") as f:
+        for d in csv.DictReader(f):
+            tbs, frac = num(d["tbs"]), num(d["roofline_frac"])
+            gate = {k: num(d[c]) for k, c in (("max_abs", "max_abs_err"), ("rel_l2", "rel_l2_err"),
+                                              ("p99_abs", "p99_abs_err")) if d[c] != ""}
+            profile = {k: num(d[k]) for k in ("registers", "spill_bytes", "static_smem", "occupancy") if d[k] != ""}
+            rows.append(Row(suite=d["suite"], op=d["op"], provider=d["provider"], M=int(d["M"]), N=int(d["N"]),
+                            dtype=d["dtype"], device=d["device"], status=d["status"], label=d["label"],
+                            method=d["method"], median_s=num(d["median_ms"], scale=1e-3),
+                            min_s=num(d["min_ms"], scale=1e-3), bytes=int(d["bytes"] or 0),
+                            roofline_tbs=tbs / frac if tbs and frac else None, gate=gate, profile=profile,
+                            test=d["test"]))
+    return rows
+
+
 def geomean(values):
     vals = [v for v in values if v and v > 0]
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None

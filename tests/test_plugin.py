@@ -558,3 +558,25 @@ def test_benchmark_timing_options_say_they_do_not_apply(pytester):
                                         "--benchmark-min-rounds=50", *PLUGIN)
     assert res.ret == 0
     res.stdout.fnmatch_lines(["*--benchmark-min-rounds: not applied to Oink's rows*"])
+
+
+def test_merge_result_files_of_several_runs(pytester, tmp_path):
+    pytester.makepyfile(BENCH)
+    for ops in ("softmax_forward", "rmsnorm_forward"):  # two "runners", one op each
+        res = pytester.runpytest_subprocess("--oink-suite=smoke", f"--oink-ops={ops}", "--oink-providers=oink,torch",
+                                            f"--oink-csv={tmp_path / (ops + '.csv')}", *PLUGIN)
+        assert res.ret == 0
+    files = f"{tmp_path / 'softmax_forward.csv'},{tmp_path / 'rmsnorm_forward.csv'}"
+    res = pytester.runpytest_subprocess(f"--oink-merge={files}", f"--oink-csv={tmp_path / 'all.csv'}",
+                                        f"--oink-summary={tmp_path / 'all.md'}", *PLUGIN)
+    assert res.ret == 0
+    res.stdout.fnmatch_lines(["*merged 8 rows from 2 files*"])
+    rows = list(csv.DictReader(open(tmp_path / "all.csv")))
+    assert sorted({r["op"] for r in rows}) == ["rmsnorm_forward", "softmax_forward"] and len(rows) == 8
+    back = report.read_csv(tmp_path / "all.csv")
+    assert all(r.median_s > 0 and r.roofline_tbs for r in back)
+    md = (tmp_path / "all.md").read_text()
+    assert "## rmsnorm_forward" in md and "## softmax_forward" in md and "Geomean speedup of oink" in md
+    res = pytester.runpytest_subprocess(f"--oink-merge={tmp_path / 'missing.csv'}", f"--oink-csv={tmp_path / 'x.csv'}",
+                                        *PLUGIN)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
