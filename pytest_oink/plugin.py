@@ -66,54 +66,17 @@ def pytest_configure(config):
 
 
 def pytest_cmdline_main(config):
+    """``--oink-merge`` and ``--oink-list`` answer and exit (no tests run)."""
     if options.get(config, "--oink-merge"):
-        return _merge(config)
-    if not options.get(config, "--oink-list"):
-        return None
-    from .providers import ALL_PROVIDERS, providers_for
+        from .commands import merge
 
-    lines = ["suites (--oink-suite):"]
-    lines += [f"  {name:8s} {about}{' (GPU)' if gpu else ''}" for name, (about, gpu) in suites.ABOUT.items()]
-    lines.append("ops (--oink-ops) and their providers:")
-    lines += [f"  {op:24s} {', '.join(providers_for(op))}" for op in suites.BENCH_OPS]
-    lines.append(f"providers (--oink-providers, --oink-gate-providers): {', '.join(ALL_PROVIDERS)}")
-    print("\n".join(lines))
-    return 0
+        return merge(config)
+    if options.get(config, "--oink-list"):
+        from .commands import listing
 
-
-def _merge(config) -> int:
-    """``--oink-merge``: rows of several runs' CSVs into one set of reports; no tests run. A row
-    measured in two files (same op, provider, shape, dtype) keeps the later file's and is named."""
-    from . import report
-
-    merged, repeated = {}, []
-    for path in options.split_list(options.get(config, "--oink-merge")):
-        try:
-            rows = report.read_csv(path)
-        except (OSError, KeyError, ValueError) as e:
-            raise pytest.UsageError(f"--oink-merge: {path} is not an --oink-csv file ({e})") from None
-        for r in rows:
-            if r.key in merged:
-                repeated.append("-".join(map(str, r.key)))
-            merged[r.key] = r
-    rows = list(merged.values())
-    written = []
-    if options.get(config, "--oink-csv"):
-        report.write_csv(rows, options.get(config, "--oink-csv"))
-        written.append(options.get(config, "--oink-csv"))
-    if options.get(config, "--oink-summary"):
-        with open(options.get(config, "--oink-summary"), "w") as f:
-            f.write(report.summary_markdown(rows))
-        written.append(options.get(config, "--oink-summary"))
-    if options.get(config, "--oink-svg"):
-        written += report.write_svg(rows, options.get(config, "--oink-svg"))
-    if not written:
-        raise pytest.UsageError("--oink-merge writes --oink-csv, --oink-summary or --oink-svg: give at least one")
-    print(f"[oink] merged {len(rows)} rows from {len(options.split_list(options.get(config, '--oink-merge')))} files"
-          + (f"; repeated rows (later file kept): {', '.join(repeated)}" if repeated else ""))
-    for path in written:
-        print(f"[oink] wrote {path}")
-    return 0
+        print(listing())
+        return 0
+    return None
 
 
 def pytest_runtest_setup(item):
