@@ -24,7 +24,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
-from .reduction import WARP, RowLaunch, add, pick_row_launch, whole_warp_rows
+from .reduction import RowLaunch, add, pick_row_launch, whole_warp_rows
 from .rmsnorm import MAX_N, RMSNormForward
 
 # Tuning knobs per family: (128-bit units per thread, resident threads per SM the persistent grid
