@@ -13,6 +13,17 @@ register_profiles()
 settings.load_profile("oink-ci")
 
 
+@pytest.fixture(autouse=True)
+def _oink_config_follows_the_environment():
+    """Tests that set an OINK_* knob call oink.config.reload(); after monkeypatch restores the
+    environment (its teardown runs before this one's), the config is read back from it."""
+    yield
+    import sys
+
+    if "oink.config" in sys.modules:
+        sys.modules["oink.config"].reload()
+
+
 @pytest.fixture
 def seed(request) -> int:
     """A seed of this test's own (stable per test id, different between tests), so every

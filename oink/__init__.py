@@ -20,7 +20,6 @@ _API = (
 _NN = ("rmsnorm", "RMSNorm", "LayerNorm", "softmax", "cross_entropy")
 __all__ = [*_API, *_NN, "reference", "register"]
 
-_TRUTHY = ("1", "true", "yes", "on")
 _registered = False
 
 
@@ -32,7 +31,9 @@ def register(force: bool = False) -> bool:
     global _registered
     if _registered:
         return True
-    if not force and os.environ.get("VLLM_USE_OINK_RMSNORM", "").strip().lower() not in _TRUTHY:
+    from .config import truthy
+
+    if not force and not truthy(os.environ.get("VLLM_USE_OINK_RMSNORM")):
         return False
     from . import ops  # noqa: F401  (registration happens at import)
 

@@ -12,17 +12,14 @@ import functools
 import importlib
 import inspect
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
-from . import reference
+from . import config, reference
 from .arch import arch_for_capability
 
 log = logging.getLogger("oink.dispatch")
-
-TRUTHY = ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
@@ -74,7 +71,7 @@ def device_arch(index: int) -> tuple[str | None, str]:
 
 def route(op: str, tensors: dict) -> Route:
     present = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-    if os.environ.get("OINK_FORCE_REFERENCE", "").lower() in TRUTHY:
+    if config.get().force_reference:
         r = Route(op, "reference", "forced by OINK_FORCE_REFERENCE")
     else:
         device = next(iter(present.values())).device if present else torch.device("cpu")

@@ -49,6 +49,9 @@ def pytest_configure(config):
             "median; host timer on a CPU) and hand pytest-benchmark the samples"), stacklevel=2)
     if options.get(config, "--oink-profile"):
         os.environ["OINK_KEEP_CUBIN"] = "1"  # before any kernel compiles: profiles read the cubin
+        from oink import config as oink_config
+
+        oink_config.reload()
     if options.get(config, "--oink-svg") and importlib.util.find_spec("matplotlib") is None:
         raise pytest.UsageError("--oink-svg needs matplotlib: pip install 'oink[plot]'")
     if importlib.util.find_spec("hypothesis") is not None:

@@ -18,3 +18,15 @@ def assert_close_to(actual, expected64, family, dtype=None):
     atol, rtol = tolerance(family, dtype)
     assert not torch.isnan(actual).any(), "NaN in output"
     torch.testing.assert_close(actual.double(), expected64.double(), atol=atol, rtol=rtol)
+
+
+def set_knob(monkeypatch, name: str, value: str | None) -> None:
+    """Set (None: delete) an OINK_* environment knob and reload oink.config, which reads them once;
+    the root conftest reloads it again after the test, once monkeypatch has restored the env."""
+    from oink import config
+
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+    config.reload()

@@ -7,6 +7,7 @@ import torch
 
 import oink
 from oink import reference as R
+from tests.helpers import set_knob
 
 GS = torch.tensor([10.0])
 
@@ -78,7 +79,7 @@ def test_public_op_matches_reference_on_cpu(op):
 @pytest.mark.parametrize("op", all_ops())
 def test_explain_names_the_route(op, monkeypatch):
     assert "reference (cpu tensors" in oink.explain(op, **inputs(op))
-    monkeypatch.setenv("OINK_FORCE_REFERENCE", "1")
+    set_knob(monkeypatch, "OINK_FORCE_REFERENCE", "1")
     assert "forced by OINK_FORCE_REFERENCE" in oink.explain(op, **inputs(op))
 
 
@@ -201,13 +202,13 @@ def test_mixed_devices_are_named():
 def test_arch_choice_and_override(monkeypatch):
     from oink.arch import arch_for_capability
 
-    monkeypatch.delenv("OINK_ARCH", raising=False)
+    set_knob(monkeypatch, "OINK_ARCH", None)
     assert arch_for_capability(9, 0) == "sm_90a"
     assert arch_for_capability(10, 0) == "sm_100a"
     assert arch_for_capability(8, 0) is None and arch_for_capability(12, 0) is None
-    monkeypatch.setenv("OINK_ARCH", "sm_100a")
+    set_knob(monkeypatch, "OINK_ARCH", "sm_100a")
     assert arch_for_capability(9, 0) == "sm_100a"
-    monkeypatch.setenv("OINK_ARCH", "sm_80")
+    set_knob(monkeypatch, "OINK_ARCH", "sm_80")
     with pytest.raises(ValueError, match="OINK_ARCH"):
         arch_for_capability(9, 0)
 
@@ -250,3 +251,14 @@ def test_cross_entropy_vocab_parallel_shard():
     expect = torch.nn.functional.cross_entropy(full.double(), target, reduction="none")
     torch.testing.assert_close(loss.double(), expect, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), torch.logsumexp(full.double(), -1), atol=1e-5, rtol=1e-5)
+
+
+def test_knobs_are_read_once_and_reloaded(monkeypatch):
+    from oink import config
+
+    assert [config.truthy(v) for v in ("1", " TRUE ", "yes", "On", "0", "", None, "no")] == [True] * 4 + [False] * 4
+    before = config.get()
+    monkeypatch.setenv("OINK_BWD_DEPTH", "3")
+    assert config.get() is before  # the hot path does not read the environment
+    set_knob(monkeypatch, "OINK_BWD_DEPTH", "3")
+    assert config.get().bwd_depth == 3 and config.get().bwd_pdl and config.get().bwd_partial_sum == "kernel"

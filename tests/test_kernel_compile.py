@@ -6,6 +6,7 @@ import pytest
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
 from oink.kernels.compile import CACHE, SUPPORTED_ARCHS  # noqa: E402
+from tests.helpers import set_knob  # noqa: E402
 from oink.kernels.reduction import RowLaunch, pick_row_launch  # noqa: E402
 from oink.kernels.rowsumsq import compiled_rowsumsq  # noqa: E402
 
@@ -118,7 +119,7 @@ def test_forward_launch_for_a_wider_weight(monkeypatch):
     assert forward_launch(4096, 16, "sm_90a", 32).threads_per_row == 256
     assert forward_launch(6144, 16, "sm_90a", 32) == forward_launch(6144, 16, "sm_90a")  # 2 units: not exact
     assert forward_launch(4096, 32, "sm_90a", 32) == forward_launch(4096, 32, "sm_90a")  # same width
-    monkeypatch.setenv("OINK_FWD_UPT", "4")
+    set_knob(monkeypatch, "OINK_FWD_UPT", "4")
     assert forward_launch(4096, 16, "sm_90a", 32).threads_per_row == 128
 
 
@@ -132,7 +133,7 @@ def test_backward_launch_whole_warp_rows(monkeypatch):
         assert (L.threads_per_row, L.num_threads, L.even_n, L.iters) == (tpr, tpr, True, 2), L
     assert backward_launch(7168, 16, "sm_90a", layernorm=True).threads_per_row == 224  # 4 accesses
     assert not backward_launch(1000, 16, "sm_90a").even_n  # 125 accesses: no whole-warp split
-    monkeypatch.setenv("OINK_BWD_EXACT", "0")
+    set_knob(monkeypatch, "OINK_BWD_EXACT", "0")
     assert backward_launch(6144, 16, "sm_90a").threads_per_row == 512
     with pytest.raises(ValueError, match="whole warps"):
         RowLaunch(N=6144, vec=8, threads_per_row=48, num_threads=96)
@@ -151,7 +152,7 @@ def test_backward_whole_warp_rows_compile(arch, layernorm, N):
 def test_backward_ab_variants_compile(arch, knob, monkeypatch):
     """The A/B settings the sweeps use still compile (RMSNorm's moved-register pipeline, a deeper
     rotation, the partials' sum without PDL)."""
-    monkeypatch.setenv(*knob.split("="))
+    set_knob(monkeypatch, *knob.split("="))
     for N in (64, 1000, 6144):  # several rows a CTA (guarded loads), a predicated tail, whole warps
         assert callable(compiled_backward("bfloat16", N, arch, "bfloat16", "bfloat16", None, True))
     assert callable(compiled_partial_sum(6144, 2, "bfloat16", arch))

@@ -7,13 +7,13 @@ That is also what lets CI compile every variant on a CPU with no tensors at all.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from typing import Callable, Hashable
 
 import cutlass
 import cutlass.cute as cute
 
+from .. import config
 from ..arch import SUPPORTED_ARCHS
 
 # torch dtype name -> CuTe numeric type, kept as strings so this module needs no torch.
@@ -103,7 +103,7 @@ def compile_kernel(kernel_obj, *fake_args, arch: str):
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch {arch!r}: expected one of {SUPPORTED_ARCHS}")
     options = f"--gpu-arch {arch}"
-    if os.environ.get("OINK_KEEP_CUBIN", "").lower() in ("1", "true", "yes", "on"):
+    if config.get().keep_cubin:
         options += " --keep-cubin"
     fn = cute.compile(kernel_obj, *fake_args, options=options)
     launch = getattr(kernel_obj, "launch", None)

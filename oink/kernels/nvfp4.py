@@ -26,7 +26,6 @@ scales as one byte a block, row-major or in the 128x4 swizzled layout (``swizzle
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -36,6 +35,7 @@ from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
 from .reduction import RowKernelBase, RowLaunch, pick_row_launch
 from .rmsnorm import MAX_N, RMSNormForward
@@ -61,7 +61,7 @@ def fp4_launch(N: int, arch: str, kind: str = "quantize", block: int = BLOCK) ->
     upt = 1
     while upt < 4 and N // block > upt * MAX_THREADS_PER_ROW[kind]:
         upt *= 2
-    upt = int(os.environ.get("OINK_FP4_UPT", upt))
+    upt = config.get().fp4_upt or upt
     return pick_row_launch(N, 128 // block, units_per_thread=upt, max_units_per_thread=max(upt, 4))
 
 

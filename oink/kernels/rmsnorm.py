@@ -10,13 +10,13 @@ barrier and written after it, by the same thread.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
 from .reduction import RowKernelBase, RowLaunch, add, pick_row_launch, whole_warp_rows
 
@@ -33,8 +33,8 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     LayerNorm rows take whole warps where that tiles them exactly (7168 bf16: 224 threads): its
     padded tail costs registers (mask, corrected mean: 105 instead of 80 at 256 threads).
     OINK_FWD_UPT (units a thread) overrides, for sweeps."""
-    if "OINK_FWD_UPT" in os.environ:
-        return pick_row_launch(N, x_bits, units_per_thread=int(os.environ["OINK_FWD_UPT"]))
+    if config.get().fwd_upt:
+        return pick_row_launch(N, x_bits, units_per_thread=config.get().fwd_upt)
     if layernorm:
         return whole_warp_rows(pick_row_launch(N, x_bits), 4)
     if w_bits > x_bits:

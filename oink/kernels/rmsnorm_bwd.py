@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -23,6 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
 from .reduction import RowLaunch, add, pick_row_launch, whole_warp_rows
 from .rmsnorm import MAX_N, RMSNormForward
@@ -42,13 +42,13 @@ TUNING = {"rmsnorm": (2, 512, 2), "layernorm": (4, 256, 1)}
 
 def _knobs(layernorm: bool) -> tuple[int, int, int]:
     upt, tpsm, depth = TUNING["layernorm" if layernorm else "rmsnorm"]
-    env = os.environ.get
-    return int(env("OINK_BWD_UPT", upt)), int(env("OINK_BWD_TPSM", tpsm)), int(env("OINK_BWD_DEPTH", depth))
+    c = config.get()
+    return c.bwd_upt or upt, c.bwd_tpsm or tpsm, c.bwd_depth or depth
 
 
 def use_pdl() -> bool:
     """Whether the partials' sum overlaps its launch with the backward's tail (PDL, SM90+)."""
-    return os.environ.get("OINK_BWD_PDL", "1") != "0"
+    return config.get().bwd_pdl
 
 
 def head_launch(launch: RowLaunch, heads: int) -> RowLaunch | None:
@@ -67,7 +67,7 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False) -> 
     of two, whose last access would be idle on a quarter of the threads (512 x 2 x 8 > 6144)."""
     upt = _knobs(layernorm)[0]
     launch = pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=max(upt, 8))
-    if os.environ.get("OINK_BWD_EXACT", "1") == "0":
+    if not config.get().bwd_exact:
         return launch
     return whole_warp_rows(launch, upt)
 

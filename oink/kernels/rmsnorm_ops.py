@@ -2,10 +2,10 @@
 they are launched on torch tensors (RUNNERS). Imported only on a supported GPU."""
 from __future__ import annotations
 
-import os
 
 import torch
 
+from .. import config
 from .compile import current_stream
 from .host import dtype_name, in_place_reason, ld, prepare_rows, prepare_vector, ptr, rows_view, vec_for, width_reason
 from .rmsnorm import compiled_forward
@@ -169,7 +169,7 @@ def sum_partials(arch: str, buf, has_dw: bool, has_db: bool, N: int, dtype):
     kinds = buf.shape[1]
     if kinds == 0:
         return None, None
-    if os.environ.get("OINK_BWD_PARTIAL_SUM", "kernel") != "torch":
+    if config.get().bwd_partial_sum != "torch":
         outs = [torch.empty(N, device=buf.device, dtype=dtype) for _ in range(kinds)]
         fn = compiled_partial_sum(N, kinds, dtype_name(outs[0]), arch)
         fn(ptr(buf), ptr(outs[0], outs[0].element_size()), ptr(outs[-1], outs[-1].element_size()) if kinds == 2

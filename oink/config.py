@@ -1,0 +1,58 @@
+"""The one place the ``OINK_*`` environment knobs are read: once, at import, into ``CONFIG``.
+Hot paths read ``config.get()``; sweeps that change the environment in-process call ``reload()``.
+No torch or cutlass here."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+TRUTHY = ("1", "true", "yes", "on")
+
+
+def truthy(value) -> bool:
+    """The one truthy-string rule (1/true/yes/on, any case, spaces ignored)."""
+    return str(value or "").strip().lower() in TRUTHY
+
+
+def _int(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value else None
+
+
+@dataclass(frozen=True)
+class Config:
+    force_reference: bool  # OINK_FORCE_REFERENCE: the reference everywhere
+    arch: str | None  # OINK_ARCH: compile target override
+    keep_cubin: bool  # OINK_KEEP_CUBIN: keep cubins on compiled functions (kernel profiles)
+    fwd_upt: int | None  # OINK_FWD_UPT: norm forward units a thread (sweeps)
+    fp4_upt: int | None  # OINK_FP4_UPT: FP4 scale blocks a thread (sweeps)
+    bwd_upt: int | None  # OINK_BWD_UPT / _TPSM / _DEPTH: norm backward knobs (sweeps)
+    bwd_tpsm: int | None
+    bwd_depth: int | None
+    bwd_partial_sum: str  # OINK_BWD_PARTIAL_SUM: "kernel" or "torch" (A/B)
+    bwd_pdl: bool  # OINK_BWD_PDL=0: no programmatic dependent launch (A/B)
+    bwd_exact: bool  # OINK_BWD_EXACT=0: power-of-two threads per row only (A/B)
+
+
+def _from_env() -> Config:
+    env = os.environ.get
+    return Config(
+        force_reference=truthy(env("OINK_FORCE_REFERENCE")), arch=env("OINK_ARCH") or None,
+        keep_cubin=truthy(env("OINK_KEEP_CUBIN")), fwd_upt=_int("OINK_FWD_UPT"), fp4_upt=_int("OINK_FP4_UPT"),
+        bwd_upt=_int("OINK_BWD_UPT"), bwd_tpsm=_int("OINK_BWD_TPSM"), bwd_depth=_int("OINK_BWD_DEPTH"),
+        bwd_partial_sum=env("OINK_BWD_PARTIAL_SUM", "kernel"), bwd_pdl=env("OINK_BWD_PDL", "1") != "0",
+        bwd_exact=env("OINK_BWD_EXACT", "1") != "0")
+
+
+CONFIG = _from_env()
+
+
+def get() -> Config:
+    return CONFIG
+
+
+def reload() -> Config:
+    """Read the environment again (after a sweep changes a knob in this process)."""
+    global CONFIG
+    CONFIG = _from_env()
+    return CONFIG
