@@ -287,15 +287,21 @@ def pytest_sessionfinish(session, exitstatus):
     svg_dir = options.get(config, "--oink-svg")
     if svg_dir:
         state["written"] += report.write_svg(rows, svg_dir, roof)
-    json_path = config.getoption("benchmark_json", None) if config.pluginmanager.hasplugin("benchmark") else None
-    if json_path and config.getoption("dist", "no") != "no":  # pytest-benchmark is off under xdist
+    target = config.getoption("benchmark_json", None) if config.pluginmanager.hasplugin("benchmark") else None
+    if target and config.getoption("dist", "no") != "no":  # pytest-benchmark is off under xdist
         from .benchmark_hooks import pytest_benchmark_update_machine_info
 
         info: dict = {}
         pytest_benchmark_update_machine_info(config, info)
-        with open(json_path, "w") as f:
-            json.dump(report.benchmark_json(rows, info), f, indent=1)
-        state["written"].append(str(json_path))
+        text = json.dumps(report.benchmark_json(rows, info), indent=1)
+        if hasattr(target, "write"):  # pytest-benchmark < 5.3 opens the file itself (argparse.FileType("wb"))
+            with target as f:
+                f.write(text.encode())
+            target = target.name
+        else:
+            with open(target, "w") as f:
+                f.write(text)
+        state["written"].append(str(target))
     if "baseline" in state:
         lines, bad, missing = report.regressions(
             rows, state["baseline"], options.parse_percent(options.get(config, "--oink-max-regression")),
