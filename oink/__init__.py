@@ -10,15 +10,7 @@ import os
 
 __version__ = "0.1.0"
 
-_API = (
-    "rmsnorm_forward", "fused_add_rmsnorm_", "rmsnorm_backward", "layernorm", "layernorm_backward",
-    "softmax_forward", "softmax_backward", "softmax_fwd_bwd",
-    "cross_entropy_forward", "cross_entropy_backward", "cross_entropy_fwd_bwd",
-    "nvfp4_quantize", "nvfp4_dequantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant",
-    "mxfp4_quantize", "mxfp4_dequantize", "add_rmsnorm_mxfp4quant", "silu_mul_mxfp4quant", "explain",
-)
 _NN = ("rmsnorm", "RMSNorm", "LayerNorm", "softmax", "cross_entropy")
-__all__ = [*_API, *_NN, "reference", "register"]
 
 _registered = False
 
@@ -42,16 +34,24 @@ def register(force: bool = False) -> bool:
 
 
 def __getattr__(name: str):
-    if name in _API:
-        from . import api
+    import importlib
 
-        return getattr(api, name)
     if name in _NN:
-        from . import nn
-
-        return getattr(nn, name)
+        return getattr(importlib.import_module(".nn", __name__), name)
     if name == "reference":
-        import importlib
-
         return importlib.import_module(".reference", __name__)
+    if name.startswith("_") and name != "__all__":
+        raise AttributeError(f"module 'oink' has no attribute {name!r}")
+    ops = importlib.import_module(".ops", __name__)  # the declarations: each public op, by its name
+    declared = ops.PUBLIC
+    if name == "__all__":
+        return [*declared, "explain", *_NN, "reference", "register"]
+    if name == "explain":
+        return ops.explain
+    if name in declared:
+        return getattr(ops, name)
     raise AttributeError(f"module 'oink' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__getattr__("__all__")))

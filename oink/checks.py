@@ -1,4 +1,5 @@
-"""Input validation shared by the public API, the custom ops and their fake kernels.
+"""Input checks the op declarations (``oink.ops``) are made of: the public API, the custom ops
+and their fake kernels run them.
 
 Only metadata is inspected (dtype, shape, device, strides), so the same checks run on
 FakeTensors under torch.compile. Errors name the offending argument.
@@ -109,3 +110,16 @@ def multiple_of_32(name: str, n: int) -> None:
     if n % 32:
         raise ValueError(f"{name}: last dim {n} must be a multiple of 32 for MXFP4 blocks")
 
+
+
+def target_values(logits, target, ignore_index) -> None:
+    """Value check (reads the data, so not for fake tensors): targets in [0, V) or ignored.
+    It costs one host sync, which CUDA-graph capture forbids: while the stream is capturing it
+    is skipped, and the kernels answer such a row with a NaN loss and NaN dlogits instead."""
+    if target.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    V = logits.shape[-1]
+    bad = ((target < 0) | (target >= V)) & (target != ignore_index)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"target[{i}] = {int(target[i])} is outside [0, {V}) and is not ignore_index ({ignore_index})")

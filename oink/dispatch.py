@@ -3,14 +3,13 @@
 Rules, in order: ``OINK_FORCE_REFERENCE=1`` forces the reference; non-CUDA tensors use the
 reference; a GPU that is not SM90/SM100 uses the reference; an op with no kernel yet uses the
 reference; the op's kernel may decline (dtype, width, layout) with a reason. Every decision
-carries its reason: ``oink.explain(op, *args)`` returns it and the ``oink.dispatch`` logger
+carries its reason: ``oink.explain(op, *args)`` (in ``oink.declare``) returns it and the ``oink.dispatch`` logger
 prints it at DEBUG level.
 """
 from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import logging
 from dataclasses import dataclass
 
@@ -33,28 +32,10 @@ class Route:
         return f"{self.op}: {self.backend} ({self.reason})"
 
 
-# op -> module implementing it. A kernel module (imported only on a supported GPU, since it
-# imports cutlass) exposes CHECKS[op](args, arch) -> None | reason, and RUNNERS[op](arch, **args).
-KERNEL_MODULES: dict[str, str] = {
-    "rmsnorm_forward": "oink.kernels.rmsnorm_ops",
-    "fused_add_rmsnorm_": "oink.kernels.rmsnorm_ops",
-    "rmsnorm_backward": "oink.kernels.rmsnorm_ops",
-    "layernorm": "oink.kernels.rmsnorm_ops",
-    "layernorm_backward": "oink.kernels.rmsnorm_ops",
-    "softmax_forward": "oink.kernels.softmax_ops",
-    "softmax_backward": "oink.kernels.softmax_ops",
-    "softmax_fwd_bwd": "oink.kernels.softmax_ops",
-    "cross_entropy_forward": "oink.kernels.cross_entropy_ops",
-    "cross_entropy_backward": "oink.kernels.cross_entropy_ops",
-    "cross_entropy_backward_": "oink.kernels.cross_entropy_ops",
-    "cross_entropy_fwd_bwd": "oink.kernels.cross_entropy_ops",
-    "nvfp4_quantize": "oink.kernels.nvfp4_ops",
-    "add_rmsnorm_fp4quant": "oink.kernels.nvfp4_ops",
-    "silu_mul_fp4quant": "oink.kernels.nvfp4_ops",
-    "mxfp4_quantize": "oink.kernels.nvfp4_ops",
-    "add_rmsnorm_mxfp4quant": "oink.kernels.nvfp4_ops",
-    "silu_mul_mxfp4quant": "oink.kernels.nvfp4_ops",
-}
+# op -> the kernel module serving it, filled by the op declarations (``oink.ops``). A kernel
+# module (imported only on a supported GPU, since it imports cutlass) exposes
+# CHECKS[op](args, arch) -> None | reason, and RUNNERS[op](arch, **args).
+KERNEL_MODULES: dict[str, str] = {}
 
 
 def _kernel_module(op: str):
@@ -95,16 +76,6 @@ def _route_device(op: str, device: torch.device, args: dict) -> Route:
     if why:
         return Route(op, "reference", why, arch)
     return Route(op, "kernel", f"CuTeDSL {arch}", arch)
-
-
-def explain(op: str, *args, **kwargs) -> str:
-    """Why ``oink.<op>(*args, **kwargs)`` would run the kernel or the reference."""
-    fn = getattr(reference, op, None)
-    if fn is None:
-        raise ValueError(f"unknown op {op!r}; known: {', '.join(reference.__all__)}")
-    bound = inspect.signature(fn).bind(*args, **kwargs)
-    bound.apply_defaults()  # the kernel checks read every argument by name, defaults included
-    return str(route(op, dict(bound.arguments)))
 
 
 def call(op: str, **args):

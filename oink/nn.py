@@ -1,5 +1,5 @@
-"""Differentiable functions and modules built on the custom ops (autograd registered in ops).
-``oink.layernorm`` (in api) is differentiable too: its custom op carries autograd."""
+"""Differentiable functions and modules built on the declared ops (their autograd is in ``oink.ops``;
+``oink.layernorm`` is differentiable too)."""
 from __future__ import annotations
 
 import numbers
@@ -7,8 +7,8 @@ import numbers
 import torch
 from torch import Tensor
 
-from . import ops as _ops  # noqa: F401  (registers torch.ops.oink.* and their autograd)
-from . import validate
+from . import ops
+from .declare import _needs_graph
 from .reference.cross_entropy import row_weight, safe_target
 
 
@@ -19,24 +19,24 @@ def rmsnorm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, bias:
     x, weight, bias and residual. y = x_hat * (weight + weight_offset) + bias, where x_hat is the
     norm of x + residual stored in ``residual_dtype``; weight and bias are [N] or per head [H, D].
     -> y, or (y, residual_out) with ``prenorm`` (Quack's signature, keyword arguments past eps)."""
-    validate.rmsnorm_forward(x, weight, bias, residual, eps, True, out_dtype, residual_dtype, weight_offset)
-    y, _, res_out = torch.ops.oink.rmsnorm_forward(x, weight, bias, residual, eps, True, out_dtype, residual_dtype,
-                                                   float(weight_offset))
+    store_rstd = _needs_graph((x, weight, bias, residual))  # the backward reads rstd
+    y, _, res_out = ops.rmsnorm_forward(x, weight, bias, residual, eps, store_rstd, out_dtype=out_dtype,
+                                        residual_dtype=residual_dtype, weight_offset=float(weight_offset))
     if prenorm:
-        return y, (res_out if res_out.numel() or x.numel() == 0 else x)
+        return y, (res_out if res_out is not None else x)
     return y
 
 
 def softmax(x: Tensor) -> Tensor:
     """Differentiable softmax over the last dim."""
-    validate.softmax_forward(x)
-    return torch.ops.oink.softmax_forward(x)
+    return ops.softmax_forward(x)
 
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, reduction, inplace_backward, weight, lse_partial):
-        loss, lse = torch.ops.oink.cross_entropy_forward(logits, target, ignore_index, reduction, weight, lse_partial)
+        loss, lse = ops.cross_entropy_forward(logits, target, ignore_index, reduction, weight=weight,
+                                              lse_partial=lse_partial)
         ctx.ignore_index, ctx.reduction, ctx.inplace = ignore_index, reduction, inplace_backward
         ctx.save_for_backward(logits, target, lse, weight)
         return loss
@@ -52,7 +52,7 @@ class _CrossEntropy(torch.autograd.Function):
         if ctx.inplace and not torch.compiler.is_compiling():
             torch.ops.oink.cross_entropy_backward_(dloss, logits, target, lse, ctx.ignore_index, weight)
             return logits, None, None, None, None, None, None
-        dlogits = torch.ops.oink.cross_entropy_backward(dloss, logits, target, lse, ctx.ignore_index, weight)
+        dlogits = ops.cross_entropy_backward(dloss, logits, target, lse, ctx.ignore_index, weight=weight)
         return dlogits, None, None, None, None, None, None
 
 
@@ -65,7 +65,7 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
     at the target and in the backward). ``inplace_backward=True`` writes dlogits over the logits in
     the backward (saves an [M, V] buffer, as Quack's option does): the logits' values are gone after
     ``backward()``. Under torch.compile the backward is out of place (the values are the same)."""
-    validate.cross_entropy_forward(logits, target, ignore_index, reduction, weight, lse_partial)
+    ops.cross_entropy_forward.op.check(logits, target, ignore_index, reduction, weight=weight, lse_partial=lse_partial)
     return _CrossEntropy.apply(logits, target, ignore_index, reduction, inplace_backward, weight, lse_partial)
 
 
@@ -146,8 +146,4 @@ class LayerNorm(_LastDimsNorm):
         w = _flat_weight(self.weight if self.weight is not None else self._ones)
         b = _flat_weight(self.bias)
 
-        def norm(x2):
-            validate.layernorm(x2, w, b)
-            return torch.ops.oink.layernorm(x2, w, b, self.eps)[0]
-
-        return self._rows(x, norm)
+        return self._rows(x, lambda x2: ops.layernorm(x2, w, b, self.eps))

@@ -1,232 +1,291 @@
-"""``torch.ops.oink.*``: one custom op per public op, each with a fake (meta) kernel.
+"""Every op, declared once (see ``oink.declare``): its public signature and docs, input checks,
+``torch.ops.oink`` schema, fake, the kernel family that serves it and its autograd.
 
-The real implementation of every op validates its inputs and goes through
-``dispatch.call`` (kernel or reference). Optional outputs that were not asked for come back
-as empty tensors (custom ops can't return None); the public API in ``oink.api`` turns them
-into None. Importing this module registers the ops.
+The function bodies are the metadata checks (they also run on FakeTensors under torch.compile);
+the references in ``oink.reference`` compute the same signatures, and kernel modules export
+``CHECKS[name]`` / ``RUNNERS[name]``. Importing this module registers ``torch.ops.oink.*``.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-from torch import Tensor
 
-from . import validate
-from .dispatch import call
+from . import checks as c
+from .declare import PUBLIC, declare, differentiable, explain, not_differentiable  # noqa: F401
+from .reference.cross_entropy import REDUCTIONS
 from .reference.nvfp4 import round_up
 
-NS = "oink"
+NORMS = "oink.kernels.rmsnorm_ops"
+SOFTMAX = "oink.kernels.softmax_ops"
+CROSS_ENTROPY = "oink.kernels.cross_entropy_ops"
+FP4 = "oink.kernels.nvfp4_ops"
 
 
-def _empty_like_none(t: Tensor) -> Tensor:
-    return t.new_empty(0)
+def _like(x, dtype=None):
+    return lambda *a: torch.empty_like(x, dtype=dtype)
 
 
-# ---------------------------------------------------------------- RMSNorm (vLLM's two ops)
-@torch.library.custom_op(f"{NS}::rmsnorm", mutates_args=())
-def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    validate.rmsnorm_forward(x, weight, eps=eps)
-    return call("rmsnorm_forward", x=x, weight=weight, bias=None, residual=None, eps=eps, store_rstd=False)[0]
+def _absent(x):
+    """An optional output not asked for (the custom op's placeholder): empty, x's dtype."""
+    return x.new_empty(0)
 
 
-@rmsnorm.register_fake
-def _(x, weight, eps):
-    validate.rmsnorm_forward(x, weight, eps=eps)
-    return torch.empty_like(x)
+def _keep(t, wanted: bool):
+    return t if wanted else None
 
 
-@torch.library.custom_op(f"{NS}::fused_add_rms_norm", mutates_args=("x", "residual"))
-def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
-    validate.fused_add_rmsnorm_(x, residual, weight, eps)
-    call("fused_add_rmsnorm_", x=x, residual=residual, weight=weight, eps=eps)
-
-
-@fused_add_rms_norm.register_fake
-def _(x, residual, weight, eps):
-    validate.fused_add_rmsnorm_(x, residual, weight, eps)
-
-
-# ---------------------------------------------------------------- RMSNorm, general
-@torch.library.custom_op(f"{NS}::rmsnorm_forward", mutates_args=())
-def rmsnorm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                    eps: float, store_rstd: bool, out_dtype: Optional[torch.dtype] = None,
-                    residual_dtype: Optional[torch.dtype] = None,
-                    weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    validate.rmsnorm_forward(x, weight, bias, residual, eps, store_rstd, out_dtype, residual_dtype, weight_offset)
-    y, rstd, res_out = call("rmsnorm_forward", x=x, weight=weight, bias=bias, residual=residual, eps=eps,
-                            store_rstd=store_rstd, out_dtype=out_dtype, residual_dtype=residual_dtype,
-                            weight_offset=weight_offset)
-    return y, (rstd if rstd is not None else _empty_like_none(y).float()), (
-        res_out if res_out is not None else _empty_like_none(y))
-
-
-@rmsnorm_forward.register_fake
-def _(x, weight, bias, residual, eps, store_rstd, out_dtype=None, residual_dtype=None, weight_offset=0.0):
-    validate.rmsnorm_forward(x, weight, bias, residual, eps, store_rstd, out_dtype, residual_dtype, weight_offset)
-    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32) if store_rstd else x.new_empty(0, dtype=torch.float32)
+# ---------------------------------------------------------------- RMSNorm
+def _fake_rmsnorm_forward(x, weight, bias, residual, eps, store_rstd, out_dtype=None, residual_dtype=None,
+                          weight_offset=0.0):
+    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32) if store_rstd else _absent(x)
     if residual is not None or residual_dtype is not None:
         res_out = x.new_empty(x.shape, dtype=residual_dtype or residual.dtype)
     else:
-        res_out = x.new_empty(0)
+        res_out = _absent(x)
     return torch.empty_like(x, dtype=out_dtype or x.dtype), rstd, res_out
 
 
-@torch.library.custom_op(f"{NS}::rmsnorm_backward", mutates_args=())
-def rmsnorm_backward(x: Tensor, weight: Optional[Tensor], dout: Tensor, rstd: Tensor,
-                     dresidual_out: Optional[Tensor], has_bias: bool,
-                     weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    validate.rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias, False, weight_offset)
-    dx, dw, db, _ = call("rmsnorm_backward", x=x, weight=weight, dout=dout, rstd=rstd,
-                         dresidual_out=dresidual_out, has_bias=has_bias, has_residual=False,
-                         weight_offset=weight_offset)
-    return dx, (dw if dw is not None else x.new_empty(0)), (db if db is not None else x.new_empty(0))
+@declare("rmsnorm_forward(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool store_rstd, "
+         "ScalarType? out_dtype=None, ScalarType? residual_dtype=None, float weight_offset=0.) "
+         "-> (Tensor, Tensor, Tensor)",
+         kernels=NORMS, fake=_fake_rmsnorm_forward,
+         to_public=lambda o, a: (o[0], _keep(o[1], a["store_rstd"]),
+                                 _keep(o[2], a["residual"] is not None or a["residual_dtype"] is not None)))
+def rmsnorm_forward(x, weight=None, bias=None, residual=None, eps=1e-6, store_rstd=False, *, out_dtype=None,
+                    residual_dtype=None, weight_offset=0.0):
+    """RMSNorm: -> (y, rstd | None, residual_out | None); residual_out = x + residual in
+    ``residual_dtype`` (default the residual's), and the norm is of that stored sum.
+    y = x_hat * (weight + weight_offset) + bias in ``out_dtype`` (default x's); weight and bias
+    are [N] or per head [H, D] for x [..., H, D], in any float dtype."""
+    c.rows_input("x", x)
+    c.norm_param("weight", weight, x)
+    c.norm_param("bias", bias, x)
+    if bias is not None and bias.dim() == 2 and (weight is None or weight.dim() != 2):
+        raise ValueError("bias: a per-head bias [H, D] needs a per-head weight [H, D]")
+    c.optional("residual", residual)
+    c.same_shape("residual", residual, "x", x)
+    c.dtype_arg("out_dtype", out_dtype)
+    c.dtype_arg("residual_dtype", residual_dtype)
+    c.same_device(x=x, weight=weight, bias=bias, residual=residual)
 
 
-@rmsnorm_backward.register_fake
-def _(x, weight, dout, rstd, dresidual_out, has_bias, weight_offset=0.0):
-    validate.rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias, False, weight_offset)
-    shape, wdt = ((weight.shape, weight.dtype) if weight is not None else ((x.shape[-1],), x.dtype))
-    dw = x.new_empty(shape, dtype=wdt) if weight is not None else x.new_empty(0)
-    db = x.new_empty(shape, dtype=wdt) if has_bias else x.new_empty(0)
+@declare("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor", kernels=None, route="rmsnorm_forward",
+         fake=lambda x, weight, eps: torch.empty_like(x), public=False)
+def rmsnorm(x, weight, eps):
+    """vLLM's op: y = rmsnorm(x) * weight (its schema is vLLM's; don't change it)."""
+    rmsnorm_forward.op.check(x, weight, eps=eps)
+
+
+@declare("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
+         kernels=NORMS, fake=lambda *a: None)
+def fused_add_rmsnorm_(x, residual, weight, eps=1e-6):
+    """In place, vLLM semantics: residual <- x + residual; x <- rmsnorm(residual) * weight."""
+    c.rows_input("x", x)
+    c.tensor("residual", residual)
+    c.same_shape("residual", residual, "x", x)
+    c.tensor("weight", weight)
+    c.vector("weight", weight, x.shape[-1])
+    c.same_device(x=x, residual=residual, weight=weight)
+
+
+def _fake_rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias, weight_offset=0.0):
+    shape, wdt = (weight.shape, weight.dtype) if weight is not None else ((x.shape[-1],), x.dtype)
+    dw = x.new_empty(shape, dtype=wdt) if weight is not None else _absent(x)
+    db = x.new_empty(shape, dtype=wdt) if has_bias else _absent(x)
     return torch.empty_like(x), dw, db
 
 
+@declare("rmsnorm_backward(Tensor x, Tensor? weight, Tensor dout, Tensor rstd, Tensor? dresidual_out, "
+         "bool has_bias, float weight_offset=0.) -> (Tensor, Tensor, Tensor)",
+         kernels=NORMS, fake=_fake_rmsnorm_backward, fixed={"has_residual": False},
+         to_public=lambda o, a: (o[0], _keep(o[1], a["weight"] is not None), _keep(o[2], a["has_bias"]),
+                                 _keep(o[0], a["has_residual"])))
+def rmsnorm_backward(x, weight, dout, rstd, dresidual_out=None, has_bias=False, has_residual=False, *,
+                     weight_offset=0.0):
+    """-> (dx, dw | None, db | None, dresidual | None); dresidual is dx itself."""
+    c.rows_input("x", x)
+    c.norm_param("weight", weight, x)
+    c.tensor("dout", dout)
+    c.same_shape("dout", dout, "x", x)
+    c.row_stat("rstd", rstd, x.shape[:-1])
+    c.optional("dresidual_out", dresidual_out)
+    c.same_shape("dresidual_out", dresidual_out, "x", x)
+    c.same_device(x=x, weight=weight, dout=dout, rstd=rstd, dresidual_out=dresidual_out)
+
+
 # ---------------------------------------------------------------- LayerNorm
-@torch.library.custom_op(f"{NS}::layernorm", mutates_args=())
-def layernorm(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    validate.layernorm(x, weight, bias, eps)
-    return call("layernorm", x=x, weight=weight, bias=bias, eps=eps, return_rstd=True, return_mean=True)
-
-
-@layernorm.register_fake
-def _(x, weight, bias, eps):
-    validate.layernorm(x, weight, bias, eps)
+def _fake_layernorm(x, weight, bias, eps):
     stat = x.new_empty(x.shape[:-1], dtype=torch.float32)
     return torch.empty_like(x), stat, torch.empty_like(stat)
 
 
-@torch.library.custom_op(f"{NS}::layernorm_backward", mutates_args=())
-def layernorm_backward(dout: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, mean: Tensor,
-                       bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    validate.layernorm_backward(dout, x, weight, rstd, mean, bias)
-    dx, dw, db = call("layernorm_backward", dout=dout, x=x, weight=weight, rstd=rstd, mean=mean, bias=bias)
-    return dx, dw, (db if db is not None else x.new_empty(0))
+def _layernorm_outputs(o, a):
+    extra = ([o[1]] if a["return_rstd"] else []) + ([o[2]] if a["return_mean"] else [])
+    return (o[0], *extra) if extra else o[0]
 
 
-@layernorm_backward.register_fake
-def _(dout, x, weight, rstd, mean, bias):
-    validate.layernorm_backward(dout, x, weight, rstd, mean, bias)
-    db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
+@declare("layernorm(Tensor x, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
+         kernels=NORMS, fake=_fake_layernorm, fixed={"return_rstd": True, "return_mean": True},
+         to_public=_layernorm_outputs)
+def layernorm(x, weight, bias=None, eps=1e-6, return_rstd=False, return_mean=False):
+    """-> y, or (y, rstd) / (y, mean) / (y, rstd, mean) when asked."""
+    c.rows_input("x", x)
+    c.tensor("weight", weight)
+    c.vector("weight", weight, x.shape[-1])
+    c.vector("bias", bias, x.shape[-1])
+    c.same_device(x=x, weight=weight, bias=bias)
+
+
+def _fake_layernorm_backward(dout, x, weight, rstd, mean, bias):
+    db = torch.empty_like(bias) if bias is not None else _absent(x)
     return torch.empty_like(x), torch.empty_like(weight), db
 
 
+@declare("layernorm_backward(Tensor dout, Tensor x, Tensor weight, Tensor rstd, Tensor mean, Tensor? bias) "
+         "-> (Tensor, Tensor, Tensor)",
+         kernels=NORMS, fake=_fake_layernorm_backward,
+         to_public=lambda o, a: (o[0], o[1], _keep(o[2], a["bias"] is not None)))
+def layernorm_backward(dout, x, weight, rstd, mean, bias=None):
+    """-> (dx, dw, db | None)."""
+    c.rows_input("x", x)
+    c.tensor("dout", dout)
+    c.same_shape("dout", dout, "x", x)
+    c.tensor("weight", weight)
+    c.vector("weight", weight, x.shape[-1])
+    c.vector("bias", bias, x.shape[-1])
+    c.row_stat("rstd", rstd, x.shape[:-1])
+    c.row_stat("mean", mean, x.shape[:-1])
+    c.same_device(dout=dout, x=x, weight=weight, rstd=rstd, mean=mean, bias=bias)
+
+
 # ---------------------------------------------------------------- Softmax
-@torch.library.custom_op(f"{NS}::softmax_forward", mutates_args=())
-def softmax_forward(x: Tensor) -> Tensor:
-    validate.softmax_forward(x)
-    return call("softmax_forward", x=x)
+@declare("softmax_forward(Tensor x) -> Tensor", kernels=SOFTMAX, fake=lambda x: torch.empty_like(x))
+def softmax_forward(x):
+    """Softmax over the last dim, in x's dtype."""
+    c.rows_input("x", x)
 
 
-@softmax_forward.register_fake
-def _(x):
-    validate.softmax_forward(x)
-    return torch.empty_like(x)
+@declare("softmax_backward(Tensor dy, Tensor y) -> Tensor", kernels=SOFTMAX, fake=lambda dy, y: torch.empty_like(y))
+def softmax_backward(dy, y):
+    """dx = y * (dy - sum(dy * y)) from the forward's output y."""
+    c.rows_input("y", y)
+    c.tensor("dy", dy)
+    c.same_shape("dy", dy, "y", y)
+    c.same_device(dy=dy, y=y)
 
 
-@torch.library.custom_op(f"{NS}::softmax_backward", mutates_args=())
-def softmax_backward(dy: Tensor, y: Tensor) -> Tensor:
-    validate.softmax_backward(dy, y)
-    return call("softmax_backward", dy=dy, y=y)
-
-
-@softmax_backward.register_fake
-def _(dy, y):
-    validate.softmax_backward(dy, y)
-    return torch.empty_like(y)
-
-
-@torch.library.custom_op(f"{NS}::softmax_fwd_bwd", mutates_args=())
-def softmax_fwd_bwd(dy: Tensor, x: Tensor) -> Tensor:
-    validate.softmax_fwd_bwd(dy, x)
-    return call("softmax_fwd_bwd", dy=dy, x=x)
-
-
-@softmax_fwd_bwd.register_fake
-def _(dy, x):
-    validate.softmax_fwd_bwd(dy, x)
-    return torch.empty_like(x)
+@declare("softmax_fwd_bwd(Tensor dy, Tensor x) -> Tensor", kernels=SOFTMAX, fake=lambda dy, x: torch.empty_like(x))
+def softmax_fwd_bwd(dy, x):
+    """The softmax backward from x (the forward recomputed in the same pass)."""
+    c.rows_input("x", x)
+    c.tensor("dy", dy)
+    c.same_shape("dy", dy, "x", x)
+    c.same_device(dy=dy, x=x)
 
 
 # ---------------------------------------------------------------- CrossEntropy
-@torch.library.custom_op(f"{NS}::cross_entropy_forward", mutates_args=())
-def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
-                          weight: Optional[Tensor] = None, lse_partial: Optional[Tensor] = None,
-                          target_logit: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    validate.cross_entropy_forward(logits, target, ignore_index, reduction, weight, lse_partial, target_logit)
+def _logits_target(logits, target):
+    c.rows_input("logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected 2 dims [M, V], got shape {tuple(logits.shape)}")
+    c.tensor("target", target, c.INDEX_DTYPES)
+    if tuple(target.shape) != (logits.shape[0],):
+        raise ValueError(f"target: expected shape ({logits.shape[0]},), got {tuple(target.shape)}")
+    c.same_device(logits=logits, target=target)
+
+
+def _class_weight(weight, logits):
+    if weight is not None:
+        c.vector("weight", weight, logits.shape[-1])
+        c.same_device(logits=logits, weight=weight)
+
+
+def _dloss(dloss, M):
+    c.tensor("dloss", dloss, min_dim=0)
+    if dloss.numel() not in (1, M) or dloss.dim() > 1:
+        raise ValueError(f"dloss: expected a scalar or shape ({M},), got {tuple(dloss.shape)}")
+
+
+def _targets_in_range(logits, target, ignore_index, **_):
+    c.target_values(logits, target, ignore_index)
+
+
+def _forward_targets_in_range(logits, target, ignore_index, target_logit=None, **_):
     indexed = target_logit if target_logit is not None else logits  # what the targets index
     if indexed.dim() == 2:  # a gathered [M] target logit: the vocabulary is another rank's to check
-        validate.target_values(indexed, target, ignore_index)
-    return call("cross_entropy_forward", logits=logits, target=target, ignore_index=ignore_index,
-                reduction=reduction, weight=weight, lse_partial=lse_partial, target_logit=target_logit)
+        c.target_values(indexed, target, ignore_index)
 
 
-@cross_entropy_forward.register_fake
-def _(logits, target, ignore_index, reduction, weight=None, lse_partial=None, target_logit=None):
-    validate.cross_entropy_forward(logits, target, ignore_index, reduction, weight, lse_partial, target_logit)
+def _fake_ce_forward(logits, target, ignore_index, reduction, weight=None, lse_partial=None, target_logit=None):
     lse = logits.new_empty(logits.shape[0], dtype=torch.float32)
     loss = torch.empty_like(lse) if reduction == "none" else logits.new_empty((), dtype=torch.float32)
     return loss, lse
 
 
-@torch.library.custom_op(f"{NS}::cross_entropy_backward", mutates_args=())
-def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
-                           weight: Optional[Tensor] = None) -> Tensor:
-    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight)
-    validate.target_values(logits, target, ignore_index)
-    return call("cross_entropy_backward", dloss=dloss, logits=logits, target=target, lse=lse,
-                ignore_index=ignore_index, weight=weight)
+@declare("cross_entropy_forward(Tensor logits, Tensor target, SymInt ignore_index, str reduction, "
+         "Tensor? weight=None, Tensor? lse_partial=None, Tensor? target_logit=None) -> (Tensor, Tensor)",
+         kernels=CROSS_ENTROPY, fake=_fake_ce_forward, check_values=_forward_targets_in_range,
+         to_public=lambda o, a: tuple(o))
+def cross_entropy_forward(logits, target, ignore_index=-100, reduction="none", *, weight=None, lse_partial=None,
+                          target_logit=None):
+    """-> (loss, lse), fp32. ``weight``: per-class [V]; ``lse_partial`` [M, K]: per-shard logsumexps
+    (vocab-parallel), the row's lse is theirs; ``target_logit`` [M] or [M, V]: where to read the
+    target's logit instead of ``logits``."""
+    _logits_target(logits, target)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: {reduction!r} is not one of {REDUCTIONS}")
+    _class_weight(weight, logits)
+    M = logits.shape[0]
+    if lse_partial is not None:
+        c.tensor("lse_partial", lse_partial, min_dim=2)
+        if lse_partial.dim() != 2 or lse_partial.shape[0] != M:
+            raise ValueError(f"lse_partial: expected shape ({M}, K), got {tuple(lse_partial.shape)}")
+    if target_logit is not None:
+        c.tensor("target_logit", target_logit)
+        if target_logit.shape[0] != M or target_logit.dim() > 2:
+            raise ValueError(f"target_logit: expected shape ({M},) or ({M}, V), got {tuple(target_logit.shape)}")
+    c.same_device(logits=logits, lse_partial=lse_partial, target_logit=target_logit)
 
 
-@cross_entropy_backward.register_fake
-def _(dloss, logits, target, lse, ignore_index, weight=None):
-    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight)
-    return torch.empty_like(logits)
+@declare("cross_entropy_backward(Tensor dloss, Tensor logits, Tensor target, Tensor lse, SymInt ignore_index, "
+         "Tensor? weight=None) -> Tensor",
+         kernels=CROSS_ENTROPY, fake=lambda dloss, logits, *a: torch.empty_like(logits),
+         check_values=_targets_in_range)
+def cross_entropy_backward(dloss, logits, target, lse, ignore_index=-100, *, weight=None):
+    """dlogits from the forward's lse; ``dloss`` a scalar or [M]."""
+    _logits_target(logits, target)
+    _dloss(dloss, logits.shape[0])
+    c.row_stat("lse", lse, logits.shape[:-1])
+    c.same_device(dloss=dloss, logits=logits, target=target, lse=lse)
+    _class_weight(weight, logits)
 
 
-@torch.library.custom_op(f"{NS}::cross_entropy_backward_", mutates_args=("logits",))
-def cross_entropy_backward_(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
-                            weight: Optional[Tensor] = None) -> None:
-    """dlogits written over the logits (no second [M, V] buffer)."""
-    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight)
-    validate.target_values(logits, target, ignore_index)
-    call("cross_entropy_backward_", dloss=dloss, logits=logits, target=target, lse=lse, ignore_index=ignore_index,
-         weight=weight)
+@declare("cross_entropy_backward_(Tensor dloss, Tensor(a!) logits, Tensor target, Tensor lse, SymInt ignore_index, "
+         "Tensor? weight=None) -> ()",
+         kernels=CROSS_ENTROPY, fake=lambda *a: None, check_values=_targets_in_range, public=False)
+def cross_entropy_backward_(dloss, logits, target, lse, ignore_index=-100, weight=None):
+    """dlogits written over the logits (no second [M, V] buffer): backs
+    ``oink.cross_entropy(..., inplace_backward=True)``."""
+    cross_entropy_backward.op.check(dloss, logits, target, lse, ignore_index, weight=weight)
 
 
-@cross_entropy_backward_.register_fake
-def _(dloss, logits, target, lse, ignore_index, weight=None):
-    validate.cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight)
-
-
-@torch.library.custom_op(f"{NS}::cross_entropy_fwd_bwd", mutates_args=())
-def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int,
-                          weight: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (loss, dlogits, lse): the op always returns the lse (the public function drops it unless asked)."""
-    validate.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index, weight)
-    validate.target_values(logits, target, ignore_index)
-    return call("cross_entropy_fwd_bwd", dloss=dloss, logits=logits, target=target, ignore_index=ignore_index,
-                weight=weight, return_lse=True)
-
-
-@cross_entropy_fwd_bwd.register_fake
-def _(dloss, logits, target, ignore_index, weight=None):
-    validate.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index, weight)
+def _fake_ce_fwd_bwd(dloss, logits, target, ignore_index, weight=None):
     row = logits.new_empty(logits.shape[0], dtype=torch.float32)
     return row, torch.empty_like(logits), torch.empty_like(row)
 
 
-# ---------------------------------------------------------------- NVFP4
+@declare("cross_entropy_fwd_bwd(Tensor dloss, Tensor logits, Tensor target, SymInt ignore_index, "
+         "Tensor? weight=None) -> (Tensor, Tensor, Tensor)",
+         kernels=CROSS_ENTROPY, fake=_fake_ce_fwd_bwd, check_values=_targets_in_range,
+         fixed={"return_lse": True}, to_public=lambda o, a: tuple(o) if a["return_lse"] else tuple(o[:2]))
+def cross_entropy_fwd_bwd(dloss, logits, target, ignore_index=-100, *, weight=None, return_lse=False):
+    """-> (loss fp32 [M], dlogits), or (loss, dlogits, lse) with ``return_lse``."""
+    _logits_target(logits, target)
+    _dloss(dloss, logits.shape[0])
+    c.same_device(dloss=dloss, logits=logits, target=target)
+    _class_weight(weight, logits)
+
+
+# ---------------------------------------------------------------- NVFP4 / MXFP4
 def _fp4_fake(x, N: int, swizzled: bool, mx: bool = False):
     """Codes [M, N/2] and scales (NVFP4: E4M3 per 16; MXFP4: UE8M0 per 32) of an N-wide quantization."""
     M = x.numel() // x.shape[-1]
@@ -236,117 +295,102 @@ def _fp4_fake(x, N: int, swizzled: bool, mx: bool = False):
     return q, x.new_empty(shape, dtype=torch.float8_e8m0fnu if mx else torch.float8_e4m3fn)
 
 
-@torch.library.custom_op(f"{NS}::nvfp4_quantize", mutates_args=())
-def nvfp4_quantize(x: Tensor, global_scale: Tensor, swizzled: bool) -> tuple[Tensor, Tensor]:
-    validate.nvfp4_quantize(x, global_scale, swizzled)
-    return call("nvfp4_quantize", x=x, global_scale=global_scale, swizzled=swizzled)
+def _fake_add_rmsnorm_fp4(x, residual, weight, *rest, mx=False):
+    swizzled, return_y = rest[-2:]
+    q, sf = _fp4_fake(x, x.shape[-1], swizzled, mx)
+    return q, sf, (torch.empty_like(x) if return_y else _absent(x))
 
 
-@nvfp4_quantize.register_fake
-def _(x, global_scale, swizzled):
-    validate.nvfp4_quantize(x, global_scale, swizzled)
-    return _fp4_fake(x, x.shape[-1], swizzled)
+def _codes_and_scales(q, sf, swizzled, block, sf_dtype):
+    c.tensor("q", q, (torch.uint8,), min_dim=2)
+    c.tensor("sf", sf, (sf_dtype,), min_dim=2)
+    if q.dim() != 2 or sf.dim() != 2:
+        raise ValueError(f"q and sf must be 2-D, got {tuple(q.shape)} and {tuple(sf.shape)}")
+    M, K = q.shape[0], q.shape[1] * 2 // block
+    if (q.shape[1] * 2) % block:
+        raise ValueError(f"q: {q.shape[1]} bytes a row is not a whole number of {block}-element blocks")
+    want = (round_up(M, 128), round_up(K, 4)) if swizzled else (M, K)
+    if tuple(sf.shape) != want:
+        raise ValueError(f"sf: expected shape {want} for q of shape {tuple(q.shape)}, got {tuple(sf.shape)}")
+    c.same_device(q=q, sf=sf)
 
 
-@torch.library.custom_op(f"{NS}::nvfp4_dequantize", mutates_args=())
-def nvfp4_dequantize(q: Tensor, sf: Tensor, global_scale: Tensor, swizzled: bool) -> Tensor:
-    validate.nvfp4_dequantize(q, sf, global_scale, swizzled)
-    return call("nvfp4_dequantize", q=q, sf=sf, global_scale=global_scale, swizzled=swizzled)
+def _gate_up(name, x, multiple_of):
+    c.rows_input(name, x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"{name}: last dim {x.shape[-1]} must be even (gate and up halves)")
+    multiple_of(f"{name} (each half)", x.shape[-1] // 2)
 
 
-@nvfp4_dequantize.register_fake
-def _(q, sf, global_scale, swizzled):
-    validate.nvfp4_dequantize(q, sf, global_scale, swizzled)
-    return q.new_empty((q.shape[0], q.shape[1] * 2), dtype=torch.float32)
+def _with_y(o, a):
+    return tuple(o) if a["return_y"] else tuple(o[:2])
 
 
-@torch.library.custom_op(f"{NS}::add_rmsnorm_fp4quant", mutates_args=("residual",))
-def add_rmsnorm_fp4quant(x: Tensor, residual: Tensor, weight: Tensor, global_scale: Tensor, eps: float,
-                         swizzled: bool, return_y: bool) -> tuple[Tensor, Tensor, Tensor]:
-    validate.add_rmsnorm_fp4quant(x, residual, weight, global_scale, eps, swizzled, return_y)
-    out = call("add_rmsnorm_fp4quant", x=x, residual=residual, weight=weight, global_scale=global_scale,
-               eps=eps, swizzled=swizzled, return_y=return_y)
-    return (out[0], out[1], out[2] if return_y else x.new_empty(0))
+@declare("nvfp4_quantize(Tensor x, Tensor global_scale, bool swizzled) -> (Tensor, Tensor)",
+         kernels=FP4, fake=lambda x, g, swizzled: _fp4_fake(x, x.shape[-1], swizzled), to_public=lambda o, a: tuple(o))
+def nvfp4_quantize(x, global_scale, swizzled=False):
+    """-> (q uint8 [M, N/2], sf float8_e4m3fn); see ``oink.reference.nvfp4`` for the semantics."""
+    c.rows_input("x", x)
+    c.multiple_of_16("x", x.shape[-1])
+    c.global_scale("global_scale", global_scale, x.device)
 
 
-@add_rmsnorm_fp4quant.register_fake
-def _(x, residual, weight, global_scale, eps, swizzled, return_y):
-    validate.add_rmsnorm_fp4quant(x, residual, weight, global_scale, eps, swizzled, return_y)
-    q, sf = _fp4_fake(x, x.shape[-1], swizzled)
-    return q, sf, (torch.empty_like(x) if return_y else x.new_empty(0))
+@declare("nvfp4_dequantize(Tensor q, Tensor sf, Tensor global_scale, bool swizzled) -> Tensor", kernels=None,
+         fake=lambda q, *a: q.new_empty((q.shape[0], q.shape[1] * 2), dtype=torch.float32))
+def nvfp4_dequantize(q, sf, global_scale, swizzled=False):
+    """-> fp32 [M, 2 * q.shape[1]]: the values the codes and scales stand for."""
+    _codes_and_scales(q, sf, swizzled, 16, torch.float8_e4m3fn)
+    c.global_scale("global_scale", global_scale, q.device)
 
 
-@torch.library.custom_op(f"{NS}::silu_mul_fp4quant", mutates_args=())
-def silu_mul_fp4quant(x: Tensor, global_scale: Tensor, swizzled: bool) -> tuple[Tensor, Tensor]:
-    validate.silu_mul_fp4quant(x, global_scale, swizzled)
-    return call("silu_mul_fp4quant", x=x, global_scale=global_scale, swizzled=swizzled)
+@declare("add_rmsnorm_fp4quant(Tensor x, Tensor(a!) residual, Tensor weight, Tensor global_scale, float eps, "
+         "bool swizzled, bool return_y) -> (Tensor, Tensor, Tensor)",
+         kernels=FP4, fake=_fake_add_rmsnorm_fp4, to_public=_with_y)
+def add_rmsnorm_fp4quant(x, residual, weight, global_scale, eps=1e-6, swizzled=False, return_y=False):
+    """residual <- x + residual (in place); -> (q, sf) of rmsnorm(residual) * weight, or (q, sf, y)."""
+    fused_add_rmsnorm_.op.check(x, residual, weight, eps)
+    c.multiple_of_16("x", x.shape[-1])
+    c.global_scale("global_scale", global_scale, x.device)
 
 
-@silu_mul_fp4quant.register_fake
-def _(x, global_scale, swizzled):
-    validate.silu_mul_fp4quant(x, global_scale, swizzled)
-    return _fp4_fake(x, x.shape[-1] // 2, swizzled)
+@declare("silu_mul_fp4quant(Tensor x, Tensor global_scale, bool swizzled) -> (Tensor, Tensor)", kernels=FP4,
+         fake=lambda x, g, swizzled: _fp4_fake(x, x.shape[-1] // 2, swizzled), to_public=lambda o, a: tuple(o))
+def silu_mul_fp4quant(x, global_scale, swizzled=False):
+    """x [..., 2K] -> (q, sf) of silu(x[..., :K]) * x[..., K:]."""
+    _gate_up("x", x, c.multiple_of_16)
+    c.global_scale("global_scale", global_scale, x.device)
 
 
-# ---------------------------------------------------------------- MXFP4
-@torch.library.custom_op(f"{NS}::mxfp4_quantize", mutates_args=())
-def mxfp4_quantize(x: Tensor, swizzled: bool) -> tuple[Tensor, Tensor]:
-    validate.mxfp4_quantize(x, swizzled)
-    return call("mxfp4_quantize", x=x, swizzled=swizzled)
+@declare("mxfp4_quantize(Tensor x, bool swizzled) -> (Tensor, Tensor)", kernels=FP4,
+         fake=lambda x, swizzled: _fp4_fake(x, x.shape[-1], swizzled, mx=True), to_public=lambda o, a: tuple(o))
+def mxfp4_quantize(x, swizzled=False):
+    """-> (q uint8 [M, N/2], sf float8_e8m0fnu): blocks of 32, power-of-two scales, no global
+    scale; see ``oink.reference.nvfp4`` for the exact scale rule."""
+    c.rows_input("x", x)
+    c.multiple_of_32("x", x.shape[-1])
 
 
-@mxfp4_quantize.register_fake
-def _(x, swizzled):
-    validate.mxfp4_quantize(x, swizzled)
-    return _fp4_fake(x, x.shape[-1], swizzled, mx=True)
+@declare("mxfp4_dequantize(Tensor q, Tensor sf, bool swizzled) -> Tensor", kernels=None,
+         fake=lambda q, *a: q.new_empty((q.shape[0], q.shape[1] * 2), dtype=torch.float32))
+def mxfp4_dequantize(q, sf, swizzled=False):
+    """-> fp32 [M, 2 * q.shape[1]]: the values the codes and scales stand for."""
+    _codes_and_scales(q, sf, swizzled, 32, torch.float8_e8m0fnu)
 
 
-@torch.library.custom_op(f"{NS}::mxfp4_dequantize", mutates_args=())
-def mxfp4_dequantize(q: Tensor, sf: Tensor, swizzled: bool) -> Tensor:
-    validate.mxfp4_dequantize(q, sf, swizzled)
-    return call("mxfp4_dequantize", q=q, sf=sf, swizzled=swizzled)
+@declare("add_rmsnorm_mxfp4quant(Tensor x, Tensor(a!) residual, Tensor weight, float eps, bool swizzled, "
+         "bool return_y) -> (Tensor, Tensor, Tensor)",
+         kernels=FP4, fake=lambda *a: _fake_add_rmsnorm_fp4(*a, mx=True), to_public=_with_y)
+def add_rmsnorm_mxfp4quant(x, residual, weight, eps=1e-6, swizzled=False, return_y=False):
+    """``add_rmsnorm_fp4quant`` quantizing to MXFP4 (blocks of 32, power-of-two scales)."""
+    fused_add_rmsnorm_.op.check(x, residual, weight, eps)
+    c.multiple_of_32("x", x.shape[-1])
 
 
-@mxfp4_dequantize.register_fake
-def _(q, sf, swizzled):
-    validate.mxfp4_dequantize(q, sf, swizzled)
-    return q.new_empty((q.shape[0], q.shape[1] * 2), dtype=torch.float32)
-
-
-@torch.library.custom_op(f"{NS}::add_rmsnorm_mxfp4quant", mutates_args=("residual",))
-def add_rmsnorm_mxfp4quant(x: Tensor, residual: Tensor, weight: Tensor, eps: float, swizzled: bool,
-                           return_y: bool) -> tuple[Tensor, Tensor, Tensor]:
-    validate.add_rmsnorm_mxfp4quant(x, residual, weight, eps, swizzled, return_y)
-    out = call("add_rmsnorm_mxfp4quant", x=x, residual=residual, weight=weight, eps=eps, swizzled=swizzled,
-               return_y=return_y)
-    return (out[0], out[1], out[2] if return_y else x.new_empty(0))
-
-
-@add_rmsnorm_mxfp4quant.register_fake
-def _(x, residual, weight, eps, swizzled, return_y):
-    validate.add_rmsnorm_mxfp4quant(x, residual, weight, eps, swizzled, return_y)
-    q, sf = _fp4_fake(x, x.shape[-1], swizzled, mx=True)
-    return q, sf, (torch.empty_like(x) if return_y else x.new_empty(0))
-
-
-@torch.library.custom_op(f"{NS}::silu_mul_mxfp4quant", mutates_args=())
-def silu_mul_mxfp4quant(x: Tensor, swizzled: bool) -> tuple[Tensor, Tensor]:
-    validate.silu_mul_mxfp4quant(x, swizzled)
-    return call("silu_mul_mxfp4quant", x=x, swizzled=swizzled)
-
-
-@silu_mul_mxfp4quant.register_fake
-def _(x, swizzled):
-    validate.silu_mul_mxfp4quant(x, swizzled)
-    return _fp4_fake(x, x.shape[-1] // 2, swizzled, mx=True)
-
-
-ALL_OPS = (
-    rmsnorm, fused_add_rms_norm, rmsnorm_forward, rmsnorm_backward, layernorm, layernorm_backward,
-    softmax_forward, softmax_backward, softmax_fwd_bwd, cross_entropy_forward, cross_entropy_backward,
-    cross_entropy_backward_, cross_entropy_fwd_bwd, nvfp4_quantize, nvfp4_dequantize, add_rmsnorm_fp4quant,
-    silu_mul_fp4quant, mxfp4_quantize, mxfp4_dequantize, add_rmsnorm_mxfp4quant, silu_mul_mxfp4quant,
-)
+@declare("silu_mul_mxfp4quant(Tensor x, bool swizzled) -> (Tensor, Tensor)", kernels=FP4,
+         fake=lambda x, swizzled: _fp4_fake(x, x.shape[-1] // 2, swizzled, mx=True), to_public=lambda o, a: tuple(o))
+def silu_mul_mxfp4quant(x, swizzled=False):
+    """``silu_mul_fp4quant`` quantizing to MXFP4 (blocks of 32, power-of-two scales)."""
+    _gate_up("x", x, c.multiple_of_32)
 
 
 # ---------------------------------------------------------------- autograd
@@ -379,9 +423,6 @@ def _rmsnorm_backward(ctx, dy, drstd, dres_out):
     return (dx, dw if weight is not None else None, db, dresidual, None, None, None, None, None)
 
 
-torch.library.register_autograd(f"{NS}::rmsnorm_forward", _rmsnorm_backward, setup_context=_rmsnorm_setup)
-
-
 def _layernorm_setup(ctx, inputs, output):
     x, weight, bias, eps = inputs
     _, rstd, mean = output
@@ -396,9 +437,6 @@ def _layernorm_backward(ctx, dy, _drstd, _dmean):
     return dx, dw, (db if ctx.has_bias else None), None
 
 
-torch.library.register_autograd(f"{NS}::layernorm", _layernorm_backward, setup_context=_layernorm_setup)
-
-
 def _softmax_setup(ctx, inputs, output):
     ctx.save_for_backward(output)
 
@@ -408,22 +446,12 @@ def _softmax_backward(ctx, dy):
     return torch.ops.oink.softmax_backward(dy.contiguous(), y)
 
 
-torch.library.register_autograd(f"{NS}::softmax_forward", _softmax_backward, setup_context=_softmax_setup)
+differentiable("rmsnorm_forward", _rmsnorm_backward, _rmsnorm_setup)
+differentiable("layernorm", _layernorm_backward, _layernorm_setup)
+differentiable("softmax_forward", _softmax_backward, _softmax_setup)
+for _name in ("rmsnorm_backward", "layernorm_backward", "softmax_backward", "softmax_fwd_bwd", "cross_entropy_forward",
+              "cross_entropy_backward", "cross_entropy_fwd_bwd", "nvfp4_quantize", "nvfp4_dequantize",
+              "silu_mul_fp4quant", "mxfp4_quantize", "mxfp4_dequantize", "silu_mul_mxfp4quant"):
+    not_differentiable(_name)
 
-
-# Ops whose outputs are gradients, statistics or quantized codes: not differentiable. Their
-# outputs are marked so; without this a call on inputs that require grad (e.g. Quack's
-# cross_entropy_fwd under torch.compile) fails to compile, as AOTAutograd finds no formula.
-def _mark_not_differentiable(ctx, inputs, output):
-    outs = output if isinstance(output, (tuple, list)) else (output,)
-    ctx.mark_non_differentiable(*outs)
-
-
-def _not_differentiable(ctx, *grads):
-    raise RuntimeError("this oink op is not differentiable (its outputs were marked so)")
-
-
-for _op in (rmsnorm_backward, layernorm_backward, softmax_backward, softmax_fwd_bwd, cross_entropy_forward,
-            cross_entropy_backward, cross_entropy_fwd_bwd, nvfp4_quantize, nvfp4_dequantize, silu_mul_fp4quant,
-            mxfp4_quantize, mxfp4_dequantize, silu_mul_mxfp4quant):
-    torch.library.register_autograd(_op, _not_differentiable, setup_context=_mark_not_differentiable)
+__all__ = list(PUBLIC)

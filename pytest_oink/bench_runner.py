@@ -9,6 +9,7 @@ from . import options
 from .gate import compare
 from .providers import LABELS, SPECS, Unavailable, build
 from .report import Row
+from .state import STATE
 from .timing import Rotation, copies_for_cold_cache, feed_benchmark, median, time_cuda_graph, time_host
 from .tolerances import tolerance
 
@@ -103,12 +104,14 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
     row = Row(suite=case.suite, op=case.op, provider=provider, M=case.M, N=case.N, dtype=case.dtype,
               device=str(roofline.device), status="ok", label=label, bytes=spec.nbytes(case.M, case.N, dtype.itemsize),
               roofline_tbs=roofline.copy_tbs, test=request.node.nodeid)
-    request.config.stash[_state_key()]["roofline"] = roofline
+    request.config.stash[STATE]["roofline"] = roofline
     if device.type == "cuda":
         torch.cuda.empty_cache()  # previous rows' tensors must not crowd out this one
     profiling = provider == "oink" and bool(options.get(request.config, "--oink-profile"))
     if profiling:
-        _kernel_cache().clear_used()
+        import oink.profiling
+
+        oink.profiling.start()
     try:
         row.gate = gate(spec, run, case, dtype, device)
     except Unavailable as e:
@@ -134,25 +137,13 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
     return row
 
 
-def _state_key():
-    from .plugin import STATE
-
-    return STATE
-
-
-def _kernel_cache():
-    from oink.kernels.compile import CACHE
-
-    return CACHE
-
-
 def _profile(device) -> dict:
     """Resource usage of the kernels this row's calls used (``--oink-profile``)."""
     if device.type != "cuda":
         return {"error": "kernel profiles need a GPU"}
     try:
-        from oink.kernels.profile import recent_kernel_profile
+        import oink.profiling
 
-        return recent_kernel_profile(device.index or 0) or {"error": "no CuTeDSL kernel ran (reference path)"}
+        return oink.profiling.report(device.index or 0) or {"error": "no CuTeDSL kernel ran (reference path)"}
     except Exception as e:  # noqa: BLE001  (a profile failure is reported in the row, never fatal)
         return {"error": repr(e)}

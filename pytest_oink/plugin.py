@@ -11,10 +11,7 @@ import time
 import pytest
 
 from . import markers, options, suites
-
-ROWS = pytest.StashKey[list]()
-STATE = pytest.StashKey[dict]()
-CASES = pytest.StashKey[object]()
+from .state import CASES, ROWS, STATE
 
 
 def pytest_addoption(parser):
@@ -336,11 +333,3 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.stats.setdefault("not compared", []).extend(state["not_compared"])
     for path in state["written"]:
         terminalreporter.write_line(f"[oink] wrote {path}")
-
-
-def merge_worker_rows(config, payload: str):
-    from .report import Row
-
-    for r in json.loads(payload)["rows"]:
-        r.pop("tbs", None)
-        config.stash[ROWS].append(Row(**r))

@@ -29,6 +29,8 @@ class OpSpec:
     nbytes: Callable  # (M, N, elem_size) -> bytes moved
     mutates: tuple = ()  # in-place ops: names of the args that are the outputs
     gate_view: Callable | None = None  # outputs -> what the gate compares (both sides), if not the outputs
+    oink: Callable = None  # (oink module, args) -> outputs: the op through Oink's public API
+    block: int = 1  # N must be a multiple of it (the FP4 blocks)
 
 
 def _fp4_code_steps(outputs):
@@ -201,79 +203,106 @@ MX_FUSED_GATE = ("mxfp4_block_ratio", "nvfp4_code_step")  # (code ratios, scale 
 
 SPECS = {
     "rmsnorm_forward": OpSpec("rmsnorm", _norm_inputs, _rmsnorm_forward_reference,
-                              lambda M, N, e: 2 * M * N * e + N * e),
+                              lambda M, N, e: 2 * M * N * e + N * e,
+                              oink=lambda o, a: (o.rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0],)),
     # the same op with an fp32 weight (mixed-precision training keeps the weight in fp32)
     "rmsnorm_forward_w32": OpSpec("rmsnorm", _norm_w32_inputs, _rmsnorm_forward_reference,
-                                  lambda M, N, e: 2 * M * N * e + N * 4),
+                                  lambda M, N, e: 2 * M * N * e + N * 4,
+                                  oink=lambda o, a: (o.rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0],)),
     # Gemma's RMSNorm: y = x_hat * (1 + w), fp32 weight
     "rmsnorm_forward_gemma": OpSpec("rmsnorm", _gemma_inputs, _gemma_reference,
-                                    lambda M, N, e: 2 * M * N * e + N * 4),
+                                    lambda M, N, e: 2 * M * N * e + N * 4,
+                                    oink=lambda o, a: (o.rmsnorm_forward(a["x"], a["weight"], eps=EPS,
+                                                                          weight_offset=1.0)[0],)),
     # an fp32 residual stream: y in x's dtype and residual_out = x + residual in fp32
     "rmsnorm_forward_res32": OpSpec(("rmsnorm", "rmsnorm"), _res32_inputs, _res32_reference,
-                                    lambda M, N, e: 2 * M * N * e + 8 * M * N + N * 4),
+                                    lambda M, N, e: 2 * M * N * e + 8 * M * N + N * 4,
+                                    oink=lambda o, a: o.rmsnorm_forward(a["x"], a["weight"], residual=a["residual"],
+                                                                        eps=EPS)[::2]),
     "fused_add_rmsnorm_": OpSpec("rmsnorm", _fused_inputs, _fused_reference,
-                                 lambda M, N, e: 4 * M * N * e + N * e, mutates=("x", "residual")),
+                                 lambda M, N, e: 4 * M * N * e + N * e, mutates=("x", "residual"),
+                                 oink=lambda o, a: (o.fused_add_rmsnorm_(a["x"], a["residual"], a["weight"], EPS),
+                                                    a["x"], a["residual"])[1:]),
     # dx and dw: every provider must compute both (a compiler would drop an unused dw)
     "rmsnorm_backward": OpSpec(("norm_backward", "weight_grad"), _bwd_inputs,
                                lambda a: _R().rmsnorm_backward(a["x"], a["weight"], a["dout"], a["rstd"])[:2],
-                               lambda M, N, e: 3 * M * N * e + 2 * N * e + 4 * M),
+                               lambda M, N, e: 3 * M * N * e + 2 * N * e + 4 * M,
+                               oink=lambda o, a: o.rmsnorm_backward(a["x"], a["weight"], a["dout"], a["rstd"])[:2]),
     "layernorm": OpSpec("layernorm", _ln_inputs,
                         lambda a: (_R().layernorm(a["x"], a["weight"], a["bias"], EPS),),
-                        lambda M, N, e: 2 * M * N * e + 2 * N * e),
+                        lambda M, N, e: 2 * M * N * e + 2 * N * e,
+                        oink=lambda o, a: (o.layernorm(a["x"], a["weight"], a["bias"], EPS),)),
     # read x, dout, weight, mean, rstd; write dx, dweight, dbias
     "layernorm_backward": OpSpec(("norm_backward", "weight_grad", "weight_grad"), _ln_bwd_inputs,
                                  lambda a: _R().layernorm_backward(a["dout"], a["x"], a["weight"], a["rstd"],
                                                                    a["mean"], a["bias"]),
-                                 lambda M, N, e: 3 * M * N * e + 8 * M + 3 * N * e),
+                                 lambda M, N, e: 3 * M * N * e + 8 * M + 3 * N * e,
+                                 oink=lambda o, a: o.layernorm_backward(a["dout"], a["x"], a["weight"], a["rstd"],
+                                                                          a["mean"], a["bias"])),
     "softmax_forward": OpSpec("softmax", _norm_inputs, lambda a: (_R().softmax_forward(a["x"]),),
-                              lambda M, N, e: 2 * M * N * e),
+                              lambda M, N, e: 2 * M * N * e,
+                              oink=lambda o, a: (o.softmax_forward(a["x"]),)),
     "softmax_backward": OpSpec("norm_backward", _softmax_bwd_inputs,
                                lambda a: (_R().softmax_backward(a["dy"], a["y"]),),
-                               lambda M, N, e: 3 * M * N * e),
+                               lambda M, N, e: 3 * M * N * e,
+                               oink=lambda o, a: (o.softmax_backward(a["dy"], a["y"]),)),
     # fused: read x and dy, write dx (y never touches memory)
     "softmax_fwd_bwd": OpSpec("norm_backward", _softmax_fwd_bwd_inputs,
                               lambda a: (_R().softmax_fwd_bwd(a["dy"], a["x"]),),
-                              lambda M, N, e: 3 * M * N * e),
+                              lambda M, N, e: 3 * M * N * e,
+                              oink=lambda o, a: (o.softmax_fwd_bwd(a["dy"], a["x"]),)),
     # read logits and int64 targets; write fp32 loss and lse
     "cross_entropy_forward": OpSpec("cross_entropy_loss", _ce_inputs,
                                     lambda a: (_R().cross_entropy_forward(a["logits"], a["target"])[0],),
-                                    lambda M, N, e: M * N * e + 8 * M + 4 * M),
+                                    lambda M, N, e: M * N * e + 8 * M + 4 * M,
+                                    oink=lambda o, a: (o.cross_entropy_forward(a["logits"], a["target"])[0],)),
     # read logits, targets, lse, dloss; write dlogits
     "cross_entropy_backward": OpSpec("softmax", _ce_bwd_inputs,
                                      lambda a: (_R().cross_entropy_backward(a["dloss"], a["logits"], a["target"],
                                                                             a["lse"]),),
-                                     lambda M, N, e: 2 * M * N * e + 16 * M),
+                                     lambda M, N, e: 2 * M * N * e + 16 * M,
+                                     oink=lambda o, a: (o.cross_entropy_backward(a["dloss"], a["logits"], a["target"],
+                                                                                  a["lse"]),)),
     # read logits, targets, dloss; write loss and dlogits
     "cross_entropy_fwd_bwd": OpSpec(("cross_entropy_loss", "softmax"), _ce_fwd_bwd_inputs,
                                     lambda a: _R().cross_entropy_fwd_bwd(a["dloss"], a["logits"], a["target"]),
-                                    lambda M, N, e: 2 * M * N * e + 16 * M),
+                                    lambda M, N, e: 2 * M * N * e + 16 * M,
+                                    oink=lambda o, a: o.cross_entropy_fwd_bwd(a["dloss"], a["logits"], a["target"])),
     # read x; write codes (half a byte an element) and one scale byte per 16. Gated to one step
     # like the fused ops: torch.compile of the reference is not bit-exact (the kernel is: tests)
     "nvfp4_quantize": OpSpec("nvfp4_code_step", _fp4_inputs,
                              lambda a: _R().nvfp4_quantize(a["x"], a["global_scale"]),
-                             lambda M, N, e: M * N * e + M * N // 2 + M * N // 16, gate_view=_fp4_code_steps),
+                             lambda M, N, e: M * N * e + M * N // 2 + M * N // 16, gate_view=_fp4_code_steps,
+                             oink=lambda o, a: o.nvfp4_quantize(a["x"], a["global_scale"]), block=16),
     # read x; write codes and one UE8M0 scale byte per 32
     "mxfp4_quantize": OpSpec("nvfp4_code_step", _mx_inputs, lambda a: _R().mxfp4_quantize(a["x"]),
-                             lambda M, N, e: M * N * e + M * N // 2 + M * N // 32, gate_view=_fp4_code_steps),
+                             lambda M, N, e: M * N * e + M * N // 2 + M * N // 32, gate_view=_fp4_code_steps,
+                             oink=lambda o, a: o.mxfp4_quantize(a["x"]), block=32),
     # read x and residual, write residual (in place), codes and scales; read the weight
     "add_rmsnorm_fp4quant": OpSpec("nvfp4_code_step", _add_rms_fp4_inputs,
                                    lambda a: _R().add_rmsnorm_fp4quant(a["x"], a["residual"], a["weight"],
                                                                        a["global_scale"], EPS),
                                    lambda M, N, e: 3 * M * N * e + M * N // 2 + M * N // 16 + N * e,
-                                   gate_view=_fp4_code_steps),
+                                   gate_view=_fp4_code_steps,
+                                   oink=lambda o, a: o.add_rmsnorm_fp4quant(a["x"], a["residual"], a["weight"],
+                                                                            a["global_scale"], EPS), block=16),
     # read x [M, 2N]; write codes and scales of the N-wide product
     "silu_mul_fp4quant": OpSpec("nvfp4_code_step", _silu_fp4_inputs,
                                 lambda a: _R().silu_mul_fp4quant(a["x"], a["global_scale"]),
                                 lambda M, N, e: 2 * M * N * e + M * N // 2 + M * N // 16,
-                                gate_view=_fp4_code_steps),
+                                gate_view=_fp4_code_steps,
+                                oink=lambda o, a: o.silu_mul_fp4quant(a["x"], a["global_scale"]), block=16),
     # the MXFP4 fused variants: the same bytes with one scale byte per 32
     "add_rmsnorm_mxfp4quant": OpSpec(MX_FUSED_GATE, _fused_inputs,
                                      lambda a: _R().add_rmsnorm_mxfp4quant(a["x"], a["residual"], a["weight"], EPS),
                                      lambda M, N, e: 3 * M * N * e + M * N // 2 + M * N // 32 + N * e,
-                                     gate_view=_mx_block_ratios),
+                                     gate_view=_mx_block_ratios,
+                                     oink=lambda o, a: o.add_rmsnorm_mxfp4quant(a["x"], a["residual"], a["weight"],
+                                                                              EPS), block=32),
     "silu_mul_mxfp4quant": OpSpec(MX_FUSED_GATE, _silu_mx_inputs, lambda a: _R().silu_mul_mxfp4quant(a["x"]),
                                   lambda M, N, e: 2 * M * N * e + M * N // 2 + M * N // 32,
-                                  gate_view=_mx_block_ratios),
+                                  gate_view=_mx_block_ratios,
+                                  oink=lambda o, a: o.silu_mul_mxfp4quant(a["x"]), block=32),
 }
 
 
@@ -312,39 +341,13 @@ def _compiled(fn):
     return torch.compile(fn)
 
 
-# Oink: every op through the public API, outputs in the reference's order.
-# bench ops that are another op's variant: (API function, call); the call defaults to the op's own
-_API_NAME = {"rmsnorm_forward_w32": "rmsnorm_forward", "rmsnorm_forward_gemma": "rmsnorm_forward",
-             "rmsnorm_forward_res32": "rmsnorm_forward"}
-_OINK_CALLS = {
-    "rmsnorm_forward": lambda f, a: (f(a["x"], a["weight"], eps=EPS)[0],),
-    "rmsnorm_forward_gemma": lambda f, a: (f(a["x"], a["weight"], eps=EPS, weight_offset=1.0)[0],),
-    "rmsnorm_forward_res32": lambda f, a: f(a["x"], a["weight"], residual=a["residual"], eps=EPS)[::2],
-    "fused_add_rmsnorm_": lambda f, a: (f(a["x"], a["residual"], a["weight"], EPS), a["x"], a["residual"])[1:],
-    "rmsnorm_backward": lambda f, a: f(a["x"], a["weight"], a["dout"], a["rstd"])[:2],
-    "layernorm": lambda f, a: (f(a["x"], a["weight"], a["bias"], EPS),),
-    "layernorm_backward": lambda f, a: f(a["dout"], a["x"], a["weight"], a["rstd"], a["mean"], a["bias"]),
-    "softmax_forward": lambda f, a: (f(a["x"]),),
-    "softmax_backward": lambda f, a: (f(a["dy"], a["y"]),),
-    "softmax_fwd_bwd": lambda f, a: (f(a["dy"], a["x"]),),
-    "cross_entropy_forward": lambda f, a: (f(a["logits"], a["target"])[0],),
-    "cross_entropy_backward": lambda f, a: (f(a["dloss"], a["logits"], a["target"], a["lse"]),),
-    "cross_entropy_fwd_bwd": lambda f, a: f(a["dloss"], a["logits"], a["target"]),
-    "nvfp4_quantize": lambda f, a: f(a["x"], a["global_scale"]),
-    "add_rmsnorm_fp4quant": lambda f, a: f(a["x"], a["residual"], a["weight"], a["global_scale"], EPS),
-    "silu_mul_fp4quant": lambda f, a: f(a["x"], a["global_scale"]),
-    "mxfp4_quantize": lambda f, a: f(a["x"]),
-    "add_rmsnorm_mxfp4quant": lambda f, a: f(a["x"], a["residual"], a["weight"], EPS),
-    "silu_mul_mxfp4quant": lambda f, a: f(a["x"]),
-}
 
 for _op in SPECS:
     def _oink_builder(device, _op=_op):
         import oink
 
-        name = _API_NAME.get(_op, _op)
-        f, call = getattr(oink, name), _OINK_CALLS.get(_op, _OINK_CALLS[name])
-        return lambda a: call(f, a)
+        call = SPECS[_op].oink
+        return lambda a: call(oink, a)
 
     provider(_op, "oink")(_oink_builder)
 

@@ -1,16 +1,7 @@
-"""The one registry of benchmark shape suites. No torch here."""
+"""The one registry of benchmark shape suites. No torch here; the ops are the bench specs' (providers.SPECS)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-# Ops the benchmark knows how to drive (see providers.py); suites pick among them.
-BENCH_OPS = ("rmsnorm_forward", "rmsnorm_forward_w32", "rmsnorm_forward_gemma", "rmsnorm_forward_res32",
-             "fused_add_rmsnorm_", "rmsnorm_backward", "layernorm", "layernorm_backward", "softmax_forward", "softmax_backward", "softmax_fwd_bwd", "cross_entropy_forward",
-             "cross_entropy_backward", "cross_entropy_fwd_bwd", "nvfp4_quantize", "add_rmsnorm_fp4quant",
-             "silu_mul_fp4quant", "mxfp4_quantize", "add_rmsnorm_mxfp4quant", "silu_mul_mxfp4quant")
-FP4_OPS = ("nvfp4_quantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant", "mxfp4_quantize", "add_rmsnorm_mxfp4quant",
-           "silu_mul_mxfp4quant")
-
 
 @dataclass(frozen=True)
 class Case:
@@ -75,17 +66,26 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def bench_ops() -> tuple[str, ...]:
+    """The ops the benchmark knows how to drive: one spec each in providers.SPECS."""
+    from .providers import SPECS
+
+    return tuple(SPECS)
+
+
 def expand(suite: str, ops=None, configs=None, dtype: str = "bfloat16") -> list[Case]:
+    from .providers import SPECS
+
     if suite not in SUITES:
         raise ValueError(f"--oink-suite={suite!r}: known suites are {', '.join(SUITES)}")
-    unknown = [op for op in (ops or []) if op not in BENCH_OPS]
+    unknown = [op for op in (ops or []) if op not in SPECS]
     if unknown:
-        raise ValueError(f"--oink-ops: unknown {unknown}; known: {', '.join(BENCH_OPS)}")
+        raise ValueError(f"--oink-ops: unknown {unknown}; known: {', '.join(SPECS)}")
     cases = []
-    for op in ops or BENCH_OPS:
+    for op in ops or SPECS:
         shapes = parse_configs(configs) if configs else SUITES[suite](op)
         for M, N in shapes:
-            if op in FP4_OPS and N % (32 if "mxfp4" in op else 16):
+            if N % SPECS[op].block:  # FP4 blocks must tile the row
                 continue
             cases.append(Case(suite, op, M, N, dtype))
     return cases

@@ -1,10 +1,16 @@
 """pytest-xdist hooks (registered only when xdist is active): collect workers' benchmark rows."""
 from __future__ import annotations
 
+import json
+
+from .state import ROWS
+
 
 def pytest_testnodedown(node, error):
-    from .plugin import merge_worker_rows
-
     payload = getattr(node, "workeroutput", {}).get("oink_rows")
     if payload:
-        merge_worker_rows(node.config, payload)
+        from .report import Row
+
+        for r in json.loads(payload)["rows"]:
+            r.pop("tbs", None)
+            node.config.stash[ROWS].append(Row(**r))

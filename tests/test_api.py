@@ -46,9 +46,10 @@ def inputs(op, M=4, N=32, dtype=torch.float32):
 
 
 def all_ops():
-    from oink.api import PUBLIC_OPS
+    import oink.ops  # noqa: F401  (the declarations)
+    from oink.declare import PUBLIC
 
-    return PUBLIC_OPS
+    return tuple(PUBLIC)
 
 
 def clone_args(args):
@@ -74,6 +75,69 @@ def test_public_op_matches_reference_on_cpu(op):
     for k in args:  # in-place ops mutate the same way
         if isinstance(args[k], torch.Tensor):
             assert torch.equal(args[k], ref_args[k]), k
+
+
+def dispatched(fn) -> set[str]:
+    """The torch.ops.oink ops the dispatcher ran during ``fn()``."""
+    with torch.autograd.profiler.profile() as prof:
+        fn()
+    return {e.name for e in prof.function_events if e.name.startswith("oink::")}
+
+
+@pytest.mark.parametrize("op", all_ops())
+def test_eager_call_skips_the_dispatcher_and_the_op_path_agrees(op, monkeypatch):
+    from oink import declare
+
+    args = inputs(op)
+    eager_args, op_args = clone_args(args), clone_args(args)
+    fn = getattr(oink, op)
+    assert dispatched(lambda: fn(**clone_args(args))) == set()
+    eager = fn(**eager_args)
+    # what torch.compile, dispatch modes and functorch transforms take: the custom op
+    monkeypatch.setattr(declare, "_eager", lambda values: False)
+    box = []
+    assert dispatched(lambda: box.append(fn(**op_args))) == {f"oink::{fn.op.op_name}"}
+    assert_same(eager, box[0])
+    for k in args:  # the same mutations either way
+        if isinstance(args[k], torch.Tensor):
+            assert torch.equal(eager_args[k], op_args[k]), k
+
+
+def test_differentiable_ops_keep_the_op_when_a_graph_is_needed():
+    x, w = torch.randn(4, 32, requires_grad=True), torch.randn(32)
+    assert dispatched(lambda: oink.softmax_forward(x).sum().backward()) >= {"oink::softmax_forward",
+                                                                              "oink::softmax_backward"}
+    assert torch.allclose(x.grad, torch.zeros_like(x), atol=1e-6)  # softmax rows sum to 1: zero gradient
+    with torch.no_grad():
+        assert dispatched(lambda: oink.rmsnorm_forward(x, w)) == set()
+        assert oink.layernorm(x, w).grad_fn is None
+    assert oink.layernorm(x, w).grad_fn is not None
+
+
+def test_modes_and_fake_tensors_take_the_op():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        y, rstd, mean = oink.layernorm(torch.empty(4, 32), torch.empty(32), return_rstd=True, return_mean=True)
+    assert isinstance(y, FakeTensor) and rstd.shape == mean.shape == (4,)
+
+
+@pytest.mark.parametrize("op", all_ops())
+def test_public_signature_is_the_references(op):
+    import inspect
+
+    pub, ref = inspect.signature(getattr(oink, op)).parameters, inspect.signature(getattr(R, op)).parameters
+    assert [(n, p.default) for n, p in pub.items()] == [(n, p.default) for n, p in ref.items()]
+
+
+def test_namespace_comes_from_the_declarations():
+    from oink.declare import PUBLIC
+
+    assert set(PUBLIC) <= set(oink.__all__) and set(PUBLIC) <= set(dir(oink))
+    assert oink.rmsnorm_forward.__doc__ and oink.rmsnorm_forward.op.op_name == "rmsnorm_forward"
+    assert oink.fused_add_rmsnorm_.op.op_name == "fused_add_rms_norm"
+    with pytest.raises(AttributeError):
+        oink.no_such_op
 
 
 @pytest.mark.parametrize("op", all_ops())

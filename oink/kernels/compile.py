@@ -99,17 +99,28 @@ BLOCK_THREADS: dict[int, int] = {}
 
 def compile_kernel(kernel_obj, *fake_args, arch: str):
     """``cute.compile`` for an explicit arch, independent of the process's CUTE_DSL_ARCH.
-    ``OINK_KEEP_CUBIN=1`` keeps the cubin on the compiled function (kernel profiles read it)."""
+    ``OINK_KEEP_CUBIN=1`` keeps the cubin on the compiled function (kernel profiles read it); the
+    files CuTeDSL writes beside it go to ``dump_dir()``."""
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch {arch!r}: expected one of {SUPPORTED_ARCHS}")
     options = f"--gpu-arch {arch}"
-    if config.get().keep_cubin:
-        options += " --keep-cubin"
+    if config.get().keep_cubin:  # the dumps go to a temp directory, never the working directory
+        options += f" --keep-cubin --dump-dir={dump_dir()}"
     fn = cute.compile(kernel_obj, *fake_args, options=options)
     launch = getattr(kernel_obj, "launch", None)
     if launch is not None:
         BLOCK_THREADS[id(fn)] = launch.num_threads
     return fn
+
+
+def dump_dir() -> str:
+    """Where ``OINK_KEEP_CUBIN=1`` compiles leave their files."""
+    import os
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), "oink-kernels")
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def current_stream(device):

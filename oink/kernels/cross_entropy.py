@@ -22,9 +22,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
-from .reduction import RowLaunch, pick_row_launch
-from .rmsnorm import MAX_N, RMSNormForward
-from .softmax import LOG2E, Softmax
+from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, pick_row_launch
 
 MODES = ("forward", "backward", "fwd_bwd")
 
@@ -34,16 +32,16 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str) -> RowLaunch:
     return pick_row_launch(N, x_bits)
 
 
-class CrossEntropy(Softmax):
-    """Reuses the norm kernels' tiling and row copies, and the softmax's row max / exp-sum."""
+class CrossEntropy(RowKernelBase):
+    """Loss and lse (forward), dlogits (backward), or both in one pass (fwd_bwd)."""
 
     def __init__(self, launch: RowLaunch, dtype, target_dtype, mode: str):
-        RMSNormForward.__init__(self, launch, dtype, None, None, None, dtype, None, False)
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        super().__init__(launch, num_reductions=0 if mode == "backward" else 2)
+        self.x_dtype = dtype
         self.mode = mode
         self.target_dtype = target_dtype
-        self.num_reductions = 0 if mode == "backward" else 2
 
     @cute.jit
     def __call__(self, px: cute.Pointer, ptarget: cute.Pointer, pdloss: Optional[cute.Pointer],

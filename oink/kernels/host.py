@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .compile import cute_dtype, runtime_ptr
-from .rmsnorm import MAX_N
+from .reduction import MAX_N
 
 
 def dtype_name(t: torch.Tensor | None) -> str | None:

@@ -25,7 +25,6 @@ scales as one byte a block, row-major or in the 128x4 swizzled layout (``swizzle
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -37,12 +36,11 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
-from .reduction import RowKernelBase, RowLaunch, pick_row_launch
-from .rmsnorm import MAX_N, RMSNormForward
+from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, pick_row_launch
+from .rmsnorm import RMSNormForward
 
 BLOCK = 16  # NVFP4
 MX_BLOCK = 32  # MXFP4
-LOG2E = math.log2(math.e)
 ONE_SIXTH = 0.1666666716337204  # float32(1/6), as the reference uses it
 MODES = ("quantize", "silu_mul")
 

@@ -19,6 +19,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 WARP = 32
 MAX_CLUSTER = 8  # the portable cluster size on SM90 and SM100
+MAX_N = 262144  # the widest row the row kernels take (wider rows use the reference)
+LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,16 @@ class RowKernelBase:
         loop that reduces repeatedly alternates two slots (so no one overwrites a slot still
         being read) and passes each slot's mbarrier ``phase`` (0, 1, 0, ... per reuse)."""
         return self.row_allreduce_pair(val, None, op, init, buf, mbar, slot, None, phase)[0]
+
+    @cute.jit
+    def row_exp_sum(self, x, buf, mbar):
+        """(row max m, exp(x - m), the row's sum of it): reduction slots 0 and 1 (softmax and
+        cross-entropy)."""
+        m = x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
+        m = self.row_allreduce(m, fmax, Float32(-math.inf), buf, mbar, 0)
+        e = cute.math.exp2((x - m) * LOG2E, fastmath=True)
+        s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        return m, e, self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
 
     @cute.jit
     def row_allreduce_pair(self, a: Float32, b, op: cutlass.Constexpr, init: Float32, buf, mbar, slot_a,

@@ -18,9 +18,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
-from .reduction import RowKernelBase, RowLaunch, add, pick_row_launch, whole_warp_rows
-
-MAX_N = 262144
+from .reduction import MAX_N, RowKernelBase, RowLaunch, add, pick_row_launch, whole_warp_rows
 
 
 def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: bool = False) -> RowLaunch:

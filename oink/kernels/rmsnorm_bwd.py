@@ -24,8 +24,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
-from .reduction import RowLaunch, add, pick_row_launch, whole_warp_rows
-from .rmsnorm import MAX_N, RMSNormForward
+from .reduction import MAX_N, RowLaunch, add, pick_row_launch, whole_warp_rows
+from .rmsnorm import RMSNormForward
 
 # Tuning knobs per family: (128-bit units per thread, resident threads per SM the persistent grid
 # is sized for, pipeline depth), measured on H100 with scripts/gpu_sweep.sh (bench/RESULTS.md).

@@ -15,11 +15,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
-from .reduction import RowLaunch, add, fmax, pick_row_launch
-from .rmsnorm import MAX_N, RMSNormForward
+from .reduction import MAX_N, RowKernelBase, RowLaunch, add, pick_row_launch
 
 MODES = ("forward", "backward", "fwd_bwd")
-LOG2E = math.log2(math.e)
 
 
 def softmax_launch(N: int, x_bits: int, arch: str) -> RowLaunch:
@@ -27,24 +25,15 @@ def softmax_launch(N: int, x_bits: int, arch: str) -> RowLaunch:
     return pick_row_launch(N, x_bits)
 
 
-class Softmax(RMSNormForward):
-    """Reuses the norm kernels' tiling and predicated 128-bit row copies."""
+class Softmax(RowKernelBase):
+    """Softmax forward, backward, and the backward from x (the forward recomputed)."""
 
     def __init__(self, launch: RowLaunch, dtype, mode: str):
-        RMSNormForward.__init__(self, launch, dtype, None, None, None, dtype, None, False)
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        super().__init__(launch, num_reductions={"forward": 2, "backward": 1, "fwd_bwd": 3}[mode])
+        self.x_dtype = dtype
         self.mode = mode
-        self.num_reductions = {"forward": 2, "backward": 1, "fwd_bwd": 3}[mode]
-
-    @cute.jit
-    def row_exp_sum(self, x, buf, mbar):
-        """(row max m, exp(x - m), the row's sum of it): reduction slots 0 and 1."""
-        m = x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
-        m = self.row_allreduce(m, fmax, Float32(-math.inf), buf, mbar, 0)
-        e = cute.math.exp2((x - m) * LOG2E, fastmath=True)
-        s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-        return m, e, self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
 
     @cute.jit
     def __call__(self, pa: cute.Pointer, pb: cute.Pointer, pout: cute.Pointer, M: Int32, lda: Int64, ldb: Int64,

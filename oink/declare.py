@@ -1,0 +1,191 @@
+"""One declaration per op: ``@declare(schema, ...)`` over the op's validation function.
+
+The decorated function's signature is the public one (``oink.<name>``, the reference's), its
+docstring the public docs, its body the metadata checks (run on FakeTensors too). From it come:
+
+- ``torch.ops.oink.<op>``: defined from ``schema`` on one ``torch.library.Library`` with a
+  CompositeExplicitAutograd kernel (one Python hop: several times cheaper than ``custom_op``),
+  a fake built from ``fake``, and autograd where the op registers it;
+- the public function ``oink.<name>``: in eager mode it validates once and goes straight to
+  ``dispatch.call`` (kernel or reference); under torch.compile, inside a dispatch mode or a
+  functorch transform, with tensor subclasses, or when a differentiable op must record a graph, it
+  calls the custom op instead;
+- the dispatch route (``kernels``: the module whose CHECKS/RUNNERS serve it) and ``oink.explain``.
+
+Optional outputs: the custom op can't return None, so an output not asked for is an empty tensor
+of the first input's dtype (the fake follows the same rule); ``to_public`` turns the op's outputs
+back into the public ones (None where not asked for).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from . import dispatch
+
+LIB = torch.library.Library("oink", "DEF")
+PUBLIC: dict[str, "Op"] = {}  # name -> op, for every public oink.<name>
+OPS: dict[str, "Op"] = {}  # torch.ops.oink.<op_name> -> its declaration
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _eager(values) -> bool:
+    """Whether a call may skip the dispatcher: plain tensors, no compile, mode or transform."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return all(type(v) in _PLAIN for v in values if isinstance(v, Tensor))
+
+
+def _needs_graph(values) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(v, Tensor) and v.requires_grad for v in values)
+
+
+class Op:
+    """An op as declared: see the module docstring."""
+
+    def __init__(self, check: Callable, schema: str, *, kernels: str | None, fake: Callable | None,
+                 route: str | None = None, fixed: dict | None = None, to_public: Callable | None = None,
+                 check_values: Callable | None = None, public: bool = True):
+        self.name = check.__name__
+        self.check = check
+        self.signature = inspect.signature(check)
+        self.route = route or self.name
+        self.fixed = fixed or {}
+        self.to_public = to_public
+        self.check_values = check_values
+        self.differentiable = False  # set by differentiable()
+        parsed = torch._C.parse_schema(f"oink::{schema}")
+        self.op_name = parsed.name.split("::")[1]
+        self.op_params = tuple(a.name for a in parsed.arguments)
+        self.n_out = len(parsed.returns)
+        self.defaults = {n: p.default for n, p in self.signature.parameters.items()
+                         if p.default is not inspect.Parameter.empty}
+        unknown = set(self.op_params) - set(self.signature.parameters)
+        if unknown:
+            raise TypeError(f"{self.name}: schema arguments {sorted(unknown)} are not parameters of the op")
+        if kernels is not None:
+            dispatch.KERNEL_MODULES[self.route] = kernels
+        LIB.define(schema)
+        LIB.impl(self.op_name, self._impl, "CompositeExplicitAutograd")
+        if fake is not None:
+            torch.library.register_fake(f"oink::{self.op_name}", self._fake(fake), lib=LIB)
+        self.op = getattr(getattr(torch.ops.oink, self.op_name), "default")
+        OPS[self.op_name] = self
+        self.function = None
+        if public:
+            PUBLIC[self.name] = self
+            self.function = _public_function(self)
+
+    # -- torch.ops.oink.<op_name>
+    def _bind_op(self, args) -> dict:
+        return {**self.defaults, **dict(zip(self.op_params, args))}
+
+    def _impl(self, *args):
+        a = self._bind_op(args)
+        self.check(**a)
+        if self.check_values is not None:
+            self.check_values(**a)
+        out = dispatch.call(self.route, **{**a, **self.fixed})
+        if self.n_out == 0:
+            return None
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if self.n_out == 1:
+            return outs[0]
+        res = [outs[i] if i < len(outs) else None for i in range(self.n_out)]
+        if any(t is None for t in res):  # outputs must not alias: one placeholder each
+            first = _first_tensor(args)
+            res = [first.new_empty(0) if t is None else t for t in res]
+        return tuple(res)
+
+    def _fake(self, fake: Callable) -> Callable:
+        def checked_fake(*args):
+            self.check(**self._bind_op(args))
+            return fake(*args)
+
+        return checked_fake
+
+    # -- oink.<name>
+    def __call__(self, a: dict):
+        values = a.values()
+        if _eager(values) and not (self.differentiable and _needs_graph(values)):
+            self.check(**a)
+            if self.check_values is not None:
+                self.check_values(**a)
+            out = dispatch.call(self.route, **({**a, **self.fixed} if self.fixed else a))
+        else:
+            out = self.op(*[a[n] for n in self.op_params])
+        return self.to_public(out, a) if self.to_public is not None else out
+
+    def explain(self, *args, **kwargs) -> str:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()  # the kernel checks read every argument by name, defaults included
+        return str(dispatch.route(self.route, {**bound.arguments, **self.fixed}))
+
+
+def differentiable(op_name: str, backward: Callable, setup_context: Callable) -> None:
+    """Register an op's backward (the eager path then keeps the op when a graph is needed)."""
+    torch.library.register_autograd(f"oink::{op_name}", backward, setup_context=setup_context, lib=LIB)
+    OPS[op_name].differentiable = True
+
+
+def not_differentiable(op_name: str) -> None:
+    """Outputs that are gradients, statistics or codes: marked non-differentiable, so a call on
+    inputs that require grad compiles (AOTAutograd needs a formula) and never backpropagates."""
+    torch.library.register_autograd(f"oink::{op_name}", _refuse_backward, setup_context=_mark_outputs, lib=LIB)
+
+
+def _mark_outputs(ctx, inputs, output):
+    outs = output if isinstance(output, (tuple, list)) else (output,)
+    ctx.mark_non_differentiable(*outs)
+
+
+def _refuse_backward(ctx, *grads):
+    raise RuntimeError("this oink op is not differentiable (its outputs were marked so)")
+
+
+def _first_tensor(args) -> Tensor:
+    return next(a for a in args if isinstance(a, Tensor))
+
+
+def _public_function(op: Op) -> Callable:
+    """A function with the declared signature whose body collects its arguments into a dict for
+    ``op`` (generated, so a call costs no ``inspect`` binding)."""
+    params, seen_kw = [], False
+    for n, p in op.signature.parameters.items():
+        if p.kind is p.KEYWORD_ONLY and not seen_kw:
+            params.append("*")
+            seen_kw = True
+        params.append(f"{n}=_defaults[{n!r}]" if n in op.defaults else n)
+    body = ", ".join(f"{n!r}: {n}" for n in op.signature.parameters)
+    src = f"def {op.name}({', '.join(params)}):\n    return _call({{{body}}})\n"
+    scope = {"_defaults": op.defaults, "_call": op.__call__}
+    exec(src, scope)  # noqa: S102  (the source is built from a declared signature only)
+    fn = scope[op.name]
+    fn.__doc__, fn.__module__, fn.__qualname__ = op.check.__doc__, "oink", op.name
+    fn.__signature__ = op.signature
+    return fn
+
+
+def declare(schema: str, **kw) -> Callable[[Callable], Callable]:
+    """Decorator: the op declared by its validation function; see the module docstring. Gives the
+    public function (the check function for an op that is not public), with the ``Op`` as ``.op``."""
+    def wrap(check: Callable) -> Callable:
+        op = Op(check, schema, **kw)
+        fn = op.function if op.name in PUBLIC else check
+        fn.op = op
+        return fn
+
+    return wrap
+
+
+def explain(op: str, *args, **kwargs) -> str:
+    """Why ``oink.<op>(*args, **kwargs)`` would run the kernel or the reference."""
+    if op not in PUBLIC:
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(PUBLIC)}")
+    return PUBLIC[op].explain(*args, **kwargs)
