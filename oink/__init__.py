@@ -37,7 +37,9 @@ def __getattr__(name: str):
     import importlib
 
     if name in _NN:
-        return getattr(importlib.import_module(".nn", __name__), name)
+        value = getattr(importlib.import_module(".nn", __name__), name)
+        globals()[name] = value  # found once: later lookups skip this function
+        return value
     if name == "reference":
         return importlib.import_module(".reference", __name__)
     if name.startswith("_") and name != "__all__":
@@ -47,9 +49,11 @@ def __getattr__(name: str):
     if name == "__all__":
         return [*declared, "explain", *_NN, "reference", "register"]
     if name == "explain":
+        globals()[name] = ops.explain
         return ops.explain
     if name in declared:
-        return getattr(ops, name)
+        globals()[name] = getattr(ops, name)
+        return globals()[name]
     raise AttributeError(f"module 'oink' has no attribute {name!r}")
 
 

@@ -33,13 +33,18 @@ OPS: dict[str, "Op"] = {}  # torch.ops.oink.<op_name> -> its declaration
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
-def _eager(values) -> bool:
-    """Whether a call may skip the dispatcher: plain tensors, no compile, mode or transform."""
+def _eager(values, differentiable: bool = False) -> bool:
+    """Whether a call may skip the dispatcher: plain tensors, no compile, dispatch mode or functorch
+    transform, and (for a differentiable op) no autograd graph to record."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     if torch._C._are_functorch_transforms_active():
         return False
-    return all(type(v) in _PLAIN for v in values if isinstance(v, Tensor))
+    grad = differentiable and torch.is_grad_enabled()
+    for v in values:
+        if isinstance(v, Tensor) and (type(v) not in _PLAIN or (grad and v.requires_grad)):
+            return False
+    return True
 
 
 def _needs_graph(values) -> bool:
@@ -112,8 +117,7 @@ class Op:
 
     # -- oink.<name>
     def __call__(self, a: dict):
-        values = a.values()
-        if _eager(values) and not (self.differentiable and _needs_graph(values)):
+        if _eager(a.values(), self.differentiable):
             self.check(**a)
             if self.check_values is not None:
                 self.check_values(**a)

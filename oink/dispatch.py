@@ -50,22 +50,26 @@ def device_arch(index: int) -> tuple[str | None, str]:
     return arch_for_capability(major, minor), f"{major}.{minor}"
 
 
-def route(op: str, tensors: dict) -> Route:
-    present = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+def route(op: str, args: dict) -> Route:
     if config.get().force_reference:
         r = Route(op, "reference", "forced by OINK_FORCE_REFERENCE")
     else:
-        device = next(iter(present.values())).device if present else torch.device("cpu")
-        r = _route_device(op, device, tensors)
+        device = next((v.device for v in args.values() if isinstance(v, torch.Tensor)), None)
+        r = _route_device(op, device if device is not None else torch.device("cpu"), args)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s", r)
     return r
 
 
+@functools.lru_cache(maxsize=None)
+def _off_gpu(op: str, device_type: str) -> Route:
+    return Route(op, "reference", f"{device_type} tensors: kernels run on CUDA only")
+
+
 def _route_device(op: str, device: torch.device, args: dict) -> Route:
     """``args``: the op's arguments by name (tensors and scalars; the kernel checks read both)."""
     if device.type != "cuda":
-        return Route(op, "reference", f"{device.type} tensors: kernels run on CUDA only")
+        return _off_gpu(op, device.type)
     arch, cap = device_arch(device.index if device.index is not None else torch.cuda.current_device())
     if arch is None:
         return Route(op, "reference", f"compute capability {cap}: kernels target sm_90a and sm_100a")
