@@ -56,7 +56,8 @@ class Op:
 
     def __init__(self, check: Callable, schema: str, *, kernels: str | None, fake: Callable | None,
                  route: str | None = None, fixed: dict | None = None, to_public: Callable | None = None,
-                 check_values: Callable | None = None, public: bool = True):
+                 check_values: Callable | None = None, public: bool = True, backward: tuple | None = None,
+                 autograd: bool = True):
         self.name = check.__name__
         self.check = check
         self.signature = inspect.signature(check)
@@ -64,7 +65,6 @@ class Op:
         self.fixed = fixed or {}
         self.to_public = to_public
         self.check_values = check_values
-        self.differentiable = False  # set by differentiable()
         parsed = torch._C.parse_schema(f"oink::{schema}")
         self.op_name = parsed.name.split("::")[1]
         self.op_params = tuple(a.name for a in parsed.arguments)
@@ -82,6 +82,14 @@ class Op:
             torch.library.register_fake(f"oink::{self.op_name}", self._fake(fake), lib=LIB)
         self.op = getattr(getattr(torch.ops.oink, self.op_name), "default")
         OPS[self.op_name] = self
+        self.differentiable = backward is not None
+        if backward is not None:  # (backward, setup_context) of torch.library.register_autograd
+            torch.library.register_autograd(f"oink::{self.op_name}", backward[0], setup_context=backward[1], lib=LIB)
+        elif autograd and not any(a.alias_info and a.alias_info.is_write for a in parsed.arguments):
+            # outputs that are gradients, statistics or codes: marked non-differentiable, so a call on
+            # inputs that require grad compiles (AOTAutograd needs a formula) and never backpropagates
+            torch.library.register_autograd(f"oink::{self.op_name}", _refuse_backward, setup_context=_mark_outputs,
+                                            lib=LIB)
         self.function = None
         if public:
             PUBLIC[self.name] = self
@@ -130,18 +138,6 @@ class Op:
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()  # the kernel checks read every argument by name, defaults included
         return str(dispatch.route(self.route, {**bound.arguments, **self.fixed}))
-
-
-def differentiable(op_name: str, backward: Callable, setup_context: Callable) -> None:
-    """Register an op's backward (the eager path then keeps the op when a graph is needed)."""
-    torch.library.register_autograd(f"oink::{op_name}", backward, setup_context=setup_context, lib=LIB)
-    OPS[op_name].differentiable = True
-
-
-def not_differentiable(op_name: str) -> None:
-    """Outputs that are gradients, statistics or codes: marked non-differentiable, so a call on
-    inputs that require grad compiles (AOTAutograd needs a formula) and never backpropagates."""
-    torch.library.register_autograd(f"oink::{op_name}", _refuse_backward, setup_context=_mark_outputs, lib=LIB)
 
 
 def _mark_outputs(ctx, inputs, output):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from . import checks as c
-from .declare import PUBLIC, declare, differentiable, explain, not_differentiable  # noqa: F401
+from .declare import PUBLIC, declare, explain  # noqa: F401
+from .reference import fp8 as fp8_spec
 from .reference.cross_entropy import REDUCTIONS
 from .reference.nvfp4 import round_up
 
@@ -18,6 +19,7 @@ NORMS = "oink.kernels.rmsnorm_ops"
 SOFTMAX = "oink.kernels.softmax_ops"
 CROSS_ENTROPY = "oink.kernels.cross_entropy_ops"
 FP4 = "oink.kernels.nvfp4_ops"
+FP8 = None  # "oink.kernels.fp8_ops" once its kernels have run on a GPU
 
 
 def _like(x, dtype=None):
@@ -31,6 +33,59 @@ def _absent(x):
 
 def _keep(t, wanted: bool):
     return t if wanted else None
+
+
+# ---------------------------------------------------------------- autograd of the differentiable ops
+def _rmsnorm_setup(ctx, inputs, output):
+    x, weight, bias, residual, eps, store_rstd, out_dtype, residual_dtype, weight_offset = inputs
+    y, rstd, res_out = output
+    if not store_rstd:
+        raise RuntimeError("oink::rmsnorm_forward needs store_rstd=True to be differentiated")
+    ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
+    ctx.normed_res_out = residual is not None or residual_dtype is not None  # the norm was of res_out
+    ctx.x_dtype = x.dtype
+    ctx.res_dtype = residual.dtype if residual is not None else None
+    ctx.bias_meta = (bias.shape, bias.dtype) if bias is not None else None
+    ctx.weight_offset = weight_offset
+    ctx.save_for_backward(res_out if ctx.normed_res_out else x, weight, rstd)
+
+
+def _rmsnorm_backward(ctx, dy, drstd, dres_out):
+    h, weight, rstd = ctx.saved_tensors
+    dres = dres_out if ctx.normed_res_out and dres_out is not None and dres_out.numel() else None
+    dh, dw, db = torch.ops.oink.rmsnorm_backward(h, weight, dy.contiguous(), rstd, dres, ctx.has_bias,
+                                                 ctx.weight_offset)
+    dx = dh.to(ctx.x_dtype)
+    dresidual = dh.to(ctx.res_dtype) if ctx.has_residual else None
+    if ctx.has_bias:  # db comes in the weight's shape and dtype: a [D] bias beside [H, D] weights sums heads
+        shape, dtype = ctx.bias_meta
+        db = db.reshape(-1, *shape).sum(0).to(dtype)
+    else:
+        db = None
+    return (dx, dw if weight is not None else None, db, dresidual, None, None, None, None, None)
+
+
+def _layernorm_setup(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    _, rstd, mean = output
+    ctx.mark_non_differentiable(rstd, mean)  # statistics are outputs for reuse, not differentiated
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, weight, rstd, mean, bias)
+
+
+def _layernorm_backward(ctx, dy, _drstd, _dmean):
+    x, weight, rstd, mean, bias = ctx.saved_tensors
+    dx, dw, db = torch.ops.oink.layernorm_backward(dy.contiguous(), x, weight, rstd, mean, bias)
+    return dx, dw, (db if ctx.has_bias else None), None
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _softmax_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return torch.ops.oink.softmax_backward(dy.contiguous(), y)
 
 
 # ---------------------------------------------------------------- RMSNorm
@@ -47,7 +102,7 @@ def _fake_rmsnorm_forward(x, weight, bias, residual, eps, store_rstd, out_dtype=
 @declare("rmsnorm_forward(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool store_rstd, "
          "ScalarType? out_dtype=None, ScalarType? residual_dtype=None, float weight_offset=0.) "
          "-> (Tensor, Tensor, Tensor)",
-         kernels=NORMS, fake=_fake_rmsnorm_forward,
+         kernels=NORMS, fake=_fake_rmsnorm_forward, backward=(_rmsnorm_backward, _rmsnorm_setup),
          to_public=lambda o, a: (o[0], _keep(o[1], a["store_rstd"]),
                                  _keep(o[2], a["residual"] is not None or a["residual_dtype"] is not None)))
 def rmsnorm_forward(x, weight=None, bias=None, residual=None, eps=1e-6, store_rstd=False, *, out_dtype=None,
@@ -69,7 +124,7 @@ def rmsnorm_forward(x, weight=None, bias=None, residual=None, eps=1e-6, store_rs
 
 
 @declare("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor", kernels=None, route="rmsnorm_forward",
-         fake=lambda x, weight, eps: torch.empty_like(x), public=False)
+         fake=lambda x, weight, eps: torch.empty_like(x), public=False, autograd=False)
 def rmsnorm(x, weight, eps):
     """vLLM's op: y = rmsnorm(x) * weight (its schema is vLLM's; don't change it)."""
     rmsnorm_forward.op.check(x, weight, eps=eps)
@@ -125,6 +180,7 @@ def _layernorm_outputs(o, a):
 
 @declare("layernorm(Tensor x, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
          kernels=NORMS, fake=_fake_layernorm, fixed={"return_rstd": True, "return_mean": True},
+         backward=(_layernorm_backward, _layernorm_setup),
          to_public=_layernorm_outputs)
 def layernorm(x, weight, bias=None, eps=1e-6, return_rstd=False, return_mean=False):
     """-> y, or (y, rstd) / (y, mean) / (y, rstd, mean) when asked."""
@@ -158,7 +214,8 @@ def layernorm_backward(dout, x, weight, rstd, mean, bias=None):
 
 
 # ---------------------------------------------------------------- Softmax
-@declare("softmax_forward(Tensor x) -> Tensor", kernels=SOFTMAX, fake=lambda x: torch.empty_like(x))
+@declare("softmax_forward(Tensor x) -> Tensor", kernels=SOFTMAX, fake=lambda x: torch.empty_like(x),
+         backward=(_softmax_backward, _softmax_setup))
 def softmax_forward(x):
     """Softmax over the last dim, in x's dtype."""
     c.rows_input("x", x)
@@ -393,65 +450,81 @@ def silu_mul_mxfp4quant(x, swizzled=False):
     _gate_up("x", x, c.multiple_of_32)
 
 
-# ---------------------------------------------------------------- autograd
-def _rmsnorm_setup(ctx, inputs, output):
-    x, weight, bias, residual, eps, store_rstd, out_dtype, residual_dtype, weight_offset = inputs
-    y, rstd, res_out = output
-    if not store_rstd:
-        raise RuntimeError("oink::rmsnorm_forward needs store_rstd=True to be differentiated")
-    ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
-    ctx.normed_res_out = residual is not None or residual_dtype is not None  # the norm was of res_out
-    ctx.x_dtype = x.dtype
-    ctx.res_dtype = residual.dtype if residual is not None else None
-    ctx.bias_meta = (bias.shape, bias.dtype) if bias is not None else None
-    ctx.weight_offset = weight_offset
-    ctx.save_for_backward(res_out if ctx.normed_res_out else x, weight, rstd)
+# ---------------------------------------------------------------- FP8 (float8_e4m3fn codes, fp32 scales)
+def _fp8_check(name, x, N, scale, group_size, column_major_scales, ue8m0, scale_ub):
+    fp8_spec.check_args(N, scale, group_size, column_major_scales, ue8m0, scale_ub, name)
+    if scale is not None:
+        c.global_scale("scale", scale, x.device)
+    if scale_ub is not None:
+        c.global_scale("scale_ub", scale_ub, x.device)
 
 
-def _rmsnorm_backward(ctx, dy, drstd, dres_out):
-    h, weight, rstd = ctx.saved_tensors
-    dres = dres_out if ctx.normed_res_out and dres_out is not None and dres_out.numel() else None
-    dh, dw, db = torch.ops.oink.rmsnorm_backward(h, weight, dy.contiguous(), rstd, dres, ctx.has_bias,
-                                                 ctx.weight_offset)
-    dx = dh.to(ctx.x_dtype)
-    dresidual = dh.to(ctx.res_dtype) if ctx.has_residual else None
-    if ctx.has_bias:  # db comes in the weight's shape and dtype: a [D] bias beside [H, D] weights sums heads
-        shape, dtype = ctx.bias_meta
-        db = db.reshape(-1, *shape).sum(0).to(dtype)
-    else:
-        db = None
-    return (dx, dw if weight is not None else None, db, dresidual, None, None, None, None, None)
+def _fp8_fake(x, N, scale, group_size, column_major_scales):
+    """Codes [..., N] float8_e4m3fn and the mode's fp32 scales (see ``oink.reference.fp8``)."""
+    M = x.numel() // x.shape[-1]
+    q = x.new_empty((*x.shape[:-1], N), dtype=torch.float8_e4m3fn)
+    if scale is not None:
+        return q, x.new_empty((1,), dtype=torch.float32)
+    if not group_size:
+        return q, x.new_empty((M, 1), dtype=torch.float32)
+    K = N // group_size
+    if column_major_scales:
+        return q, x.new_empty((K, M), dtype=torch.float32).t()
+    return q, x.new_empty((M, K), dtype=torch.float32)
 
 
-def _layernorm_setup(ctx, inputs, output):
-    x, weight, bias, eps = inputs
-    _, rstd, mean = output
-    ctx.mark_non_differentiable(rstd, mean)  # statistics are outputs for reuse, not differentiated
-    ctx.has_bias = bias is not None
-    ctx.save_for_backward(x, weight, rstd, mean, bias)
+def _fake_fp8_norm(x, *rest):
+    scale, group_size, column_major_scales = rest[-6:-3]
+    q, s = _fp8_fake(x, x.shape[-1], scale, group_size, column_major_scales)
+    return q, s, (torch.empty_like(x) if rest[-1] else _absent(x))
 
 
-def _layernorm_backward(ctx, dy, _drstd, _dmean):
-    x, weight, rstd, mean, bias = ctx.saved_tensors
-    dx, dw, db = torch.ops.oink.layernorm_backward(dy.contiguous(), x, weight, rstd, mean, bias)
-    return dx, dw, (db if ctx.has_bias else None), None
+_FP8_ARGS = "Tensor? scale, int group_size, bool column_major_scales, bool ue8m0, Tensor? scale_ub"
 
 
-def _softmax_setup(ctx, inputs, output):
-    ctx.save_for_backward(output)
+@declare(f"fp8_quantize(Tensor x, {_FP8_ARGS}) -> (Tensor, Tensor)", kernels=FP8,
+         fake=lambda x, scale, g, cm, ue, ub: _fp8_fake(x, x.shape[-1], scale, g, cm), to_public=lambda o, a: tuple(o))
+def fp8_quantize(x, scale=None, group_size=0, *, column_major_scales=False, ue8m0=False, scale_ub=None):
+    """-> (q float8_e4m3fn like x, fp32 scales): static with ``scale`` (1 element), per token by
+    default ([M, 1]), per 1 x ``group_size`` group (64 or 128: [M, N / G], column-major with
+    ``column_major_scales``, powers of two with ``ue8m0``); see ``oink.reference.fp8``."""
+    c.rows_input("x", x)
+    _fp8_check("x", x, x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
 
 
-def _softmax_backward(ctx, dy):
-    (y,) = ctx.saved_tensors
-    return torch.ops.oink.softmax_backward(dy.contiguous(), y)
+@declare(f"rmsnorm_fp8quant(Tensor x, Tensor weight, float eps, {_FP8_ARGS}, bool return_y) "
+         "-> (Tensor, Tensor, Tensor)", kernels=FP8, fake=_fake_fp8_norm, to_public=_with_y)
+def rmsnorm_fp8quant(x, weight, eps=1e-6, scale=None, group_size=0, *, column_major_scales=False, ue8m0=False,
+                     scale_ub=None, return_y=False):
+    """-> (q, scales) of y = rmsnorm(x) * weight (rounded to x's dtype), or (q, scales, y); the
+    scale modes of ``fp8_quantize``."""
+    c.rows_input("x", x)
+    c.tensor("weight", weight)
+    c.vector("weight", weight, x.shape[-1])
+    c.same_device(x=x, weight=weight)
+    _fp8_check("x", x, x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
 
 
-differentiable("rmsnorm_forward", _rmsnorm_backward, _rmsnorm_setup)
-differentiable("layernorm", _layernorm_backward, _layernorm_setup)
-differentiable("softmax_forward", _softmax_backward, _softmax_setup)
-for _name in ("rmsnorm_backward", "layernorm_backward", "softmax_backward", "softmax_fwd_bwd", "cross_entropy_forward",
-              "cross_entropy_backward", "cross_entropy_fwd_bwd", "nvfp4_quantize", "nvfp4_dequantize",
-              "silu_mul_fp4quant", "mxfp4_quantize", "mxfp4_dequantize", "silu_mul_mxfp4quant"):
-    not_differentiable(_name)
+@declare(f"add_rmsnorm_fp8quant(Tensor x, Tensor(a!) residual, Tensor weight, float eps, {_FP8_ARGS}, "
+         "bool return_y) -> (Tensor, Tensor, Tensor)", kernels=FP8, fake=_fake_fp8_norm, to_public=_with_y)
+def add_rmsnorm_fp8quant(x, residual, weight, eps=1e-6, scale=None, group_size=0, *, column_major_scales=False,
+                         ue8m0=False, scale_ub=None, return_y=False):
+    """residual <- x + residual (in place); -> (q, scales) of rmsnorm(residual) * weight, or
+    (q, scales, y); the scale modes of ``fp8_quantize``."""
+    fused_add_rmsnorm_.op.check(x, residual, weight, eps)
+    _fp8_check("x", x, x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
+
+
+@declare(f"silu_mul_fp8quant(Tensor x, {_FP8_ARGS}) -> (Tensor, Tensor)", kernels=FP8,
+         fake=lambda x, scale, g, cm, ue, ub: _fp8_fake(x, x.shape[-1] // 2, scale, g, cm),
+         to_public=lambda o, a: tuple(o))
+def silu_mul_fp8quant(x, scale=None, group_size=0, *, column_major_scales=False, ue8m0=False, scale_ub=None):
+    """x [..., 2K] -> (q [..., K], scales) of silu(x[..., :K]) * x[..., K:] (fp32); the scale
+    modes of ``fp8_quantize``."""
+    c.rows_input("x", x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"x: last dim {x.shape[-1]} must be even (gate and up halves)")
+    _fp8_check("x (each half)", x, x.shape[-1] // 2, scale, group_size, column_major_scales, ue8m0, scale_ub)
+
 
 __all__ = list(PUBLIC)

@@ -40,6 +40,10 @@ def inputs(op, M=4, N=32, dtype=torch.float32):
         "mxfp4_dequantize": dict(zip(("q", "sf"), R.mxfp4_quantize(x()))),
         "add_rmsnorm_mxfp4quant": dict(x=x(), residual=x(), weight=w, return_y=True),
         "silu_mul_mxfp4quant": dict(x=torch.randn(M, 2 * N, dtype=dtype)),  # each half 32 wide
+        "fp8_quantize": dict(x=x()),
+        "rmsnorm_fp8quant": dict(x=x(), weight=w, scale=torch.tensor([0.02]), return_y=True),
+        "add_rmsnorm_fp8quant": dict(x=x(), residual=x(), weight=w, group_size=64 if N % 64 == 0 else 0),
+        "silu_mul_fp8quant": dict(x=torch.randn(M, 2 * N, dtype=dtype)),
     }[op]
 
 
@@ -238,6 +242,16 @@ BAD = [
     ("add_rmsnorm_fp4quant", dict(x=torch.randn(4, 24), residual=torch.randn(4, 24), weight=torch.randn(24)),
      ValueError, "multiple of 16"),
     ("silu_mul_fp4quant", dict(x=torch.randn(4, 33)), ValueError, "must be even"),
+    ("fp8_quantize", dict(group_size=32), ValueError, "group_size: 32 is not"),
+    ("fp8_quantize", dict(x=torch.randn(4, 96), group_size=64), ValueError, "not a multiple of group_size"),
+    ("fp8_quantize", dict(x=torch.randn(4, 64), scale=torch.tensor([1.0]), group_size=64), ValueError,
+     "scale: a static scale"),
+    ("fp8_quantize", dict(scale=torch.tensor([1.0]).half()), TypeError, "scale: dtype"),
+    ("fp8_quantize", dict(ue8m0=True), ValueError, "apply to per-group scales"),
+    ("fp8_quantize", dict(x=torch.randn(4, 64), group_size=64, scale_ub=torch.tensor([1.0])), ValueError, "scale_ub"),
+    ("rmsnorm_fp8quant", dict(weight=torch.randn(31)), ValueError, "weight: expected shape"),
+    ("add_rmsnorm_fp8quant", dict(residual=torch.randn(4, 31)), ValueError, "residual: shape"),
+    ("silu_mul_fp8quant", dict(x=torch.randn(4, 33)), ValueError, "must be even"),
     ("silu_mul_fp4quant", dict(x=torch.randn(4, 48)), ValueError, "multiple of 16"),
     ("add_rmsnorm_mxfp4quant", dict(x=torch.randn(4, 48), residual=torch.randn(4, 48), weight=torch.randn(48)),
      ValueError, "multiple of 32"),

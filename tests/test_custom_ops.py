@@ -49,6 +49,12 @@ def op_samples():
         (o.mxfp4_dequantize, (*oink.reference.mxfp4_quantize(x()), False)),
         (o.add_rmsnorm_mxfp4quant, (x(), x(), w, 1e-6, True, True)),
         (o.silu_mul_mxfp4quant, (x(torch.bfloat16), False)),
+        (o.fp8_quantize, (x(torch.bfloat16), None, 0, False, False, torch.tensor([3.0]))),
+        (o.fp8_quantize, (x(), None, 64, True, True, None)),
+        (o.fp8_quantize, (x(), torch.tensor([0.05]), 0, False, False, None)),
+        (o.rmsnorm_fp8quant, (x(), w, 1e-6, None, 64, False, False, None, True)),
+        (o.add_rmsnorm_fp8quant, (x(), x(), w, 1e-6, None, 0, False, False, None, False)),
+        (o.silu_mul_fp8quant, (x(), None, 0, False, False, None)),
     ]
 
 

@@ -13,6 +13,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+__all__ = [  # the public ops (oink.reference re-exports them)
+    "cross_entropy_forward", "cross_entropy_backward", "cross_entropy_fwd_bwd",
+]
+
 REDUCTIONS = ("none", "mean", "sum")
 
 

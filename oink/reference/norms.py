@@ -9,6 +9,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+__all__ = [  # the public ops (oink.reference re-exports them)
+    "rmsnorm_forward", "fused_add_rmsnorm_", "rmsnorm_backward", "layernorm", "layernorm_backward",
+]
+
 
 def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])

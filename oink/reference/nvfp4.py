@@ -25,6 +25,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+__all__ = [  # the public ops (oink.reference re-exports them)
+    "nvfp4_quantize", "nvfp4_dequantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant",
+    "mxfp4_quantize", "mxfp4_dequantize", "add_rmsnorm_mxfp4quant", "silu_mul_mxfp4quant",
+]
+
 BLOCK = 16
 E4M3_MAX = 448.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -1,0 +1,150 @@
+"""FP8 (float8_e4m3fn) quantization references: the spec every kernel must match.
+
+Three scale modes, chosen by the arguments (vLLM's conventions, fp32 arithmetic):
+- static (``scale`` given, a 1-element fp32 tensor never read on the host):
+    q = e4m3(sat(v * float32(1 / scale)))                   scales: a [1] copy of ``scale``
+- per token (``group_size=0``, no ``scale``), for each row:
+    a = fmin(amax, scale_ub) if scale_ub else amax;  s = fmax(a / 448, 1 / (448 * 512))
+    q = e4m3(sat(v / s))                                    scales: fp32 [M, 1]
+- per group (``group_size`` G in {64, 128}), for each 1 x G group of a row:
+    s = fmax(amax, 1e-10) / 448; with ``ue8m0`` s is rounded up to a power of two
+    (2^ceil(log2 s), read exactly from s's bits); q = e4m3(sat(v / s))
+    scales: fp32 [M, N / G]; with ``column_major_scales`` the same shape with strides (1, M)
+    (the transposed layout DeepGEMM-style GEMMs read).
+where amax = max |v| over the row or group, skipping NaN (as the GPU's max.f32 and CUDA's
+fmaxf do); sat(t) = fmax(fmin(t, 448), -448), which also sends NaN to +448 as vLLM's clamp
+does; e4m3 rounds to nearest even. An all-zero row or group gets the floor scale and zero codes.
+``q`` is float8_e4m3fn in x's shape (leading dims of a scale's M flattened).
+
+Fused ops quantize v as follows (the unrounded path differs by at most one code step):
+- ``rmsnorm_fp8quant``: v = x's dtype(x_hat * weight), x_hat = x * rsqrt(mean(x^2) + eps);
+- ``add_rmsnorm_fp8quant``: residual <- residual's dtype(x + residual) in place, then as above
+  on that stored sum (vLLM's fused_add_rms_norm semantics);
+- ``silu_mul_fp8quant``: v = silu(x[..., :K]) * x[..., K:] in fp32 (not rounded).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [  # the public ops (oink.reference re-exports them)
+    "fp8_quantize", "rmsnorm_fp8quant", "add_rmsnorm_fp8quant", "silu_mul_fp8quant",
+]
+
+E4M3_MAX = 448.0
+MIN_TOKEN_SCALE = 1.0 / (E4M3_MAX * 512.0)
+GROUP_EPS = 1e-10
+GROUP_SIZES = (64, 128)
+
+
+def _nan_skipping_amax(v: Tensor) -> Tensor:
+    return torch.where(torch.isnan(v), torch.zeros_like(v), v.abs()).amax(-1, keepdim=True)
+
+
+def _codes(t: Tensor) -> Tensor:
+    """e4m3 of t after sat(): fmin/fmax ignore NaN, so NaN saturates to +448."""
+    return torch.fmax(torch.fmin(t, torch.tensor(E4M3_MAX)), torch.tensor(-E4M3_MAX)).to(torch.float8_e4m3fn)
+
+
+def _ue8m0(s: Tensor) -> Tensor:
+    """s (positive, normal fp32) rounded up to a power of two, exactly: the exponent field plus one
+    where the mantissa is not zero."""
+    bits = s.view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    return ((exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)) << 23).view(torch.float32)
+
+
+def mode_of(scale, group_size: int) -> str:
+    if scale is not None:
+        return "static"
+    return "group" if group_size else "token"
+
+
+def quantize_rows(v: Tensor, scale=None, group_size: int = 0, column_major_scales: bool = False,
+                  ue8m0: bool = False, scale_ub=None):
+    """fp32 rows [M, N] -> (q float8_e4m3fn [M, N], scales): the three modes of the module docstring."""
+    M, N = v.shape
+    mode = mode_of(scale, group_size)
+    if mode == "static":
+        inv = torch.tensor(1.0, dtype=torch.float32, device=v.device) / scale.reshape(1).float()
+        return _codes(v * inv), scale.reshape(1).float().clone()
+    if mode == "token":
+        a = _nan_skipping_amax(v)
+        if scale_ub is not None:
+            a = torch.fmin(a, scale_ub.reshape(1).float())
+        s = torch.clamp_min(a / E4M3_MAX, MIN_TOKEN_SCALE)
+        return _codes(v / s), s
+    G = group_size
+    vg = v.reshape(M, N // G, G)
+    s = torch.clamp_min(_nan_skipping_amax(vg), GROUP_EPS) / E4M3_MAX
+    if ue8m0:
+        s = _ue8m0(s)
+    q = _codes(vg / s).reshape(M, N)
+    s = s.reshape(M, N // G)
+    if column_major_scales:
+        s = s.t().contiguous().t()  # same values, strides (1, M)
+    return q, s
+
+
+def check_args(N: int, scale, group_size: int, column_major_scales: bool, ue8m0: bool, scale_ub,
+               name: str = "x") -> None:
+    """The mode's arguments agree (raises ValueError naming the argument at fault)."""
+    if group_size and group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size: {group_size} is not 0 (per token) or one of {GROUP_SIZES}")
+    if group_size and N % group_size:
+        raise ValueError(f"{name}: last dim {N} is not a multiple of group_size {group_size}")
+    if scale is not None and group_size:
+        raise ValueError("scale: a static scale is per tensor; group_size must be 0")
+    if (column_major_scales or ue8m0) and not group_size:
+        raise ValueError("column_major_scales and ue8m0 apply to per-group scales (group_size > 0)")
+    if scale_ub is not None and (scale is not None or group_size):
+        raise ValueError("scale_ub: an upper bound applies to per-token scales only")
+
+
+def fp8_quantize(x: Tensor, scale: Tensor | None = None, group_size: int = 0, *, column_major_scales: bool = False,
+                 ue8m0: bool = False, scale_ub: Tensor | None = None):
+    check_args(x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
+    q, s = quantize_rows(x.reshape(-1, x.shape[-1]).float(), scale, group_size, column_major_scales, ue8m0,
+                         scale_ub)
+    return q.reshape(x.shape), s
+
+
+def _normed(h: Tensor, weight: Tensor, eps: float, dtype) -> Tensor:
+    """x's dtype(h * rsqrt(mean(h^2) + eps) * weight), back in fp32: [M, N]."""
+    hf = h.reshape(-1, h.shape[-1]).float()
+    rstd = torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)
+    return (hf * rstd * weight.float()).to(dtype).float()
+
+
+def rmsnorm_fp8quant(x: Tensor, weight: Tensor, eps: float = 1e-6, scale: Tensor | None = None,
+                     group_size: int = 0, *, column_major_scales: bool = False, ue8m0: bool = False,
+                     scale_ub: Tensor | None = None, return_y: bool = False):
+    check_args(x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
+    v = _normed(x, weight, eps, x.dtype)
+    q, s = quantize_rows(v, scale, group_size, column_major_scales, ue8m0, scale_ub)
+    q = q.reshape(x.shape)
+    return (q, s, v.to(x.dtype).reshape(x.shape)) if return_y else (q, s)
+
+
+def add_rmsnorm_fp8quant(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
+                         scale: Tensor | None = None, group_size: int = 0, *, column_major_scales: bool = False,
+                         ue8m0: bool = False, scale_ub: Tensor | None = None, return_y: bool = False):
+    check_args(x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
+    r = (x.float() + residual.float()).to(residual.dtype)
+    residual.copy_(r)
+    v = _normed(r, weight, eps, x.dtype)
+    q, s = quantize_rows(v, scale, group_size, column_major_scales, ue8m0, scale_ub)
+    q = q.reshape(x.shape)
+    return (q, s, v.to(x.dtype).reshape(x.shape)) if return_y else (q, s)
+
+
+def silu_mul_fp8quant(x: Tensor, scale: Tensor | None = None, group_size: int = 0, *,
+                      column_major_scales: bool = False, ue8m0: bool = False, scale_ub: Tensor | None = None):
+    if x.shape[-1] % 2:
+        raise ValueError(f"x: last dim {x.shape[-1]} must be even (gate and up halves)")
+    K = x.shape[-1] // 2
+    check_args(K, scale, group_size, column_major_scales, ue8m0, scale_ub, "x (each half)")
+    xf = x.reshape(-1, 2 * K).float()
+    q, s = quantize_rows(torch.nn.functional.silu(xf[:, :K]) * xf[:, K:], scale, group_size, column_major_scales,
+                         ue8m0, scale_ub)
+    return q.reshape(*x.shape[:-1], K), s
