@@ -30,7 +30,8 @@ class OpSpec:
     mutates: tuple = ()  # in-place ops: names of the args that are the outputs
     gate_view: Callable | None = None  # outputs -> what the gate compares (both sides), if not the outputs
     oink: Callable = None  # (oink module, args) -> outputs: the op through Oink's public API
-    block: int = 1  # N must be a multiple of it (the FP4 blocks)
+    block: int = 1  # N must be a multiple of it (the FP4 blocks, FP8 groups)
+    only_in: tuple = ()  # the suites that run it (empty: every suite)
 
 
 def _fp4_code_steps(outputs):
@@ -64,6 +65,26 @@ def _mx_block_ratios(outputs):
     top = vals.abs().amax(-1, keepdim=True)
     ratio = torch.where(top > 0, vals / top.clamp_min(0.5), torch.zeros_like(vals))
     return ratio.reshape(q.shape[0], -1), sf.view(torch.uint8).float()
+
+
+def _fp8_code_steps(outputs):
+    """(q, scales) -> (signed e4m3 ordinal per element, scales): one ordinal step is one code
+    step (positive e4m3 bytes are ordered), -0 and +0 compare equal. Fused ops round v in another
+    order than the reference, so the gate holds codes to one step and scales to the tolerance
+    table's; the GPU tests hold the plain quantizers to bit-exact codes and scales."""
+    import torch
+
+    b = outputs[0].view(torch.uint8).reshape(outputs[0].shape[0], -1).int()
+    signed = torch.where(b >= 128, -(b - 128), b).float()
+    return signed, outputs[1].float()
+
+
+def _fp8_inputs(M, N, dtype, device, gen):
+    return dict(x=_rand((M, N), dtype, device, gen) * 3)
+
+
+def _silu_fp8_inputs(M, N, dtype, device, gen):
+    return dict(x=_rand((M, 2 * N), dtype, device, gen) * 2)  # N is the quantized width K
 
 
 def _rand(shape, dtype, device, gen, scale=1.0):
@@ -200,6 +221,7 @@ def _fused_reference(a):
 
 
 MX_FUSED_GATE = ("mxfp4_block_ratio", "nvfp4_code_step")  # (code ratios, scale bytes)
+FP8_SUITES = ("fp8", "smoke")
 
 SPECS = {
     "rmsnorm_forward": OpSpec("rmsnorm", _norm_inputs, _rmsnorm_forward_reference,
@@ -303,6 +325,36 @@ SPECS = {
                                   lambda M, N, e: 2 * M * N * e + M * N // 2 + M * N // 32,
                                   gate_view=_mx_block_ratios,
                                   oink=lambda o, a: o.silu_mul_mxfp4quant(a["x"]), block=32),
+    # FP8 (e4m3 codes, fp32 scales): the fp8 suite's ops (see oink/reference/fp8.py for the modes)
+    # per token: read x; write codes and one fp32 scale a row
+    "fp8_quantize": OpSpec(("fp8_code_step", "fp8_scale"), _fp8_inputs, lambda a: _R().fp8_quantize(a["x"]),
+                           lambda M, N, e: M * N * e + M * N + 4 * M, gate_view=_fp8_code_steps,
+                           oink=lambda o, a: o.fp8_quantize(a["x"]), only_in=FP8_SUITES),
+    # per 1 x 128 group (DeepSeek-V3's activations): one fp32 scale a group
+    "fp8_quantize_group": OpSpec(("fp8_code_step", "fp8_scale"), _fp8_inputs,
+                                 lambda a: _R().fp8_quantize(a["x"], group_size=128),
+                                 lambda M, N, e: M * N * e + M * N + M * N // 32, gate_view=_fp8_code_steps,
+                                 oink=lambda o, a: o.fp8_quantize(a["x"], group_size=128), block=128,
+                                 only_in=FP8_SUITES),
+    # read x and weight; write codes and per-row scales
+    "rmsnorm_fp8quant": OpSpec(("fp8_code_step", "fp8_scale"), _norm_inputs,
+                               lambda a: _R().rmsnorm_fp8quant(a["x"], a["weight"], EPS),
+                               lambda M, N, e: M * N * e + M * N + 4 * M + N * e, gate_view=_fp8_code_steps,
+                               oink=lambda o, a: o.rmsnorm_fp8quant(a["x"], a["weight"], EPS), only_in=FP8_SUITES),
+    # read x and residual, write residual (in place), codes and 1 x 128 group scales; read the weight
+    "add_rmsnorm_fp8quant": OpSpec(("fp8_code_step", "fp8_scale"), _fused_inputs,
+                                   lambda a: _R().add_rmsnorm_fp8quant(a["x"], a["residual"], a["weight"], EPS,
+                                                                       group_size=128),
+                                   lambda M, N, e: 3 * M * N * e + M * N + M * N // 32 + N * e,
+                                   gate_view=_fp8_code_steps, block=128, only_in=FP8_SUITES,
+                                   oink=lambda o, a: o.add_rmsnorm_fp8quant(a["x"], a["residual"], a["weight"], EPS,
+                                                                            group_size=128)),
+    # read x [M, 2N]; write codes and 1 x 128 group scales of the N-wide product
+    "silu_mul_fp8quant": OpSpec(("fp8_code_step", "fp8_scale"), _silu_fp8_inputs,
+                                lambda a: _R().silu_mul_fp8quant(a["x"], group_size=128),
+                                lambda M, N, e: 2 * M * N * e + M * N + M * N // 32, gate_view=_fp8_code_steps,
+                                oink=lambda o, a: o.silu_mul_fp8quant(a["x"], group_size=128), block=128,
+                                only_in=FP8_SUITES),
 }
 
 
@@ -597,6 +649,32 @@ def _oink_unfused_silu(quantizer: str):
 
     return build
 
+
+def _oink_unfused_fp8(op: str):
+    """Oink's norm (or torch's silu * up) then Oink's fp8_quantize, with the spec's scale mode."""
+    def build(device):
+        import torch
+
+        import oink
+
+        def run(a):
+            if op == "rmsnorm_fp8quant":
+                return oink.fp8_quantize(oink.rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0])
+            if op == "add_rmsnorm_fp8quant":
+                oink.fused_add_rmsnorm_(a["x"], a["residual"], a["weight"], EPS)
+                return oink.fp8_quantize(a["x"], group_size=128)
+            K = a["x"].shape[-1] // 2
+            return oink.fp8_quantize(torch.nn.functional.silu(a["x"][:, :K]) * a["x"][:, K:], group_size=128)
+
+        return run
+
+    return build
+
+
+for _op, _label in (("rmsnorm_fp8quant", "oink rmsnorm_forward then oink fp8_quantize"),
+                    ("add_rmsnorm_fp8quant", "oink fused_add_rmsnorm_ then oink fp8_quantize"),
+                    ("silu_mul_fp8quant", "torch silu * up then oink fp8_quantize")):
+    provider(_op, "oink-unfused", label=_label)(_oink_unfused_fp8(_op))
 
 for _fmt, _q in (("fp4quant", "nvfp4_quantize"), ("mxfp4quant", "mxfp4_quantize")):
     provider(f"add_rmsnorm_{_fmt}", "oink-unfused",

@@ -34,10 +34,17 @@ def _nvfp4_shapes(op: str):
     return study + [(M, N) for M in (4096, 16384, 65536) for N in (2048, 4096, 7168, 8192, 14336)]
 
 
+def _fp8_shapes(op: str):
+    # DSv3 and Llama-70B/405B widths (silu-mul inputs are 2 x N), decode and prefill rows
+    return [(M, N) for M in (128, 4096, 16384) for N in (4096, 7168, 8192, 16384, 18432)]
+
+
+DEDICATED = ("fp8",)  # suites that run only the ops whose spec names them (OpSpec.only_in)
 SUITES = {
     "quack": lambda op: _quack_shapes(),
     "nvfp4": _nvfp4_shapes,
     "dsv3": _dsv3_shapes,
+    "fp8": _fp8_shapes,
     "smoke": lambda op: [(4, 128), (64, 1024)],
 }
 # what each suite is, and whether it is sized for a GPU (skipped on a CPU unless asked)
@@ -45,6 +52,7 @@ ABOUT = {
     "quack": ("Quack's benchmark shapes: N = 4096, M = batch x seq up to 2^31 / N", True),
     "dsv3": ("DeepSeek-V3 widths 6144-8192 (vocabularies 3072-12288 for cross-entropy), M 4096-65536", True),
     "nvfp4": ("the FP4 study's decode shapes, then M x N at scale (widths 2048-14336)", True),
+    "fp8": ("the FP8 quantizers and fused ops: widths 4096-18432, rows 128-16384", True),
     "smoke": ("two tiny shapes a CPU runs in about a minute (reference timing, labelled)", False),
 }
 
@@ -85,7 +93,9 @@ def expand(suite: str, ops=None, configs=None, dtype: str = "bfloat16") -> list[
     for op in ops or SPECS:
         shapes = parse_configs(configs) if configs else SUITES[suite](op)
         for M, N in shapes:
-            if N % SPECS[op].block:  # FP4 blocks must tile the row
+            if N % SPECS[op].block:  # FP4 blocks and FP8 groups must tile the row
+                continue
+            if suite not in SPECS[op].only_in and (SPECS[op].only_in or suite in DEDICATED):
                 continue
             cases.append(Case(suite, op, M, N, dtype))
     return cases

@@ -27,6 +27,10 @@ _OVERRIDES = {
     # fused MXFP4: codes over their block's largest (4 or 6); one step of an element and of its
     # block's largest at once (4/4 against 3/6) moves that by 1/2
     ("mxfp4_block_ratio", "float32"): (0.5, 0.0),
+    # FP8 codes as signed e4m3 ordinals: fused ops within one step of the reference
+    ("fp8_code_step", "float32"): (1.0, 0.0),
+    # FP8 scales: a fused op's amax may come from values one bf16 ulp away (2^-8 relative)
+    ("fp8_scale", "float32"): (0.0, 1e-2),
 }
 
 
