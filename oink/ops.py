@@ -19,7 +19,7 @@ NORMS = "oink.kernels.rmsnorm_ops"
 SOFTMAX = "oink.kernels.softmax_ops"
 CROSS_ENTROPY = "oink.kernels.cross_entropy_ops"
 FP4 = "oink.kernels.nvfp4_ops"
-FP8 = None  # "oink.kernels.fp8_ops" once its kernels have run on a GPU
+FP8 = "oink.kernels.fp8_ops"
 
 
 def _like(x, dtype=None):

@@ -335,3 +335,44 @@ def test_per_head_norm_compiles(arch, D, heads):
     L = head_launch(backward_launch(D, 16, arch), heads)
     assert L is not None and L.rows_per_cta % heads == 0
     assert callable(compiled_backward("bfloat16", D, arch, "float32", "bfloat16", None, True, heads=heads))
+
+
+# ---- FP8 (every scale mode and layout flag is a compile-time variant)
+from oink.kernels.fp8 import compiled_fp8, compiled_rmsnorm_fp8, fp8_launch  # noqa: E402
+
+FP8_MODES = [("static", 0, False, False, False), ("token", 0, False, False, False), ("token", 0, False, False, True)] + [
+    ("group", g, cm, ue, False) for g in (64, 128) for cm in (False, True) for ue in (False, True)]
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", ["quantize", "silu_mul"])
+@pytest.mark.parametrize("mode", FP8_MODES, ids=lambda m: "-".join(map(str, m)))
+def test_fp8_quantizers_compile(arch, dtype, kind, mode):
+    mode_name, G, cm, ue, ub = mode
+    for N in (128, 7168, 18432):  # one row a warp's worth, a predicated tail, several units a thread
+        assert callable(compiled_fp8(kind, dtype, N, arch, mode_name, G, cm, ue, ub))
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("x_dtype,res_dtype,w_dtype", [("bfloat16", "bfloat16", "bfloat16"),
+                                                       ("float16", "float16", "float32"),
+                                                       ("float32", None, "float32"),
+                                                       ("bfloat16", "float32", "float32"),
+                                                       ("bfloat16", None, "bfloat16")])
+@pytest.mark.parametrize("mode", FP8_MODES[:3] + [FP8_MODES[3], FP8_MODES[-1]], ids=lambda m: "-".join(map(str, m)))
+@pytest.mark.parametrize("store_y", [False, True])
+def test_fp8_fused_rmsnorm_compiles(arch, x_dtype, res_dtype, w_dtype, mode, store_y):
+    mode_name, G, cm, ue, ub = mode
+    for N in (4096, 7168, 131072):  # 131072: a cluster of CTAs a row (the per-token amax crosses CTAs)
+        assert callable(compiled_rmsnorm_fp8(x_dtype, res_dtype, w_dtype, N, arch, mode_name, G, cm, ue, ub, store_y))
+
+
+def test_fp8_groups_stay_on_aligned_lanes():
+    for N in (64, 128, 1024, 7168, 18432, 131072):
+        for G in (64, 128):
+            if N % G == 0:
+                L = fp8_launch(N, "sm_90a", "quantize", G)
+                assert L.vec == 16 and L.threads_per_row % (G // 16) == 0
+    with pytest.raises(ValueError, match="multiple of 16"):
+        compiled_fp8("quantize", "bfloat16", 24, "sm_90a", "token", 0, False, False, False)

@@ -1,0 +1,289 @@
+"""FP8 (float8_e4m3fn) quantization kernels in CuTeDSL: ``fp8_quantize``, ``silu_mul_fp8quant``
+and the RMSNorm forward with this quantizing epilogue (``rmsnorm_fp8quant``,
+``add_rmsnorm_fp8quant``). Semantics are exactly ``oink.reference.fp8``.
+
+Tiling: a thread's unit is 16 values (two or four 128-bit loads), whose 16 codes leave in one
+128-bit store. A 1 x G group spans G / 16 adjacent lanes (the row tiling puts unit i of col-thread
+t at column (i * threads_per_row + t) * 16), so its amax is a butterfly max over those lanes; a
+row's amax (per token) is the row all-reduce. Scale arithmetic is IEEE (``div.rn``) like the
+reference's fp32 ops; codes come from ``cvt.rn.satfinite.e4m3x2.f32`` (nearest even) after the
+spec's clamp, whose min/max send NaN to +448.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .nvfp4 import _asm, div_rn, f32_bits, f32_from_bits, fp4_launch
+from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, fmax
+from .rmsnorm import RMSNormForward
+
+UNIT = 16  # values a thread unit holds: its codes are one 128-bit store
+E4M3_MAX = 448.0
+MIN_TOKEN_SCALE = 1.0 / (E4M3_MAX * 512.0)
+GROUP_EPS = 1e-10
+MODES = ("quantize", "silu_mul")
+
+
+@dsl_user_op
+def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Uint32:
+    """Four float8_e4m3fn codes in one word (a in the low byte): round to nearest even."""
+    return Uint32(_asm(
+        T.i32(),
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+        "mov.b32 $0, {lo, hi}; }",
+        "=r,f,f,f,f", [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)], loc, ip))
+
+
+def fp8_launch(N: int, arch: str, kind: str, group_size: int) -> RowLaunch:
+    """Launch heuristic for the FP8 kernels (the one place it is chosen): the FP4 kernels' tiling
+    with 16-value units (the same register budget a unit), checked to keep a group within a warp's
+    aligned lanes."""
+    launch = fp4_launch(N, arch, kind, UNIT)
+    lanes = group_size // UNIT
+    if group_size and (launch.threads_per_row % lanes or launch.vec != UNIT):
+        raise ValueError(f"N={N}: no launch keeps a {group_size}-wide group on aligned lanes")
+    return launch
+
+
+class Fp8Epilogue:
+    """Quantize the fp32 values a thread holds (units of 16) and store codes and scales. Mixed into
+    row kernels whose launch has ``vec == 16``; slot ``amax_slot`` is the per-token reduction's."""
+
+    mode: str  # "static", "token" or "group"
+    group_size: int
+    column_major: bool
+    ue8m0: bool
+    amax_slot: int = 0
+
+    @cute.jit
+    def quantize_store(self, rV: cute.Tensor, tXcX: cute.Tensor, row: Int32, M: Int32, cy, mScale, mUb,
+                       mQ: cute.Tensor, mS, buf, mbar):
+        """rV: this thread's fp32 values, shape (16, 1, units); mQ: codes as uint32 words [M, N/4];
+        mS: the scales out (per token [M], per group [M, N/G] in its layout)."""
+        L = self.launch
+        units = cute.size(rV, mode=[2])
+        rQ = cute.make_rmem_tensor(cute.make_layout((UNIT // 4,)), Uint32)
+        q_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
+        inv = Float32(0.0)
+        s_row = Float32(0.0)
+        if const_expr(self.mode == "static"):
+            inv = div_rn(Float32(1.0), mScale[0])
+        if const_expr(self.mode == "token"):
+            amax = Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(rV)):
+                amax = cute.arch.fmax(amax, cute.arch.fmax(rV[j], -rV[j]))  # max.f32 skips NaN
+            amax = self.row_allreduce(amax, fmax, Float32(0.0), buf, mbar, self.amax_slot)
+            if const_expr(mUb is not None):
+                amax = cute.arch.fmin(amax, mUb[0])
+            s_row = cute.arch.fmax(div_rn(amax, Float32(E4M3_MAX)), Float32(MIN_TOKEN_SCALE))
+            leader = tXcX[0][1] == 0
+            if const_expr(L.cluster_n > 1):
+                leader = leader and cy == 0
+            if leader and row < M:
+                mS[row] = s_row
+        for i in cutlass.range_constexpr(units):
+            col0 = tXcX[(0, 0), 0, i][1]
+            unit = rV[None, None, i]
+            s = s_row
+            if const_expr(self.mode == "group"):
+                amax = Float32(0.0)
+                for j in cutlass.range_constexpr(UNIT):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(unit[j], -unit[j]))
+                # every lane takes part (lanes past M or N hold zeros): the butterfly needs them all
+                amax = cute.arch.warp_reduction(amax, fmax, threads_in_group=self.group_size // UNIT)
+                s = div_rn(cute.arch.fmax(amax, Float32(GROUP_EPS)), Float32(E4M3_MAX))
+                if const_expr(self.ue8m0):  # up to a power of two: the exponent, plus one if any mantissa
+                    bits = f32_bits(s)
+                    up = ((bits & 0x7FFFFF) + 0x7FFFFF) >> 23  # 1 where the mantissa is not zero
+                    s = f32_from_bits(Int32((((bits >> 23) & 0xFF) + up) << 23))
+            if row < M and col0 < L.N:
+                for w in cutlass.range_constexpr(UNIT // 4):
+                    t = [self.scaled(unit[4 * w + j], inv, s) for j in range(4)]
+                    rQ[w] = e4m3x4(t[0], t[1], t[2], t[3])
+                cute.copy(q_atom, rQ, cute.local_tile(mQ, (1, UNIT // 4), (row, col0 // UNIT))[0, None])
+                if const_expr(self.mode == "group"):
+                    lanes = self.group_size // UNIT
+                    if (col0 // UNIT) % lanes == 0:
+                        g = col0 // self.group_size
+                        if const_expr(self.column_major):
+                            mS[g * M + row] = s
+                        else:
+                            mS[row * (L.N // self.group_size) + g] = s
+
+    @cute.jit
+    def scaled(self, v: Float32, inv: Float32, s: Float32) -> Float32:
+        """v scaled into e4m3's range and clamped: min/max return the non-NaN operand, so NaN -> +448."""
+        t = v * inv
+        if const_expr(self.mode != "static"):
+            t = div_rn(v, s)
+        return cute.arch.fmax(cute.arch.fmin(t, Float32(E4M3_MAX)), Float32(-E4M3_MAX))
+
+
+def _scale_tensors(self, pscale, pub, ps, M):
+    one = cute.make_layout((1,))
+    mScale = cute.make_tensor(pscale, one) if const_expr(pscale is not None) else None
+    mUb = cute.make_tensor(pub, one) if const_expr(pub is not None) else None
+    mS = None
+    if const_expr(ps is not None):
+        n = M if const_expr(self.mode == "token") else M * (self.launch.N // self.group_size)
+        mS = cute.make_tensor(ps, cute.make_layout((n,)))
+    return mScale, mUb, mS
+
+
+class Fp8Quantize(Fp8Epilogue, RowKernelBase):
+    """fp8_quantize (v = x) and silu_mul_fp8quant (v = silu(gate) * up, x = [gate | up])."""
+
+    def __init__(self, launch: RowLaunch, dtype, kind: str, mode: str, group_size: int, column_major: bool,
+                 ue8m0: bool):
+        if kind not in MODES:
+            raise ValueError(f"kind {kind!r}: expected one of {MODES}")
+        super().__init__(launch, num_reductions=1 if mode == "token" else 0)
+        self.dtype, self.kind, self.mode = dtype, kind, mode
+        self.group_size, self.column_major, self.ue8m0 = group_size, column_major, ue8m0
+
+    @cute.jit
+    def __call__(self, px: cute.Pointer, pscale: Optional[cute.Pointer], pub: Optional[cute.Pointer],
+                 pq: cute.Pointer, ps: Optional[cute.Pointer], M: Int32, ldx: Int64, stream: cuda.CUstream):
+        N = self.launch.N
+        mX = self.matrix(px, M, ldx)
+        mUp = self.matrix(px + N, M, ldx) if const_expr(self.kind == "silu_mul") else None
+        mQ = cute.make_tensor(pq, cute.make_layout((M, N // 4), stride=(N // 4, 1)))
+        mScale, mUb, mS = _scale_tensors(self, pscale, pub, ps, M)
+        self.kernel(mX, mUp, mScale, mUb, mQ, mS, self.tiled_copy(self.dtype)).launch(
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mUp: Optional[cute.Tensor], mScale: Optional[cute.Tensor],
+               mUb: Optional[cute.Tensor], mQ: cute.Tensor, mS: Optional[cute.Tensor], tc: cute.TiledCopy):
+        L = self.launch
+        bidx, cy, buf, mbar, part = self.cta_setup(tc)
+        M = cute.size(mX, mode=[0])
+        tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
+        row = tXcX[0][0]
+        tXgX = part(mX, bidx)
+        rX = cute.make_rmem_tensor_like(tXgX)
+        rX.fill(0)
+        rUp = None
+        if const_expr(mUp is not None):
+            rUp = cute.make_rmem_tensor_like(tXgX)
+            rUp.fill(0)
+        atom = self.atom(self.dtype)
+        if row < M:
+            for i in cutlass.range_constexpr(cute.size(tXgX, mode=[2])):
+                if const_expr(L.even_n) or tXcX[(0, 0), 0, i][1] < L.N:
+                    cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
+                    if const_expr(mUp is not None):
+                        cute.copy(atom, part(mUp, bidx)[None, None, i], rUp[None, None, i])
+        self.wait_cluster()
+        rV = cute.make_rmem_tensor_like(rX, Float32)
+        rV.store(rX.load().to(Float32))
+        if const_expr(self.kind == "silu_mul"):
+            rU = cute.make_rmem_tensor_like(rX, Float32)
+            rU.store(rUp.load().to(Float32))
+            for j in cutlass.range_constexpr(cute.size(rV)):
+                g = rV[j]
+                rV[j] = g * cute.arch.rcp_approx(1.0 + cute.math.exp2(g * -LOG2E, fastmath=True)) * rU[j]
+        self.quantize_store(rV, tXcX, row, M, cy, mScale, mUb, mQ, mS, buf, mbar)
+
+
+class RMSNormFp8(Fp8Epilogue, RMSNormForward):
+    """rmsnorm_fp8quant, and with a residual add_rmsnorm_fp8quant (residual <- x + residual in
+    place): v = x's dtype(rmsnorm(h) * weight), quantized; optionally y = v. The RMSNorm
+    forward's ``normalize``; the per-token amax takes reduction slot 1."""
+
+    amax_slot = 1
+
+    def __init__(self, launch: RowLaunch, x_dtype, res_dtype, w_dtype, mode: str, group_size: int,
+                 column_major: bool, ue8m0: bool, store_y: bool):
+        RMSNormForward.__init__(self, launch, x_dtype, w_dtype, None, res_dtype, x_dtype, res_dtype, False)
+        self.num_reductions = 2
+        self.mode, self.group_size, self.column_major, self.ue8m0 = mode, group_size, column_major, ue8m0
+        self.store_y = store_y
+
+    @cute.jit
+    def __call__(self, px: cute.Pointer, pres: Optional[cute.Pointer], pw: cute.Pointer,
+                 pscale: Optional[cute.Pointer], pub: Optional[cute.Pointer], py: Optional[cute.Pointer],
+                 pq: cute.Pointer, ps: Optional[cute.Pointer], M: Int32, ldx: Int64, ldres: Int64, ldy: Int64,
+                 eps: Float32, stream: cuda.CUstream):
+        N = self.launch.N
+        mX = self.matrix(px, M, ldx)
+        mRes = self.matrix(pres, M, ldres) if const_expr(pres is not None) else None
+        mY = self.matrix(py, M, ldy) if const_expr(py is not None) else None
+        mQ = cute.make_tensor(pq, cute.make_layout((M, N // 4), stride=(N // 4, 1)))
+        mScale, mUb, mS = _scale_tensors(self, pscale, pub, ps, M)
+        self.kernel(mX, mRes, self.broadcast_rows(pw), mScale, mUb, mY, mQ, mS, eps,
+                    self.tiled_copy(self.x_dtype)).launch(
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mRes: Optional[cute.Tensor], mW: cute.Tensor, mScale: Optional[cute.Tensor],
+               mUb: Optional[cute.Tensor], mY: Optional[cute.Tensor], mQ: cute.Tensor, mS: Optional[cute.Tensor],
+               eps: Float32, tc: cute.TiledCopy):
+        bidx, cy, buf, mbar, part = self.cta_setup(tc)
+        M = cute.size(mX, mode=[0])
+        tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
+        row = tXcX[0][0]
+        # the residual output aliases the residual: each element is read before it is written
+        v, rX, _, _ = self.normalize(mX, mW, None, mRes, mRes, eps, bidx, buf, mbar, part, tXcX, row, M)
+        rY = cute.make_rmem_tensor_like(rX, self.x_dtype)
+        rY.store(v.to(self.x_dtype))  # the spec quantizes the output rounded to x's dtype
+        if const_expr(mY is not None):
+            if row < M:
+                self.copy_row(rY, part(mY, bidx), tXcX, self.x_dtype)
+        rV = cute.make_rmem_tensor_like(rX, Float32)
+        rV.store(rY.load().to(Float32))
+        self.quantize_store(rV, tXcX, row, M, cy, mScale, mUb, mQ, mS, buf, mbar)
+
+
+def _check_width(N: int, group_size: int) -> None:
+    if N % UNIT or not UNIT <= N <= MAX_N or (group_size and N % group_size):
+        raise ValueError(f"N={N}: the FP8 kernels take a multiple of {UNIT} (and of the group) up to {MAX_N}")
+
+
+def _scale_ptrs(mode: str, ub: bool):
+    """Fake pointers: the static scale, the per-token upper bound, the scales out."""
+    return (gmem_ptr(Float32, 4) if mode == "static" else None, gmem_ptr(Float32, 4) if ub else None,
+            None if mode == "static" else gmem_ptr(Float32, 4))
+
+
+def compiled_fp8(kind: str, dtype: str, N: int, arch: str, mode: str, group_size: int, column_major: bool,
+                 ue8m0: bool, ub: bool):
+    """Compile (or fetch) one FP8 quantizer; N is the quantized width (K for silu_mul)."""
+    _check_width(N, group_size)
+    dt = cute_dtype(dtype)
+    launch = fp8_launch(N, arch, kind, group_size)
+
+    def build():
+        pscale, pub, ps = _scale_ptrs(mode, ub)
+        return compile_kernel(Fp8Quantize(launch, dt, kind, mode, group_size, column_major, ue8m0), gmem_ptr(dt),
+                              pscale, pub, gmem_ptr(Uint32, 16), ps, Int32(1), Int64(launch.vec), fake_stream(),
+                              arch=arch)
+
+    return CACHE.get(("fp8", kind, dtype, N, arch, mode, group_size, column_major, ue8m0, ub, launch), build)
+
+
+def compiled_rmsnorm_fp8(x_dtype: str, res_dtype: str | None, w_dtype: str, N: int, arch: str, mode: str,
+                         group_size: int, column_major: bool, ue8m0: bool, ub: bool, store_y: bool):
+    """Compile (or fetch) the fused RMSNorm + FP8 kernel (with a residual when ``res_dtype``)."""
+    _check_width(N, group_size)
+    xd, wd = cute_dtype(x_dtype), cute_dtype(w_dtype)
+    rd = cute_dtype(res_dtype) if res_dtype else None
+    launch = fp8_launch(N, arch, "add_rmsnorm", group_size)
+
+    def build():
+        one = Int64(launch.vec)
+        pscale, pub, ps = _scale_ptrs(mode, ub)
+        return compile_kernel(RMSNormFp8(launch, xd, rd, wd, mode, group_size, column_major, ue8m0, store_y),
+                              gmem_ptr(xd), gmem_ptr(rd) if rd else None, gmem_ptr(wd), pscale, pub,
+                              gmem_ptr(xd) if store_y else None, gmem_ptr(Uint32, 16), ps, Int32(1), one, one, one,
+                              Float32(1e-6), fake_stream(), arch=arch)
+
+    return CACHE.get(("rmsnorm_fp8", x_dtype, res_dtype, w_dtype, N, arch, mode, group_size, column_major, ue8m0, ub,
+                      store_y, launch), build)

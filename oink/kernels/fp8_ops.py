@@ -1,0 +1,119 @@
+"""FP8 kernels on torch tensors (CHECKS/RUNNERS for the dispatch path). Codes are written through
+a 32-bit view of q; scales are fp32 in the mode's layout (``oink.reference.fp8``)."""
+from __future__ import annotations
+
+import cutlass
+import torch
+
+from ..reference.fp8 import mode_of
+from .compile import current_stream, runtime_ptr
+from .fp8 import UNIT, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch
+from .host import dtype_name, in_place_reason, ld, prepare_rows, prepare_vector, ptr, rows_view, width_reason
+
+
+def _launch_reason(N: int, group_size: int, kind: str, arch: str) -> str | None:
+    why = width_reason(N)
+    if why:
+        return why
+    if N % UNIT:
+        return f"N={N} is not a multiple of {UNIT}: the FP8 kernels' units"
+    try:
+        fp8_launch(N, arch, kind, group_size)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def check_quantize(t: dict, arch: str) -> str | None:
+    return _launch_reason(t["x"].shape[-1], t["group_size"], "quantize", arch)
+
+
+def check_silu_mul(t: dict, arch: str) -> str | None:
+    return _launch_reason(t["x"].shape[-1] // 2, t["group_size"], "silu_mul", arch)
+
+
+def check_rmsnorm(t: dict, arch: str) -> str | None:
+    if t["weight"].dtype not in (t["x"].dtype, torch.float32):  # other mixes compile, untested on a GPU
+        return f"weight dtype {t['weight'].dtype} with x {t['x'].dtype}: the fused FP8 kernels take x's or fp32"
+    why = _launch_reason(t["x"].shape[-1], t["group_size"], "add_rmsnorm", arch)
+    if why is None and t.get("residual") is not None:  # updated in place: no copy possible
+        why = in_place_reason("residual", t["residual"], UNIT)
+    return why
+
+
+def _scales(mode: str, M: int, K: int, device, column_major: bool, scale):
+    """The mode's scales out (a static scale is the input's fp32 copy, not the kernel's)."""
+    if mode == "static":
+        return scale.reshape(1).float().clone()
+    if mode == "token":
+        return torch.empty((M, 1), device=device, dtype=torch.float32)
+    if column_major:
+        return torch.empty((K, M), device=device, dtype=torch.float32).t()
+    return torch.empty((M, K), device=device, dtype=torch.float32)
+
+
+def _scalar(t):
+    """A 1-element fp32 operand (static scale, upper bound), kept alive by the caller."""
+    return None if t is None else t.reshape(1).float().contiguous()
+
+
+def _ptrs(q, s, mode, scale, scale_ub):
+    sc, ub = _scalar(scale), _scalar(scale_ub)
+    f32 = lambda t: None if t is None else runtime_ptr(cutlass.Float32, t.data_ptr(), 4)  # noqa: E731
+    return (f32(sc), f32(ub), runtime_ptr(cutlass.Uint32, q.data_ptr(), 16),
+            None if mode == "static" else f32(s), (sc, ub))
+
+
+def _run(kind, arch, x, N, scale, group_size, column_major_scales, ue8m0, scale_ub):
+    mode = mode_of(scale, group_size)
+    x2 = prepare_rows(x, UNIT)
+    M = x2.shape[0]
+    q = torch.empty((M, N), device=x.device, dtype=torch.float8_e4m3fn)
+    s = _scales(mode, M, N // group_size if group_size else 1, x.device, column_major_scales, scale)
+    if M > 0:
+        fn = compiled_fp8(kind, dtype_name(x2), N, arch, mode, group_size, column_major_scales, ue8m0,
+                          scale_ub is not None)
+        pscale, pub, pq, ps, _keep = _ptrs(q, s, mode, scale, scale_ub)
+        fn(ptr(x2), pscale, pub, pq, ps, M, ld(x2), current_stream(x.device))
+    return q.view(*x.shape[:-1], N), s
+
+
+def run_quantize(arch, x, scale=None, group_size=0, column_major_scales=False, ue8m0=False, scale_ub=None):
+    return _run("quantize", arch, x, x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
+
+
+def run_silu_mul(arch, x, scale=None, group_size=0, column_major_scales=False, ue8m0=False, scale_ub=None):
+    return _run("silu_mul", arch, x, x.shape[-1] // 2, scale, group_size, column_major_scales, ue8m0, scale_ub)
+
+
+def run_add_rmsnorm(arch, x, residual, weight, eps=1e-6, scale=None, group_size=0, column_major_scales=False,
+                    ue8m0=False, scale_ub=None, return_y=False):
+    N = x.shape[-1]
+    mode = mode_of(scale, group_size)
+    x2 = prepare_rows(x, UNIT)
+    r2 = rows_view(residual) if residual is not None else None
+    w = prepare_vector(weight, UNIT)
+    M = x2.shape[0]
+    q = torch.empty((M, N), device=x.device, dtype=torch.float8_e4m3fn)
+    s = _scales(mode, M, N // group_size if group_size else 1, x.device, column_major_scales, scale)
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype) if return_y else None
+    if M > 0:
+        fn = compiled_rmsnorm_fp8(dtype_name(x2), dtype_name(r2), dtype_name(w), N, arch, mode, group_size,
+                                  column_major_scales, ue8m0, scale_ub is not None, return_y)
+        pscale, pub, pq, ps, _keep = _ptrs(q, s, mode, scale, scale_ub)
+        fn(ptr(x2), ptr(r2), ptr(w), pscale, pub, ptr(y), pq, ps, M, ld(x2), ld(r2), ld(y), float(eps),
+           current_stream(x.device))
+    q = q.view(x.shape)
+    return (q, s, y.view(x.shape)) if return_y else (q, s)
+
+
+def run_rmsnorm(arch, x, weight, eps=1e-6, scale=None, group_size=0, column_major_scales=False, ue8m0=False,
+                scale_ub=None, return_y=False):
+    return run_add_rmsnorm(arch, x, None, weight, eps, scale, group_size, column_major_scales, ue8m0, scale_ub,
+                           return_y)
+
+
+CHECKS = {"fp8_quantize": check_quantize, "silu_mul_fp8quant": check_silu_mul, "rmsnorm_fp8quant": check_rmsnorm,
+          "add_rmsnorm_fp8quant": check_rmsnorm}
+RUNNERS = {"fp8_quantize": run_quantize, "silu_mul_fp8quant": run_silu_mul, "rmsnorm_fp8quant": run_rmsnorm,
+           "add_rmsnorm_fp8quant": run_add_rmsnorm}
