@@ -10,7 +10,8 @@ from .gate import compare
 from .providers import LABELS, SPECS, Unavailable, build
 from .report import Row
 from .state import STATE
-from .timing import Rotation, copies_for_cold_cache, feed_benchmark, median, time_cuda_graph, time_host
+from .timing import (Rotation, copies_for_cold_cache, feed_benchmark, median, relative_spread, time_cuda_graph,
+                     time_host)
 from .tolerances import tolerance
 
 GATE_SEEDS = (1, 2, 3)
@@ -128,7 +129,7 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
     else:
         rot = Rotation([_inputs(spec, case, dtype, device, 100)])
         samples, row.method = time_host(run, rot, repeats=5, warmup=1), "cpu-perf_counter"
-    row.median_s, row.min_s = median(samples), min(samples)
+    row.median_s, row.min_s, row.spread = median(samples), min(samples), relative_spread(samples)
     if profiling:
         row.profile = _profile(device)
     benchmark.group = f"{case.op} {case.M}x{case.N} {case.dtype}"  # its table compares like with like

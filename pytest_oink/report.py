@@ -9,8 +9,8 @@ import os
 from dataclasses import asdict, dataclass, field
 
 CSV_FIELDS = ("suite", "op", "provider", "label", "M", "N", "dtype", "device", "status", "method",
-              "median_ms", "min_ms", "bytes", "tbs", "roofline_frac", "max_abs_err", "rel_l2_err", "p99_abs_err",
-              "registers", "spill_bytes", "static_smem", "occupancy", "test")
+              "median_ms", "min_ms", "spread", "bytes", "tbs", "roofline_frac", "max_abs_err", "rel_l2_err",
+              "p99_abs_err", "registers", "spill_bytes", "static_smem", "occupancy", "test")
 
 
 @dataclass
@@ -27,6 +27,7 @@ class Row:
     method: str = ""
     median_s: float | None = None
     min_s: float | None = None
+    spread: float | None = None  # the samples' relative spread (timing.relative_spread): the gate's noise
     bytes: int = 0
     roofline_tbs: float | None = None
     gate: dict = field(default_factory=dict)
@@ -49,7 +50,7 @@ class Row:
         d = {"op": self.op, "provider": self.provider, "label": self.label, "M": self.M, "N": self.N,
              "dtype": self.dtype, "device": self.device, "bytes": self.bytes, "tbs": self.tbs,
              "roofline_tbs": self.roofline_tbs, "roofline_frac": self.roofline_frac, "method": self.method,
-             "gate": self.gate}
+             "spread": self.spread, "gate": self.gate}
         if self.profile:
             d["profile"] = self.profile
         return d
@@ -60,7 +61,8 @@ class Row:
         return {
             "suite": self.suite, "op": self.op, "provider": self.provider, "label": self.label, "M": self.M,
             "N": self.N, "dtype": self.dtype, "device": self.device, "status": self.status, "method": self.method,
-            "median_ms": fmt(self.median_s), "min_ms": fmt(self.min_s), "bytes": self.bytes,
+            "median_ms": fmt(self.median_s), "min_ms": fmt(self.min_s), "spread": fmt(self.spread, 1),
+            "bytes": self.bytes,
             "tbs": fmt(self.tbs, 1), "roofline_frac": fmt(self.roofline_frac, 1),
             "max_abs_err": g.get("max_abs", ""), "rel_l2_err": g.get("rel_l2", ""), "p99_abs_err": g.get("p99_abs", ""),
             "registers": p.get("registers", ""), "spill_bytes": p.get("spill_bytes", ""),
@@ -83,7 +85,8 @@ def read_csv(path) -> list:
             rows.append(Row(suite=d["suite"], op=d["op"], provider=d["provider"], M=int(d["M"]), N=int(d["N"]),
                             dtype=d["dtype"], device=d["device"], status=d["status"], label=d["label"],
                             method=d["method"], median_s=num(d["median_ms"], scale=1e-3),
-                            min_s=num(d["min_ms"], scale=1e-3), bytes=int(d["bytes"] or 0),
+                            min_s=num(d["min_ms"], scale=1e-3), spread=num(d.get("spread")),
+                            bytes=int(d["bytes"] or 0),
                             roofline_tbs=tbs / frac if tbs and frac else None, gate=gate, profile=profile,
                             test=d["test"]))
     return rows
@@ -194,7 +197,8 @@ def write_svg(rows, directory, roofline=None) -> list[str]:
 
 
 def load_baseline(path) -> dict:
-    """{(op, provider, M, N, dtype): median seconds} from our rows JSON or pytest-benchmark's."""
+    """{(op, provider, M, N, dtype): (median seconds, relative spread or 0)} from our rows JSON or
+    pytest-benchmark's."""
     with open(path) as f:
         data = json.load(f)
     out = {}
@@ -202,18 +206,25 @@ def load_baseline(path) -> dict:
         for b in data["benchmarks"]:
             info = b.get("extra_info") or {}
             if {"op", "provider", "M", "N", "dtype"} <= info.keys():
-                out[(info["op"], info["provider"], int(info["M"]), int(info["N"]), info["dtype"])] = b["stats"]["median"]
+                out[(info["op"], info["provider"], int(info["M"]), int(info["N"]), info["dtype"])] = (
+                    b["stats"]["median"], info.get("spread") or 0.0)
     else:
         rows = data["rows"] if isinstance(data, dict) else data
         for r in rows:
-            out[(r["op"], r["provider"], int(r["M"]), int(r["N"]), r["dtype"])] = float(r["median_s"])
+            out[(r["op"], r["provider"], int(r["M"]), int(r["N"]), r["dtype"])] = (float(r["median_s"]),
+                                                                                   r.get("spread") or 0.0)
     if not out:
         raise ValueError(f"{path}: no benchmark rows with op/provider/M/N/dtype found")
     return out
 
 
+NOISE_SIGMAS = 3.0  # a change smaller than this many spreads (of either run) is noise, not a verdict
+
+
 def regressions(rows, baseline: dict, max_regression: float, providers=("oink",), gate_cpu: bool = False):
     """Compare the timed rows of ``providers`` (GPU rows only unless ``gate_cpu``) with the baseline.
+    A row regressed when its median grew by more than ``max_regression`` and by more than the noise
+    floor: NOISE_SIGMAS x the larger relative spread of the two runs' samples.
     -> (table lines, names of regressed rows, names of rows the baseline has no entry for)."""
     lines, bad, missing = [], [], []
     gated = [r for r in rows if r.provider in providers and r.status == "ok" and r.median_s
@@ -224,10 +235,14 @@ def regressions(rows, baseline: dict, max_regression: float, providers=("oink",)
         if old is None:
             missing.append(name)
             continue
+        old, old_spread = old
         ratio = r.median_s / old
-        verdict = "REGRESSED" if ratio > 1 + max_regression else ("improved" if ratio < 1 - max_regression else "same")
+        floor = NOISE_SIGMAS * max(r.spread or 0.0, old_spread)
+        limit = max(max_regression, floor)
+        verdict = "REGRESSED" if ratio > 1 + limit else ("improved" if ratio < 1 - limit else "same")
+        noise = f", noise floor {floor * 100:.1f}%" if floor > max_regression else ""
         lines.append(f"{r.op} {r.M}x{r.N} {r.dtype} [{r.provider}]: {old * 1e3:.4f} ms -> {r.median_s * 1e3:.4f} ms "
-                     f"({(ratio - 1) * 100:+.1f}%) {verdict}")
+                     f"({(ratio - 1) * 100:+.1f}%{noise}) {verdict}")
         if verdict == "REGRESSED":
             bad.append(name)
     return lines, bad, missing

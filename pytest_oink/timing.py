@@ -20,6 +20,13 @@ def median(xs):
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
+def relative_spread(xs) -> float:
+    """The samples' spread relative to their median: 1.4826 x the median absolute deviation (a
+    standard deviation for normal noise, unmoved by a few outliers) over the median."""
+    m = median(xs)
+    return 1.4826 * median([abs(x - m) for x in xs]) / m if m else 0.0
+
+
 def copies_for_cold_cache(bytes_per_set: int, l2_bytes: int, factor: int = 3, cap: int = 64) -> int:
     """Input sets to rotate through so that the working set exceeds ``factor`` x L2."""
     if bytes_per_set <= 0:

@@ -580,3 +580,23 @@ def test_merge_result_files_of_several_runs(pytester, tmp_path):
     res = pytester.runpytest_subprocess(f"--oink-merge={tmp_path / 'missing.csv'}", f"--oink-csv={tmp_path / 'x.csv'}",
                                         *PLUGIN)
     assert res.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_gate_noise_floor():
+    """A change inside 3 spreads of either run's samples is noise; beyond it and the threshold, a regression."""
+    def row(median, spread):
+        return report.Row(suite="s", op="rmsnorm_forward", provider="oink", M=4, N=128, dtype="bfloat16",
+                          device="cuda:0", status="ok", median_s=median, spread=spread)
+
+    base = {("rmsnorm_forward", "oink", 4, 128, "bfloat16"): (1.0, 0.02)}
+    lines, bad, _ = report.regressions([row(1.2, 0.10)], base, 0.05)  # floor 30%: +20% is noise
+    assert not bad and "noise floor 30.0%" in lines[0] and lines[0].endswith("same")
+    lines, bad, _ = report.regressions([row(1.5, 0.10)], base, 0.05)
+    assert bad and "REGRESSED" in lines[0]
+    lines, bad, _ = report.regressions([row(1.1, None)], base, 0.05)  # the baseline's own 2% spread: floor 6%
+    assert bad and "noise floor 6.0%" in lines[0]
+    lines, bad, _ = report.regressions([row(1.1, 0.001)], {k: (1.0, 0.0) for k in base}, 0.05)
+    assert bad and "noise floor" not in lines[0]  # below the threshold, the floor is not mentioned
+    assert timing.relative_spread([1.0, 1.0, 1.0]) == 0.0
+    assert abs(timing.relative_spread([1.0, 1.1, 0.9, 1.0, 1.0]) - 0.0) < 1e-12  # MAD ignores the two outliers
+    assert abs(timing.relative_spread([1.0, 1.1, 0.9]) - 1.4826 * 0.1) < 1e-9
