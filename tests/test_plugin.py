@@ -600,3 +600,12 @@ def test_gate_noise_floor():
     assert timing.relative_spread([1.0, 1.0, 1.0]) == 0.0
     assert abs(timing.relative_spread([1.0, 1.1, 0.9, 1.0, 1.0]) - 0.0) < 1e-12  # MAD ignores the two outliers
     assert abs(timing.relative_spread([1.0, 1.1, 0.9]) - 1.4826 * 0.1) < 1e-9
+
+
+def test_eager_reference_cap_rule():
+    from pytest_oink.bench_runner import EAGER_CAP, cap_applies
+
+    assert cap_applies("torch", 11e-3, 1e-3) and EAGER_CAP == 10.0
+    assert not cap_applies("torch", 9e-3, 1e-3)  # within 10x: timed in full
+    assert not cap_applies("torch", 1.0, None)  # nothing to compare with yet
+    assert not cap_applies("torch.compile", 1.0, 1e-3) and not cap_applies("quack", 1.0, 1e-3)
