@@ -39,12 +39,30 @@ def _fp8_shapes(op: str):
     return [(M, N) for M in (128, 4096, 16384) for N in (4096, 7168, 8192, 16384, 18432)]
 
 
+SWEEP_WIDTHS = (512, 1536, 2048, 2880, 3072, 4096, 5120, 6144, 7168, 8192, 12288, 14336, 16384, 18432, 28672, 65536,
+                131072, 262144)
+SWEEP_VOCABS = (32000, 32064, 50257, 128256, 151936, 152064, 201088, 256000)
+
+
+def _sweep_shapes(op: str):
+    # Real models' widths (vocabularies for cross-entropy) at a decode and a training row count, plus
+    # the decode sizes the fused add + RMSNorm targets; M x N kept within 2^28 elements so one case
+    # fits any lent GPU. Not the full product: --oink-configs / --oink-ops narrow it further.
+    if op.startswith("cross_entropy"):
+        shapes = [(M, V) for V in SWEEP_VOCABS for M in (512, 4096)]
+    else:
+        shapes = [(M, N) for N in SWEEP_WIDTHS for M in (32, 4096)]
+        shapes += [(M, N) for N in (4096, 5120, 7168, 8192) for M in (1, 128, 512)]
+    return sorted({(M, N) for M, N in shapes if M * N <= 2**28})
+
+
 DEDICATED = ("fp8",)  # suites that run only the ops whose spec names them (OpSpec.only_in)
 SUITES = {
     "quack": lambda op: _quack_shapes(),
     "nvfp4": _nvfp4_shapes,
     "dsv3": _dsv3_shapes,
     "fp8": _fp8_shapes,
+    "sweep": _sweep_shapes,
     "smoke": lambda op: [(4, 128), (64, 1024)],
 }
 # what each suite is, and whether it is sized for a GPU (skipped on a CPU unless asked)
@@ -52,6 +70,7 @@ ABOUT = {
     "quack": ("Quack's benchmark shapes: N = 4096, M = batch x seq up to 2^31 / N", True),
     "dsv3": ("DeepSeek-V3 widths 6144-8192 (vocabularies 3072-12288 for cross-entropy), M 4096-65536", True),
     "nvfp4": ("the FP4 study's decode shapes, then M x N at scale (widths 2048-14336)", True),
+    "sweep": ("real models' widths 512-262144 and vocabularies 32000-256000 at decode and training rows", True),
     "fp8": ("the FP8 quantizers and fused ops: widths 4096-18432, rows 128-16384", True),
     "smoke": ("two tiny shapes a CPU runs in about a minute (reference timing, labelled)", False),
 }
