@@ -82,14 +82,15 @@ class Op:
             torch.library.register_fake(f"oink::{self.op_name}", self._fake(fake), lib=LIB)
         self.op = getattr(getattr(torch.ops.oink, self.op_name), "default")
         OPS[self.op_name] = self
+        self.mutated = tuple(a.name for a in parsed.arguments if a.alias_info and a.alias_info.is_write)
         self.differentiable = backward is not None
+        qualname = f"oink::{self.op_name}"
         if backward is not None:  # (backward, setup_context) of torch.library.register_autograd
-            torch.library.register_autograd(f"oink::{self.op_name}", backward[0], setup_context=backward[1], lib=LIB)
-        elif autograd and not any(a.alias_info and a.alias_info.is_write for a in parsed.arguments):
+            torch.library.register_autograd(qualname, backward[0], setup_context=backward[1], lib=LIB)
+        elif autograd and not self.mutated:
             # outputs that are gradients, statistics or codes: marked non-differentiable, so a call on
             # inputs that require grad compiles (AOTAutograd needs a formula) and never backpropagates
-            torch.library.register_autograd(f"oink::{self.op_name}", _refuse_backward, setup_context=_mark_outputs,
-                                            lib=LIB)
+            torch.library.register_autograd(qualname, _refuse_backward, setup_context=_mark_outputs, lib=LIB)
         self.function = None
         if public:
             PUBLIC[self.name] = self
@@ -130,6 +131,10 @@ class Op:
             if self.check_values is not None:
                 self.check_values(**a)
             out = dispatch.call(self.route, **({**a, **self.fixed} if self.fixed else a))
+            if self.mutated and torch.is_grad_enabled():  # as the op's ADInplaceOrView would
+                for n in self.mutated:
+                    if not a[n].is_inference():
+                        torch.autograd.graph.increment_version(a[n])
         else:
             out = self.op(*[a[n] for n in self.op_params])
         return self.to_public(out, a) if self.to_public is not None else out
@@ -177,7 +182,7 @@ def declare(schema: str, **kw) -> Callable[[Callable], Callable]:
     public function (the check function for an op that is not public), with the ``Op`` as ``.op``."""
     def wrap(check: Callable) -> Callable:
         op = Op(check, schema, **kw)
-        fn = op.function if op.name in PUBLIC else check
+        fn = op.function or check
         fn.op = op
         return fn
 

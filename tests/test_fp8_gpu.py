@@ -82,7 +82,8 @@ def test_quantize_bit_exact(kind, dtype, M, N, mode, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", [512, 7168, 18432])
-@pytest.mark.parametrize("mode", [MODES[0], MODES[2], MODES[3], MODES[6]], ids=["token", "static", "g128", "g128-ue8m0"])
+@pytest.mark.parametrize("mode", [MODES[0], MODES[2], MODES[3], MODES[6]],
+                         ids=["token", "static", "g128", "g128-ue8m0"])
 def test_silu_mul_within_a_step(dtype, N, mode, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = (torch.randn(257, 2 * N, device="cuda", generator=g) * 2).to(dtype)
