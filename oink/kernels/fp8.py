@@ -21,7 +21,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
 from .nvfp4 import _asm, div_rn, f32_bits, f32_from_bits, fp4_launch
-from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, fmax
+from .reduction import MAX_N, RowKernelBase, RowLaunch, fmax
 from .rmsnorm import RMSNormForward
 
 UNIT = 16  # values a thread unit holds: its codes are one 128-bit store
@@ -162,34 +162,12 @@ class Fp8Quantize(Fp8Epilogue, RowKernelBase):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mUp: Optional[cute.Tensor], mScale: Optional[cute.Tensor],
                mUb: Optional[cute.Tensor], mQ: cute.Tensor, mS: Optional[cute.Tensor], tc: cute.TiledCopy):
-        L = self.launch
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
         M = cute.size(mX, mode=[0])
         tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
         row = tXcX[0][0]
-        tXgX = part(mX, bidx)
-        rX = cute.make_rmem_tensor_like(tXgX)
-        rX.fill(0)
-        rUp = None
-        if const_expr(mUp is not None):
-            rUp = cute.make_rmem_tensor_like(tXgX)
-            rUp.fill(0)
-        atom = self.atom(self.dtype)
-        if row < M:
-            for i in cutlass.range_constexpr(cute.size(tXgX, mode=[2])):
-                if const_expr(L.even_n) or tXcX[(0, 0), 0, i][1] < L.N:
-                    cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
-                    if const_expr(mUp is not None):
-                        cute.copy(atom, part(mUp, bidx)[None, None, i], rUp[None, None, i])
-        self.wait_cluster()
-        rV = cute.make_rmem_tensor_like(rX, Float32)
-        rV.store(rX.load().to(Float32))
-        if const_expr(self.kind == "silu_mul"):
-            rU = cute.make_rmem_tensor_like(rX, Float32)
-            rU.store(rUp.load().to(Float32))
-            for j in cutlass.range_constexpr(cute.size(rV)):
-                g = rV[j]
-                rV[j] = g * cute.arch.rcp_approx(1.0 + cute.math.exp2(g * -LOG2E, fastmath=True)) * rU[j]
+        rV, _ = self.load_values(mX, mUp, self.dtype, bidx, part, tXcX, row, M)
+        self.wait_cluster()  # the per-token amax may cross the CTAs of a cluster
         self.quantize_store(rV, tXcX, row, M, cy, mScale, mUb, mQ, mS, buf, mbar)
 
 

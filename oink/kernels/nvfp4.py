@@ -36,7 +36,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
-from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, pick_row_launch
+from .reduction import MAX_N, RowKernelBase, RowLaunch, pick_row_launch
 from .rmsnorm import RMSNormForward
 
 BLOCK = 16  # NVFP4
@@ -257,37 +257,12 @@ class Fp4Quantize(Fp4Epilogue, RowKernelBase):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mUp: Optional[cute.Tensor], mGS: Optional[cute.Tensor], mQ: cute.Tensor,
                mSF: cute.Tensor, tc: cute.TiledCopy):
-        L = self.launch
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
         M = cute.size(mX, mode=[0])
         tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
         row = tXcX[0][0]
-        tXgX = part(mX, bidx)
-        rX = cute.make_rmem_tensor_like(tXgX)
-        rX.fill(0)
-        rUp = None
-        if const_expr(mUp is not None):
-            rUp = cute.make_rmem_tensor_like(tXgX)
-            rUp.fill(0)
-        # one predicate guards both halves' copies of a unit (two copy_row calls would test it twice)
-        atom = self.atom(self.dtype)
-        if row < M:
-            for i in cutlass.range_constexpr(cute.size(tXgX, mode=[2])):
-                if const_expr(L.even_n) or tXcX[(0, 0), 0, i][1] < L.N:
-                    cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
-                    if const_expr(mUp is not None):
-                        cute.copy(atom, part(mUp, bidx)[None, None, i], rUp[None, None, i])
+        rV, _ = self.load_values(mX, mUp, self.dtype, bidx, part, tXcX, row, M)
         gs = mGS[0] if const_expr(mGS is not None) else None
-        rV = cute.make_rmem_tensor_like(rX, Float32)
-        rV.store(rX.load().to(Float32))
-        if const_expr(self.mode == "silu_mul"):
-            # fast exp2 and reciprocal (a few ulp; an IEEE divide is ~10 instructions and a
-            # slow-path branch): the fused ops owe codes within one step
-            rU = cute.make_rmem_tensor_like(rX, Float32)
-            rU.store(rUp.load().to(Float32))
-            for j in cutlass.range_constexpr(cute.size(rV)):
-                g = rV[j]
-                rV[j] = g * cute.arch.rcp_approx(1.0 + cute.math.exp2(g * -LOG2E, fastmath=True)) * rU[j]
         self.quantize_store(rV, tXcX, row, M, gs, mQ, mSF)
 
 

@@ -221,6 +221,38 @@ class RowKernelBase:
         return self.row_allreduce_pair(val, None, op, init, buf, mbar, slot, None, phase)[0]
 
     @cute.jit
+    def load_values(self, mX: cute.Tensor, mUp, dtype: cutlass.Constexpr, bidx, part, tXcX: cute.Tensor, row, M):
+        """This thread's slice of its row in fp32 (rows past M read nothing: zeros), or with ``mUp``
+        (the up half of a gated [gate | up] row) silu(gate) * up. Fast exp2 and reciprocal: a few
+        ulp (an IEEE divide is ~10 instructions and a slow-path branch); the fused quantizing ops owe
+        codes within one step. -> (fp32 values, the x registers)."""
+        L = self.launch
+        tXgX = part(mX, bidx)
+        rX = cute.make_rmem_tensor_like(tXgX)
+        rX.fill(0)
+        rUp = None
+        if const_expr(mUp is not None):
+            rUp = cute.make_rmem_tensor_like(tXgX)
+            rUp.fill(0)
+        # one predicate guards both halves' copies of a unit (two copy_row calls would test it twice)
+        atom = self.atom(dtype)
+        if row < M:
+            for i in cutlass.range_constexpr(cute.size(tXgX, mode=[2])):
+                if const_expr(L.even_n) or tXcX[(0, 0), 0, i][1] < L.N:
+                    cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
+                    if const_expr(mUp is not None):
+                        cute.copy(atom, part(mUp, bidx)[None, None, i], rUp[None, None, i])
+        rV = cute.make_rmem_tensor_like(rX, Float32)
+        rV.store(rX.load().to(Float32))
+        if const_expr(mUp is not None):
+            rU = cute.make_rmem_tensor_like(rX, Float32)
+            rU.store(rUp.load().to(Float32))
+            for j in cutlass.range_constexpr(cute.size(rV)):
+                g = rV[j]
+                rV[j] = g * cute.arch.rcp_approx(1.0 + cute.math.exp2(g * -LOG2E, fastmath=True)) * rU[j]
+        return rV, rX
+
+    @cute.jit
     def row_exp_sum(self, x, buf, mbar):
         """(row max m, exp(x - m), the row's sum of it): reduction slots 0 and 1 (softmax and
         cross-entropy)."""
