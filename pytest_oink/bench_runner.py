@@ -10,8 +10,9 @@ from .gate import compare
 from .providers import LABELS, SPECS, Unavailable, build
 from .report import Row
 from .state import ROWS, STATE
+from .suites import HOST_TIMED
 from .timing import (Rotation, copies_for_cold_cache, feed_benchmark, median, relative_spread, time_cuda_graph,
-                     time_host)
+                     time_eager_calls, time_host)
 from .tolerances import tolerance
 
 GATE_SEEDS = (1, 2, 3)
@@ -144,8 +145,14 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
     if not row.gate["passed"]:
         row.status = "failed"
         return row
-    capped = _eager_cap(request, case, provider, run, spec, dtype, device) if device.type == "cuda" else None
-    if capped is not None:
+    capped = None
+    if case.suite not in HOST_TIMED and device.type == "cuda":
+        capped = _eager_cap(request, case, provider, run, spec, dtype, device)
+    if case.suite in HOST_TIMED:  # the host's cost of an eager call, not the kernel's time
+        sync = torch.cuda.synchronize if device.type == "cuda" else None
+        samples, row.method = time_eager_calls(run, _inputs(spec, case, dtype, device, 100), sync=sync), "eager-calls"
+        row.bytes = 0  # no bandwidth: the device is idle between calls
+    elif capped is not None:
         samples, row.method = capped
         row.label = (row.label + "; " if row.label else "") + (
             f"capped: over {EAGER_CAP:.0f}x the fastest row, {len(samples)} synced calls timed")

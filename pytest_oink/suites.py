@@ -57,12 +57,14 @@ def _sweep_shapes(op: str):
 
 
 DEDICATED = ("fp8",)  # suites that run only the ops whose spec names them (OpSpec.only_in)
+HOST_TIMED = ("launch",)  # suites timed as eager calls on the host (bench_runner), not as kernels
 SUITES = {
     "quack": lambda op: _quack_shapes(),
     "nvfp4": _nvfp4_shapes,
     "dsv3": _dsv3_shapes,
     "fp8": _fp8_shapes,
     "sweep": _sweep_shapes,
+    "launch": lambda op: [(1, 4096), (128, 4096)],
     "smoke": lambda op: [(4, 128), (64, 1024)],
 }
 # what each suite is, and whether it is sized for a GPU (skipped on a CPU unless asked)
@@ -70,6 +72,7 @@ ABOUT = {
     "quack": ("Quack's benchmark shapes: N = 4096, M = batch x seq up to 2^31 / N", True),
     "dsv3": ("DeepSeek-V3 widths 6144-8192 (vocabularies 3072-12288 for cross-entropy), M 4096-65536", True),
     "nvfp4": ("the FP4 study's decode shapes, then M x N at scale (widths 2048-14336)", True),
+    "launch": ("host cost of one eager call (M = 1 and 128, N = 4096): 400 calls, then one sync", False),
     "sweep": ("real models' widths 512-262144 and vocabularies 32000-256000 at decode and training rows", True),
     "fp8": ("the FP8 quantizers and fused ops: widths 4096-18432, rows 128-16384", True),
     "smoke": ("two tiny shapes a CPU runs in about a minute (reference timing, labelled)", False),

@@ -65,6 +65,24 @@ def time_host(fn, rotation, repeats: int = 10, warmup: int = 2, clock=time.perf_
     return samples
 
 
+def time_eager_calls(fn, args, calls: int = 400, repeats: int = 5, sync=None):
+    """Host cost of one eager call: ``calls`` calls back to back on the same inputs, then one sync,
+    per call; ``repeats`` such samples. Small inputs keep the device idle between launches, so this
+    is the Python, dispatch and launch cost a caller pays."""
+    fn(args)
+    if sync:
+        sync()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(args)
+        if sync:
+            sync()
+        samples.append((time.perf_counter() - t0) / calls)
+    return samples
+
+
 def time_cuda_events(fn, rotation, repeats: int = 20, warmup: int = 3):
     """Per-call seconds from CUDA events around each call (callables that can't be captured)."""
     import torch

@@ -609,3 +609,14 @@ def test_eager_reference_cap_rule():
     assert not cap_applies("torch", 9e-3, 1e-3)  # within 10x: timed in full
     assert not cap_applies("torch", 1.0, None)  # nothing to compare with yet
     assert not cap_applies("torch.compile", 1.0, 1e-3) and not cap_applies("quack", 1.0, 1e-3)
+
+
+def test_launch_suite_times_eager_calls(pytester, tmp_path):
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("--oink-suite=launch", "--oink-ops=softmax_forward,fp8_quantize,vllm_rmsnorm",
+                                        "--oink-providers=oink,torch", f"--oink-csv={tmp_path / 'r.csv'}", *PLUGIN)
+    res.assert_outcomes(passed=12)
+    rows = list(csv.DictReader(open(tmp_path / "r.csv")))
+    ops = ("softmax_forward", "fp8_quantize", "vllm_rmsnorm")
+    assert {(r["op"], r["M"], r["N"]) for r in rows} == {(op, M, "4096") for op in ops for M in ("1", "128")}
+    assert all(r["method"] == "eager-calls" and float(r["median_ms"]) > 0 and r["bytes"] == "0" for r in rows)
