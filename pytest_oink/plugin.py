@@ -32,10 +32,11 @@ def pytest_configure(config):
         raise pytest.UsageError(str(e)) from None
     baseline = options.get(config, "--oink-baseline")
     if baseline:  # read now: a bad file must not cost a whole benchmark run
-        from .report import load_baseline
+        from .report import load_baseline, load_baseline_machine
 
         try:
             config.stash[STATE]["baseline"] = load_baseline(baseline)
+            config.stash[STATE]["baseline_machine"] = load_baseline_machine(baseline)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise pytest.UsageError(f"--oink-baseline={baseline}: not a readable results file ({e})") from None
     given = [str(a).split("=")[0] for a in config.invocation_params.args]
@@ -306,6 +307,11 @@ def pytest_sessionfinish(session, exitstatus):
             bool(options.get(config, "--oink-gate-cpu")))
         state["regression_lines"], state["regressions"], state["not_compared"] = lines, bad, missing
         state["compared"] = len(lines)
+        from .benchmark_hooks import pytest_benchmark_update_machine_info
+
+        here: dict = {}
+        pytest_benchmark_update_machine_info(config, here)
+        state["machine_differences"] = report.machine_differences(state.get("baseline_machine") or {}, here)
         refused = not options.get(config, "--oink-allow-missing") and (missing or not lines)
         if (bad or refused) and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -325,6 +331,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         if state["not_compared"]:
             terminalreporter.write_line("not compared (no baseline entry): " + ", ".join(state["not_compared"]),
                                         red=not options.get(config, "--oink-allow-missing"))
+        if state.get("machine_differences"):
+            terminalreporter.write_line("baseline measured elsewhere (timings may not compare): "
+                                        + "; ".join(state["machine_differences"]), yellow=True)
         if not state.get("compared"):
             why = "" if options.get(config, "--oink-gate-cpu") else " (CPU rows are gated only with --oink-gate-cpu)"
             terminalreporter.write_line(f"the regression gate compared nothing{why}", red=True)

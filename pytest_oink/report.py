@@ -218,6 +218,26 @@ def load_baseline(path) -> dict:
     return out
 
 
+def load_baseline_machine(path) -> dict:
+    """The machine_info of a pytest-benchmark JSON baseline ({} for our rows JSON, which has none)."""
+    with open(path) as f:
+        data = json.load(f)
+    return data.get("machine_info") or {} if isinstance(data, dict) else {}
+
+
+def machine_differences(baseline: dict, current: dict) -> list[str]:
+    """What differs between the machine a baseline was measured on and this one: the GPU and the
+    versions of torch, CuTeDSL, Oink and the peers (only where both sides name them)."""
+    out = []
+    gpu_b, gpu_c = (baseline.get("gpu") or {}).get("name"), (current.get("gpu") or {}).get("name")
+    if gpu_b and gpu_b != gpu_c:
+        out.append(f"GPU {gpu_b} -> {gpu_c or 'none'}")
+    ver_b, ver_c = baseline.get("oink_versions") or {}, current.get("oink_versions") or {}
+    out += [f"{pkg} {ver_b[pkg]} -> {ver_c[pkg]}" for pkg in sorted(ver_b.keys() & ver_c.keys())
+            if ver_b[pkg] != ver_c[pkg]]
+    return out
+
+
 NOISE_SIGMAS = 3.0  # a change smaller than this many spreads (of either run) is noise, not a verdict
 
 

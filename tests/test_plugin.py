@@ -620,3 +620,20 @@ def test_launch_suite_times_eager_calls(pytester, tmp_path):
     ops = ("softmax_forward", "fp8_quantize", "vllm_rmsnorm")
     assert {(r["op"], r["M"], r["N"]) for r in rows} == {(op, M, "4096") for op in ops for M in ("1", "128")}
     assert all(r["method"] == "eager-calls" and float(r["median_ms"]) > 0 and r["bytes"] == "0" for r in rows)
+
+
+def test_baseline_machine_differences_are_reported(smoke_run, tmp_path):
+    assert report.machine_differences({"gpu": {"name": "NVIDIA H100"}, "oink_versions": {"torch": "2.11", "x": "1"}},
+                                      {"gpu": {"name": "NVIDIA H200"}, "oink_versions": {"torch": "2.13"}}) == [
+        "GPU NVIDIA H100 -> NVIDIA H200", "torch 2.11 -> 2.13"]
+    assert report.machine_differences({}, {"gpu": None}) == []
+    run, out = smoke_run
+    assert run("--oink-providers=oink").ret == 0  # writes b.json
+    data = json.loads((out / "b.json").read_text())
+    data["machine_info"]["oink_versions"]["torch"] = "0.0.1"
+    data["machine_info"]["gpu"] = {"name": "NVIDIA H100 80GB HBM3"}
+    other = _doctored(data, tmp_path / "other.json", 1e6)
+    res = run("--oink-providers=oink", "--oink-gate-cpu", f"--oink-baseline={other}")
+    assert res.ret == 0
+    res.stdout.fnmatch_lines(["*baseline measured elsewhere (timings may not compare): "
+                              "GPU NVIDIA H100 80GB HBM3 -> none; torch 0.0.1 -> *"])
