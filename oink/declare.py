@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import dispatch
+from . import dispatch, reference
 
 LIB = torch.library.Library("oink", "DEF")
 PUBLIC: dict[str, "Op"] = {}  # name -> op, for every public oink.<name>
@@ -173,8 +173,18 @@ def _public_function(op: Op) -> Callable:
     exec(src, scope)  # noqa: S102  (the source is built from a declared signature only)
     fn = scope[op.name]
     fn.__doc__, fn.__module__, fn.__qualname__ = op.check.__doc__, "oink", op.name
-    fn.__signature__ = op.signature
+    fn.__signature__ = _annotated(op.signature, getattr(reference, op.name, None))
     return fn
+
+
+def _annotated(sig: inspect.Signature, ref) -> inspect.Signature:
+    """``sig`` with the reference's type annotations (the same parameters, typed once there)."""
+    if ref is None:
+        return sig
+    ref_sig = inspect.signature(ref)
+    typed = [p.replace(annotation=ref_sig.parameters[n].annotation) if n in ref_sig.parameters else p
+             for n, p in sig.parameters.items()]
+    return sig.replace(parameters=typed, return_annotation=ref_sig.return_annotation)
 
 
 def declare(schema: str, **kw) -> Callable[[Callable], Callable]:
