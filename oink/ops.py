@@ -24,10 +24,6 @@ FP4 = "oink.kernels.nvfp4_ops"
 FP8 = None
 
 
-def _like(x, dtype=None):
-    return lambda *a: torch.empty_like(x, dtype=dtype)
-
-
 def _absent(x):
     """An optional output not asked for (the custom op's placeholder): empty, x's dtype."""
     return x.new_empty(0)
