@@ -14,6 +14,7 @@ N_BUCKETS = {
     "softmax": (8, 64, 1000, 4096),
     "cross_entropy": (8, 1000, 32000),
     "nvfp4": (16, 64, 1024, 4096),
+    "fp8": (128, 1024, 4096, 7168),
 }
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 LAYOUTS = ("contiguous", "padded_rows", "offset_view")

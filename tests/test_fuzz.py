@@ -138,3 +138,44 @@ def test_every_op_cpu(shape, dtype, layout, seed):
 @given(shape=S.shapes("cross_entropy", max_m=2000), dtype=S.dtypes(), layout=S.layouts(), seed=st.integers(0, 2**16))
 def test_every_op_gpu(shape, dtype, layout, seed):
     _check_every_op(*shape, dtype, layout, seed, "cuda")
+
+
+# ---- FP8: every scale mode; a strided input gives its contiguous copy's answer, and the custom
+# op's fake gives the real outputs' shapes and strides (what torch.compile plans memory from)
+FP8_MODES = st.sampled_from([dict(), dict(scale=0.05), dict(scale_ub=2.0), dict(group_size=64),
+                             dict(group_size=128, column_major_scales=True), dict(group_size=128, ue8m0=True)])
+
+
+def _fp8_args(mode, device):
+    return {k: (torch.tensor([v], device=device) if k in ("scale", "scale_ub") else v) for k, v in mode.items()}
+
+
+@given(shape=S.shapes("fp8"), dtype=S.dtypes(), layout=S.layouts(), seed=st.integers(0, 2**16), mode=FP8_MODES)
+def test_fp8_quantize_layouts_and_fake_agree_cpu(shape, dtype, layout, seed, mode):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    M, N = shape
+    x = S.make_tensor(M, N, _dt(dtype), layout, seed=seed)
+    args = _fp8_args(mode, "cpu")
+    q, s = oink.fp8_quantize(x, **args)
+    rq, rs = R.fp8_quantize(x.contiguous(), **args)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fq, fs = oink.fp8_quantize(torch.empty(M, N, dtype=_dt(dtype)), **args)
+    assert (fq.shape, fq.dtype, fs.shape, fs.stride()) == (q.shape, q.dtype, s.shape, s.stride())
+
+
+@pytest.mark.gpu
+@pytest.mark.sm(90)
+@given(shape=S.shapes("fp8", max_m=5000), dtype=S.dtypes(), layout=S.layouts(), seed=st.integers(0, 2**16),
+       mode=FP8_MODES)
+def test_fp8_quantize_kernel_gpu(shape, dtype, layout, seed, mode):
+    from oink.kernels.fp8_ops import run_quantize
+    from tests.gpu_helpers import cuda_arch
+
+    M, N = shape
+    x = S.make_tensor(M, N, _dt(dtype), layout, device="cuda", seed=seed)
+    args = _fp8_args(mode, "cuda")
+    q, s = run_quantize(cuda_arch(), x, **args)
+    rq, rs = R.fp8_quantize(x, **args)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)

@@ -81,8 +81,8 @@ def quantize_rows(v: Tensor, scale=None, group_size: int = 0, column_major_scale
         s = _ue8m0(s)
     q = _codes(vg / s).reshape(M, N)
     s = s.reshape(M, N // G)
-    if column_major_scales:
-        s = s.t().contiguous().t()  # same values, strides (1, M)
+    if column_major_scales:  # same values, strides (1, M): allocated as [K, M], seen transposed
+        s = torch.empty((N // G, M), dtype=s.dtype, device=s.device).t().copy_(s)
     return q, s
 
 
