@@ -509,7 +509,8 @@ def test_csv_rows_append_as_they_complete(tmp_path):
 def test_list_and_gpu_sized_suites_on_cpu(pytester, monkeypatch):
     res = pytester.runpytest_subprocess("--oink-list", *PLUGIN)
     assert res.ret == 0
-    res.stdout.fnmatch_lines(["suites (--oink-suite):", "*dsv3*(GPU)", "*smoke*", "*rmsnorm_forward_gemma*oink, quack*",
+    res.stdout.fnmatch_lines(["suites (--oink-suite):", "*dsv3*(GPU); 189 op x shape cases", "*smoke*",
+                              "*rmsnorm_forward_gemma*oink, quack*",
                               "providers (--oink-providers, --oink-gate-providers): oink, *"])
     monkeypatch.delenv("OINK_FAKE_SM", raising=False)
     pytester.makepyfile(BENCH)
