@@ -3,8 +3,8 @@
 Rules, in order: ``OINK_FORCE_REFERENCE=1`` forces the reference; non-CUDA tensors use the
 reference; a GPU that is not SM90/SM100 uses the reference; an op with no kernel yet uses the
 reference; the op's kernel may decline (dtype, width, layout) with a reason. Every decision
-carries its reason: ``oink.explain(op, *args)`` (in ``oink.declare``) returns it and the ``oink.dispatch`` logger
-prints it at DEBUG level.
+carries its reason: ``oink.explain(op, *args)`` (in ``oink.declare``) returns it and the
+``oink.dispatch`` logger prints it at DEBUG level.
 """
 from __future__ import annotations
 

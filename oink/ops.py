@@ -222,19 +222,21 @@ def softmax_forward(x):
 @declare("softmax_backward(Tensor dy, Tensor y) -> Tensor", kernels=SOFTMAX, fake=lambda dy, y: torch.empty_like(y))
 def softmax_backward(dy, y):
     """dx = y * (dy - sum(dy * y)) from the forward's output y."""
-    c.rows_input("y", y)
+    _rows_and_grad("y", y, dy)
+
+
+def _rows_and_grad(name, t, dy):
+    """An activation ``name`` and its gradient dy: same shape, same device."""
+    c.rows_input(name, t)
     c.tensor("dy", dy)
-    c.same_shape("dy", dy, "y", y)
-    c.same_device(dy=dy, y=y)
+    c.same_shape("dy", dy, name, t)
+    c.same_device(dy=dy, **{name: t})
 
 
 @declare("softmax_fwd_bwd(Tensor dy, Tensor x) -> Tensor", kernels=SOFTMAX, fake=lambda dy, x: torch.empty_like(x))
 def softmax_fwd_bwd(dy, x):
     """The softmax backward from x (the forward recomputed in the same pass)."""
-    c.rows_input("x", x)
-    c.tensor("dy", dy)
-    c.same_shape("dy", dy, "x", x)
-    c.same_device(dy=dy, x=x)
+    _rows_and_grad("x", x, dy)
 
 
 # ---------------------------------------------------------------- CrossEntropy
@@ -459,16 +461,8 @@ def _fp8_check(name, x, N, scale, group_size, column_major_scales, ue8m0, scale_
 
 def _fp8_fake(x, N, scale, group_size, column_major_scales):
     """Codes [..., N] float8_e4m3fn and the mode's fp32 scales (see ``oink.reference.fp8``)."""
-    M = x.numel() // x.shape[-1]
     q = x.new_empty((*x.shape[:-1], N), dtype=torch.float8_e4m3fn)
-    if scale is not None:
-        return q, x.new_empty((1,), dtype=torch.float32)
-    if not group_size:
-        return q, x.new_empty((M, 1), dtype=torch.float32)
-    K = N // group_size
-    if column_major_scales:
-        return q, x.new_empty((K, M), dtype=torch.float32).t()
-    return q, x.new_empty((M, K), dtype=torch.float32)
+    return q, fp8_spec.empty_scales(x, x.numel() // x.shape[-1], N, scale, group_size, column_major_scales)
 
 
 def _fake_fp8_norm(x, *rest):

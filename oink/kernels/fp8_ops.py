@@ -5,7 +5,7 @@ from __future__ import annotations
 import cutlass
 import torch
 
-from ..reference.fp8 import mode_of
+from ..reference.fp8 import empty_scales, mode_of
 from .compile import current_stream, runtime_ptr
 from .fp8 import UNIT, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch
 from .host import dtype_name, in_place_reason, ld, prepare_rows, prepare_vector, ptr, rows_view, width_reason
@@ -41,15 +41,11 @@ def check_rmsnorm(t: dict, arch: str) -> str | None:
     return why
 
 
-def _scales(mode: str, M: int, K: int, device, column_major: bool, scale):
+def _scales(x, M: int, N: int, scale, group_size: int, column_major: bool):
     """The mode's scales out (a static scale is the input's fp32 copy, not the kernel's)."""
-    if mode == "static":
+    if scale is not None:
         return scale.reshape(1).float().clone()
-    if mode == "token":
-        return torch.empty((M, 1), device=device, dtype=torch.float32)
-    if column_major:
-        return torch.empty((K, M), device=device, dtype=torch.float32).t()
-    return torch.empty((M, K), device=device, dtype=torch.float32)
+    return empty_scales(x, M, N, None, group_size, column_major)
 
 
 def _scalar(t):
@@ -69,7 +65,7 @@ def _run(kind, arch, x, N, scale, group_size, column_major_scales, ue8m0, scale_
     x2 = prepare_rows(x, UNIT)
     M = x2.shape[0]
     q = torch.empty((M, N), device=x.device, dtype=torch.float8_e4m3fn)
-    s = _scales(mode, M, N // group_size if group_size else 1, x.device, column_major_scales, scale)
+    s = _scales(x, M, N, scale, group_size, column_major_scales)
     if M > 0:
         fn = compiled_fp8(kind, dtype_name(x2), N, arch, mode, group_size, column_major_scales, ue8m0,
                           scale_ub is not None)
@@ -95,7 +91,7 @@ def run_add_rmsnorm(arch, x, residual, weight, eps=1e-6, scale=None, group_size=
     w = prepare_vector(weight, UNIT)
     M = x2.shape[0]
     q = torch.empty((M, N), device=x.device, dtype=torch.float8_e4m3fn)
-    s = _scales(mode, M, N // group_size if group_size else 1, x.device, column_major_scales, scale)
+    s = _scales(x, M, N, scale, group_size, column_major_scales)
     y = torch.empty((M, N), device=x.device, dtype=x.dtype) if return_y else None
     if M > 0:
         fn = compiled_rmsnorm_fp8(dtype_name(x2), dtype_name(r2), dtype_name(w), N, arch, mode, group_size,

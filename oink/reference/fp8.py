@@ -54,6 +54,18 @@ def _ue8m0(s: Tensor) -> Tensor:
     return ((exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)) << 23).view(torch.float32)
 
 
+def empty_scales(x: Tensor, M: int, N: int, scale, group_size: int, column_major_scales: bool) -> Tensor:
+    """The mode's fp32 scales, unwritten, on x's device (FakeTensors too): [1] static, [M, 1] per
+    token, [M, N / G] per group, column-major allocated [N / G, M] and seen transposed."""
+    if scale is not None:
+        return x.new_empty((1,), dtype=torch.float32)
+    if not group_size:
+        return x.new_empty((M, 1), dtype=torch.float32)
+    if column_major_scales:
+        return x.new_empty((N // group_size, M), dtype=torch.float32).t()
+    return x.new_empty((M, N // group_size), dtype=torch.float32)
+
+
 def mode_of(scale, group_size: int) -> str:
     if scale is not None:
         return "static"
@@ -80,10 +92,7 @@ def quantize_rows(v: Tensor, scale=None, group_size: int = 0, column_major_scale
     if ue8m0:
         s = _ue8m0(s)
     q = _codes(vg / s).reshape(M, N)
-    s = s.reshape(M, N // G)
-    if column_major_scales:  # same values, strides (1, M): allocated as [K, M], seen transposed
-        s = torch.empty((N // G, M), dtype=s.dtype, device=s.device).t().copy_(s)
-    return q, s
+    return q, empty_scales(v, M, N, None, G, column_major_scales).copy_(s.reshape(M, N // G))
 
 
 def check_args(N: int, scale, group_size: int, column_major_scales: bool, ue8m0: bool, scale_ub,
