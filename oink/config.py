@@ -3,6 +3,7 @@ Hot paths read ``config.get()``; sweeps that change the environment in-process c
 No torch or cutlass here."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ class Config:
     bwd_partial_sum: str  # OINK_BWD_PARTIAL_SUM: "kernel" or "torch" (A/B)
     bwd_pdl: bool  # OINK_BWD_PDL=0: no programmatic dependent launch (A/B)
     bwd_exact: bool  # OINK_BWD_EXACT=0: power-of-two threads per row only (A/B)
+    tvm_ffi: bool  # OINK_TVM_FFI=0: launch through CuTeDSL's generic executor (default: TVM-FFI if installed)
 
 
 def _from_env() -> Config:
@@ -41,7 +43,8 @@ def _from_env() -> Config:
         keep_cubin=truthy(env("OINK_KEEP_CUBIN")), fwd_upt=_int("OINK_FWD_UPT"), fp4_upt=_int("OINK_FP4_UPT"),
         bwd_upt=_int("OINK_BWD_UPT"), bwd_tpsm=_int("OINK_BWD_TPSM"), bwd_depth=_int("OINK_BWD_DEPTH"),
         bwd_partial_sum=env("OINK_BWD_PARTIAL_SUM", "kernel"), bwd_pdl=env("OINK_BWD_PDL", "1") != "0",
-        bwd_exact=env("OINK_BWD_EXACT", "1") != "0")
+        bwd_exact=env("OINK_BWD_EXACT", "1") != "0",
+        tvm_ffi=env("OINK_TVM_FFI", "1") != "0" and importlib.util.find_spec("tvm_ffi") is not None)
 
 
 CONFIG = _from_env()

@@ -3,6 +3,11 @@
 Kernels are compiled against raw pointers plus a symbolic row count, so one compiled
 function serves every M and every row stride; N and the dtypes are compile-time constants.
 That is also what lets CI compile every variant on a CPU with no tensors at all.
+
+Launch: with apache-tvm-ffi installed (``OINK_TVM_FFI=0`` turns it off) kernels are compiled with
+``--enable-tvm-ffi`` and called through the compiled ``tvm_ffi.Function``: pointers and the stream
+pass as plain integers, positional, with no per-argument Python marshalling. Without it they go
+through CuTeDSL's generic executor with ``cute.runtime`` pointers. ``launch_args`` hides which.
 """
 from __future__ import annotations
 
@@ -43,7 +48,10 @@ def gmem_ptr(dtype, align: int = 16):
 
 
 def runtime_ptr(dtype, address: int, align: int = 16):
-    """A real global-memory pointer for a launch (address from ``tensor.data_ptr()``)."""
+    """A global-memory pointer for a launch (address from ``tensor.data_ptr()``): the address
+    itself through TVM-FFI, else a ``cute.runtime`` pointer."""
+    if config.get().tvm_ffi:
+        return address
     return cute.runtime.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
@@ -64,6 +72,7 @@ class CompileCache:
         self.used: list[Hashable] = []  # keys looked up since the last clear_used() (profiling)
 
     def get(self, key: Hashable, build: Callable[[], Callable]) -> Callable:
+        key = (key, config.get().tvm_ffi)  # a function is called the way it was compiled
         if len(self.used) < 64:
             self.used.append(key)
         fn = self._fns.get(key)
@@ -95,6 +104,8 @@ CACHE = CompileCache()
 
 # block size of each compiled function, for occupancy in kernel profiles: id(fn) -> threads
 BLOCK_THREADS: dict[int, int] = {}
+# the compiled object behind each TVM-FFI launcher (its artifacts, for kernel profiles): id -> fn
+COMPILED: dict[int, object] = {}
 
 
 def compile_kernel(kernel_obj, *fake_args, arch: str):
@@ -103,14 +114,21 @@ def compile_kernel(kernel_obj, *fake_args, arch: str):
     files CuTeDSL writes beside it go to ``dump_dir()``."""
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch {arch!r}: expected one of {SUPPORTED_ARCHS}")
-    options = f"--gpu-arch {arch}"
-    if config.get().keep_cubin:  # the dumps go to a temp directory, never the working directory
+    cfg = config.get()
+    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if cfg.tvm_ffi else "")
+    if cfg.keep_cubin:  # the dumps go to a temp directory, never the working directory
         options += f" --keep-cubin --dump-dir={dump_dir()}"
     fn = cute.compile(kernel_obj, *fake_args, options=options)
+    launcher = fn
+    if cfg.tvm_ffi:
+        # the bare tvm_ffi.Function (positional only); None where no GPU loaded it (CPU compiles)
+        bare = getattr(fn, "__tvm_ffi_object__", None)
+        launcher = (bare() if bare else None) or fn
+        COMPILED[id(launcher)] = fn
     launch = getattr(kernel_obj, "launch", None)
     if launch is not None:
-        BLOCK_THREADS[id(fn)] = launch.num_threads
-    return fn
+        BLOCK_THREADS[id(launcher)] = launch.num_threads
+    return launcher
 
 
 def dump_dir() -> str:
@@ -124,9 +142,12 @@ def dump_dir() -> str:
 
 
 def current_stream(device):
+    """The current torch stream of ``device`` as the compiled functions take it."""
     import torch
 
-    return cuda_driver().CUstream(torch.cuda.current_stream(device).cuda_stream)
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object built
+    raw = raw_stream(device.index) if raw_stream else torch.cuda.current_stream(device).cuda_stream
+    return raw if config.get().tvm_ffi else cuda_driver().CUstream(raw)
 
 
 @functools.lru_cache(maxsize=None)

@@ -74,6 +74,8 @@ def in_place_reason(name: str, t: torch.Tensor, vec: int) -> str | None:
 
 
 def ptr(t: torch.Tensor | None, align: int = 16):
+    """t's address as the compiled functions take it. The caller keeps t alive until the launch
+    is enqueued: never pass a temporary made inside the argument list."""
     return None if t is None else runtime_ptr(cute_dtype(dtype_name(t)), t.data_ptr(), align)
 
 

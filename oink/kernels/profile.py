@@ -3,7 +3,7 @@ per thread, local memory per thread (spills + stack), static shared memory, and 
 occupancy at the kernel's block size. Needs kernels compiled with OINK_KEEP_CUBIN=1 and a GPU."""
 from __future__ import annotations
 
-from .compile import BLOCK_THREADS, CACHE
+from .compile import BLOCK_THREADS, CACHE, COMPILED
 
 
 def _check(result):
@@ -17,13 +17,14 @@ def function_resources(fn, device_index: int = 0) -> list[dict]:
     import torch
     from cuda.bindings import driver as drv
 
+    threads = BLOCK_THREADS.get(id(fn), 128)
+    fn = COMPILED.get(id(fn), fn)  # a TVM-FFI launcher's compiled object holds the artifacts
     cubin = fn.artifacts.CUBIN
     if not cubin:
         raise RuntimeError("no cubin kept: compile with OINK_KEEP_CUBIN=1")
     torch.cuda.init()  # the primary context current on this thread
     module = _check(drv.cuModuleLoadData(cubin))
     props = torch.cuda.get_device_properties(device_index)
-    threads = BLOCK_THREADS.get(id(fn), 128)
     A = drv.CUfunction_attribute
     out = []
     try:
