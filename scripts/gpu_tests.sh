@@ -9,10 +9,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 workers=""; python3 -c "import xdist" 2>/dev/null && workers="-n ${OINK_TEST_WORKERS:-8}"
 cache="-o cache_dir=/tmp/oink-pytest-cache"
 start=$(date +%s)
-timeout "${OINK_TEST_TIMEOUT:-480}" python3 -m pytest -p pytest_oink.plugin $cache -q -rfE $workers "${@:-tests}" \
+timeout "${OINK_TEST_TIMEOUT:-480}" python3 -m pytest -p pytest_oink.plugin $cache -v -rfE $workers "${@:-tests}" \
   > "$out/tests.log" 2>&1
 echo "rc=$? after $(( $(date +%s) - start )) s"
-grep -v "^SKIPPED" "$out/tests.log" | tail -n 40
+grep -c " PASSED " "$out/tests.log" | sed 's/^/passed lines: /'
+grep -E " (FAILED|ERROR) " "$out/tests.log" | head -n 30
+grep -v -E "^SKIPPED| (PASSED|SKIPPED) " "$out/tests.log" | tail -n 25
 if grep -q -E "^(FAILED|ERROR)" "$out/tests.log"; then
   echo "== failures run again, one process"
   timeout "${OINK_RERUN_TIMEOUT:-120}" python3 -m pytest -p pytest_oink.plugin $cache -q -rfE --lf "${@:-tests}" \
