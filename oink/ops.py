@@ -19,9 +19,7 @@ NORMS = "oink.kernels.rmsnorm_ops"
 SOFTMAX = "oink.kernels.softmax_ops"
 CROSS_ENTROPY = "oink.kernels.cross_entropy_ops"
 FP4 = "oink.kernels.nvfp4_ops"
-# The FP8 kernels (oink/kernels/fp8_ops.py) compile for both archs but have not run on a GPU yet:
-# the ops take the reference until tests/test_fp8_gpu.py passes on one; then this names that module.
-FP8 = None
+FP8 = "oink.kernels.fp8_ops"
 
 
 def _absent(x):

@@ -6,7 +6,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/oink-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/card.txt"
-workers=""; python3 -c "import xdist" 2>/dev/null && workers="-n ${OINK_TEST_WORKERS:-8}"
+workers=""; [ "${OINK_TEST_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null && workers="-n ${OINK_TEST_WORKERS:-8}"
 cache="-o cache_dir=/tmp/oink-pytest-cache"
 start=$(date +%s)
 timeout "${OINK_TEST_TIMEOUT:-480}" python3 -m pytest -p pytest_oink.plugin $cache -v -rfE $workers "${@:-tests}" \

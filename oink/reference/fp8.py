@@ -41,6 +41,13 @@ def _nan_skipping_amax(v: Tensor) -> Tensor:
     return torch.where(torch.isnan(v), torch.zeros_like(v), v.abs()).amax(-1, keepdim=True)
 
 
+def _per_e4m3_max(a: Tensor) -> Tensor:
+    """a / 448 rounded once (IEEE fp32 division). Not ``a / 448``: torch on CUDA multiplies by
+    float32(1/448) when the divisor is a Python number, one ulp off for some a. A float64
+    quotient rounded to fp32 is the correctly rounded fp32 quotient (53 >= 2 * 24 + 2 bits)."""
+    return (a.double() / E4M3_MAX).float()
+
+
 def _codes(t: Tensor) -> Tensor:
     """e4m3 of t after sat(): fmin/fmax ignore NaN, so NaN saturates to +448."""
     return torch.fmax(torch.fmin(t, torch.tensor(E4M3_MAX)), torch.tensor(-E4M3_MAX)).to(torch.float8_e4m3fn)
@@ -84,11 +91,11 @@ def quantize_rows(v: Tensor, scale=None, group_size: int = 0, column_major_scale
         a = _nan_skipping_amax(v)
         if scale_ub is not None:
             a = torch.fmin(a, scale_ub.reshape(1).float())
-        s = torch.clamp_min(a / E4M3_MAX, MIN_TOKEN_SCALE)
+        s = torch.clamp_min(_per_e4m3_max(a), MIN_TOKEN_SCALE)
         return _codes(v / s), s
     G = group_size
     vg = v.reshape(M, N // G, G)
-    s = torch.clamp_min(_nan_skipping_amax(vg), GROUP_EPS) / E4M3_MAX
+    s = _per_e4m3_max(torch.clamp_min(_nan_skipping_amax(vg), GROUP_EPS))
     if ue8m0:
         s = _ue8m0(s)
     q = _codes(vg / s).reshape(M, N)
