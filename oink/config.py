@@ -54,8 +54,14 @@ def get() -> Config:
     return CONFIG
 
 
+# what caches results derived from the config (launch choices, routes) registers its clear here
+ON_RELOAD: list = []
+
+
 def reload() -> Config:
     """Read the environment again (after a sweep changes a knob in this process)."""
     global CONFIG
     CONFIG = _from_env()
+    for clear in ON_RELOAD:
+        clear()
     return CONFIG

@@ -7,7 +7,7 @@ docstring the public docs, its body the metadata checks (run on FakeTensors too)
   CompositeExplicitAutograd kernel (one Python hop: several times cheaper than ``custom_op``),
   a fake built from ``fake``, and autograd where the op registers it;
 - the public function ``oink.<name>``: in eager mode it validates once and goes straight to
-  ``dispatch.call`` (kernel or reference); under torch.compile, inside a dispatch mode or a
+  ``dispatch.run`` (kernel or reference); under torch.compile, inside a dispatch mode or a
   functorch transform, with tensor subclasses, or when a differentiable op must record a graph, it
   calls the custom op instead;
 - the dispatch route (``kernels``: the module whose CHECKS/RUNNERS serve it) and ``oink.explain``.
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import dispatch, reference
+from . import config, dispatch, reference
 
 LIB = torch.library.Library("oink", "DEF")
 PUBLIC: dict[str, "Op"] = {}  # name -> op, for every public oink.<name>
@@ -45,6 +45,26 @@ def _eager(values, differentiable: bool = False) -> bool:
         if isinstance(v, Tensor) and (type(v) not in _PLAIN or (grad and v.requires_grad)):
             return False
     return True
+
+
+_KEY_SCALARS = (bool, int, float, str, torch.dtype, type(None))
+
+
+def _layout_key(values) -> tuple | None:
+    """What the metadata checks and the route read of the arguments: each tensor's dtype, shape,
+    strides, device and 16-byte alignment, each scalar's value; None if an argument is neither."""
+    key = []
+    try:
+        for v in values:
+            if isinstance(v, Tensor):
+                key += (v.dtype, v.shape, v.stride(), v.device, v.data_ptr() & 15)
+            elif type(v) in _KEY_SCALARS:
+                key.append(v)
+            else:
+                return None
+    except RuntimeError:  # no strides or storage (sparse, nested): checked on every call
+        return None
+    return tuple(key)
 
 
 def _needs_graph(values) -> bool:
@@ -91,6 +111,8 @@ class Op:
             # outputs that are gradients, statistics or codes: marked non-differentiable, so a call on
             # inputs that require grad compiles (AOTAutograd needs a formula) and never backpropagates
             torch.library.register_autograd(qualname, _refuse_backward, setup_context=_mark_outputs, lib=LIB)
+        self._routes: dict = {}  # layout key -> route (see _checked_route)
+        config.ON_RELOAD.append(self._routes.clear)
         self.function = None
         if public:
             PUBLIC[self.name] = self
@@ -100,12 +122,27 @@ class Op:
     def _bind_op(self, args) -> dict:
         return {**self.defaults, **dict(zip(self.op_params, args))}
 
-    def _impl(self, *args):
-        a = self._bind_op(args)
-        self.check(**a)
+    def _checked_route(self, a: dict, args: dict) -> dispatch.Route:
+        """Check ``a`` and route ``args`` (``a`` with the fixed arguments). The metadata checks and
+        the route depend only on the arguments' layouts and values, so they are cached per layout;
+        value checks (which read the data) run on every call."""
+        key = _layout_key(a.values())
+        r = self._routes.get(key) if key is not None else None
+        if r is None:
+            self.check(**a)
+            r = dispatch.route(self.route, args)
+            if key is not None and not dispatch.log.isEnabledFor(10):  # DEBUG logs every route
+                if len(self._routes) >= 4096:
+                    self._routes.clear()
+                self._routes[key] = r
         if self.check_values is not None:
             self.check_values(**a)
-        out = dispatch.call(self.route, **{**a, **self.fixed})
+        return r
+
+    def _impl(self, *args):
+        a = self._bind_op(args)
+        kw = {**a, **self.fixed} if self.fixed else a
+        out = dispatch.run(self._checked_route(a, kw), kw)
         if self.n_out == 0:
             return None
         outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -127,10 +164,8 @@ class Op:
     # -- oink.<name>
     def __call__(self, a: dict):
         if _eager(a.values(), self.differentiable):
-            self.check(**a)
-            if self.check_values is not None:
-                self.check_values(**a)
-            out = dispatch.call(self.route, **({**a, **self.fixed} if self.fixed else a))
+            args = {**a, **self.fixed} if self.fixed else a
+            out = dispatch.run(self._checked_route(a, args), args)
             if self.mutated and torch.is_grad_enabled():  # as the op's ADInplaceOrView would
                 for n in self.mutated:
                     if not a[n].is_inference():

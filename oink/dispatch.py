@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,9 @@ KERNEL_MODULES: dict[str, str] = {}
 
 def _kernel_module(op: str):
     name = KERNEL_MODULES.get(op)
-    return None if name is None else importlib.import_module(name)
+    if name is None:
+        return None
+    return sys.modules.get(name) or importlib.import_module(name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,9 +85,13 @@ def _route_device(op: str, device: torch.device, args: dict) -> Route:
     return Route(op, "kernel", f"CuTeDSL {arch}", arch)
 
 
-def call(op: str, **args):
-    """Run ``op`` on the route chosen for ``args`` (the reference's keyword arguments)."""
-    r = route(op, args)
+def run(r: Route, args: dict):
+    """Run ``r.op`` on route ``r`` (``args``: the reference's keyword arguments)."""
     if r.backend == "kernel":
-        return _kernel_module(op).RUNNERS[op](r.arch, **args)
-    return getattr(reference, op)(**args)
+        return _kernel_module(r.op).RUNNERS[r.op](r.arch, **args)
+    return getattr(reference, r.op)(**args)
+
+
+def call(op: str, **args):
+    """Run ``op`` on the route chosen for ``args``."""
+    return run(route(op, args), args)

@@ -61,6 +61,23 @@ def main():
               f"F.rms_norm {host_us(lambda: torch.nn.functional.rms_norm(x, (4096,), w)):.1f} us")
     except Exception as e:  # noqa: BLE001
         print("  quack:", type(e).__name__, str(e)[:200])
+    if os.environ.get("OINK_SMOKE_PROFILE"):  # where an eager call's host time goes
+        import cProfile
+        import pstats
+
+        os.environ["OINK_TVM_FFI"] = "1"
+        config.reload()
+        x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+        oink.rmsnorm_forward(x, w)
+        from oink.kernels.compile import CACHE
+        print("launcher types:", sorted({type(f).__name__ for f in CACHE._fns.values()}))
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(2000):
+            oink.rmsnorm_forward(x, w)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
     return 0 if ok else 1
 
 

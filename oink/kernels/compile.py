@@ -70,11 +70,10 @@ class CompileCache:
         self._lock = threading.Lock()
         self.compiles = 0  # how many real compilations ran (tests check M never adds one)
         self.used: list[Hashable] = []  # keys looked up since the last clear_used() (profiling)
+        self._keys: dict[int, Hashable] = {}  # id(fn) -> its key
 
     def get(self, key: Hashable, build: Callable[[], Callable]) -> Callable:
         key = (key, config.get().tvm_ffi)  # a function is called the way it was compiled
-        if len(self.used) < 64:
-            self.used.append(key)
         fn = self._fns.get(key)
         if fn is None:
             with self._lock:
@@ -82,8 +81,15 @@ class CompileCache:
                 if fn is None:
                     fn = build()
                     self._fns[key] = fn
+                    self._keys[id(fn)] = key
                     self.compiles += 1
+        self.note(fn)
         return fn
+
+    def note(self, fn: Callable) -> None:
+        """Record that ``fn`` (a function of this cache) is being launched (profiling)."""
+        if len(self.used) < 64:
+            self.used.append(self._keys.get(id(fn)))
 
     def clear_used(self) -> None:
         self.used.clear()
@@ -97,9 +103,34 @@ class CompileCache:
     def clear(self) -> None:
         with self._lock:
             self._fns.clear()
+            self._keys.clear()
+        for clear in config.ON_RELOAD:  # memoized lookups must not return the dropped functions
+            clear()
 
 
 CACHE = CompileCache()
+
+
+def memo(fn: Callable) -> Callable:
+    """``fn`` (a ``compiled_*`` function or a launch heuristic) cached on its positional arguments
+    until ``config.reload()``: a launch with known dtypes and N costs one dict lookup, not the
+    heuristic and the key building again. Keyword calls go straight through."""
+    cache: dict = {}
+    config.ON_RELOAD.append(cache.clear)
+
+    @functools.wraps(fn)
+    def cached(*args, **kwargs):
+        if kwargs:
+            return fn(*args, **kwargs)
+        r = cache.get(args)
+        if r is None:
+            r = cache[args] = fn(*args)
+        elif len(CACHE.used) < 64 and callable(r):
+            CACHE.note(r)
+        return r
+
+    cached.cache_clear = cache.clear
+    return cached
 
 
 # block size of each compiled function, for occupancy in kernel profiles: id(fn) -> threads

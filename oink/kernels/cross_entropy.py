@@ -21,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, pick_row_launch
 
 MODES = ("forward", "backward", "fwd_bwd")
@@ -114,6 +114,7 @@ class CrossEntropy(RowKernelBase):
                 self.copy_row(rO, part(mDx, bidx), tXcX, self.x_dtype)
 
 
+@memo
 def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arch: str, store_lse: bool = True):
     """Compile (or fetch) one kernel for (mode, dtypes, N, flags, arch); M, strides and
     ignore_index are runtime."""

@@ -19,7 +19,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .nvfp4 import _asm, div_rn, f32_bits, f32_from_bits, fp4_launch
 from .reduction import MAX_N, RowKernelBase, RowLaunch, fmax
 from .rmsnorm import RMSNormForward
@@ -231,6 +231,7 @@ def _scale_ptrs(mode: str, ub: bool):
             None if mode == "static" else gmem_ptr(Float32, 4))
 
 
+@memo
 def compiled_fp8(kind: str, dtype: str, N: int, arch: str, mode: str, group_size: int, column_major: bool,
                  ue8m0: bool, ub: bool):
     """Compile (or fetch) one FP8 quantizer; N is the quantized width (K for silu_mul)."""
@@ -247,6 +248,7 @@ def compiled_fp8(kind: str, dtype: str, N: int, arch: str, mode: str, group_size
     return CACHE.get(("fp8", kind, dtype, N, arch, mode, group_size, column_major, ue8m0, ub, launch), build)
 
 
+@memo
 def compiled_rmsnorm_fp8(x_dtype: str, res_dtype: str | None, w_dtype: str, N: int, arch: str, mode: str,
                          group_size: int, column_major: bool, ue8m0: bool, ub: bool, store_y: bool):
     """Compile (or fetch) the fused RMSNorm + FP8 kernel (with a residual when ``res_dtype``)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import config
 from .compile import cute_dtype, runtime_ptr
 from .reduction import MAX_N
 
@@ -76,7 +77,11 @@ def in_place_reason(name: str, t: torch.Tensor, vec: int) -> str | None:
 def ptr(t: torch.Tensor | None, align: int = 16):
     """t's address as the compiled functions take it. The caller keeps t alive until the launch
     is enqueued: never pass a temporary made inside the argument list."""
-    return None if t is None else runtime_ptr(cute_dtype(dtype_name(t)), t.data_ptr(), align)
+    if t is None:
+        return None
+    if config.CONFIG.tvm_ffi:  # the address is all TVM-FFI takes
+        return t.data_ptr()
+    return runtime_ptr(cute_dtype(dtype_name(t)), t.data_ptr(), align)
 
 
 def ld(t: torch.Tensor | None) -> int:

@@ -35,7 +35,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import config
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .reduction import MAX_N, RowKernelBase, RowLaunch, pick_row_launch
 from .rmsnorm import RMSNormForward
 
@@ -316,6 +316,7 @@ def _check_width(N: int, mx: bool) -> int:
     return block
 
 
+@memo
 def compiled_add_rmsnorm_fp4(x_dtype: str, res_dtype: str, w_dtype: str, N: int, arch: str, swizzled: bool,
                              store_y: bool, mx: bool = False):
     block = _check_width(N, mx)
@@ -332,6 +333,7 @@ def compiled_add_rmsnorm_fp4(x_dtype: str, res_dtype: str, w_dtype: str, N: int,
     return CACHE.get(("add_rmsnorm_fp4", mx, x_dtype, res_dtype, w_dtype, swizzled, store_y, N, arch, launch), build)
 
 
+@memo
 def compiled_fp4(mode: str, dtype: str, N: int, arch: str, swizzled: bool, mx: bool = False):
     """Compile (or fetch) one FP4 kernel; N is the quantized width (K for silu_mul)."""
     block = _check_width(N, mx)

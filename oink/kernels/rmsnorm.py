@@ -17,10 +17,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import config
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .reduction import MAX_N, RowKernelBase, RowLaunch, add, pick_row_launch, whole_warp_rows
 
 
+@memo
 def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: bool = False) -> RowLaunch:
     """Launch heuristic for the forward (the one place it is chosen). Measured on SM90 only;
     SM100 takes the same shapes until a Blackwell card can tune them. A unit is one 128-bit
@@ -199,6 +200,7 @@ def _cute(name):
     return None if name is None else cute_dtype(name)
 
 
+@memo
 def compiled_forward(x_dtype: str, N: int, arch: str, w_dtype: str | None = None, b_dtype: str | None = None,
                      res_dtype: str | None = None, res_out_dtype: str | None = None, store_rstd: bool = False,
                      layernorm: bool = False, store_mean: bool = False, out_dtype: str | None = None,

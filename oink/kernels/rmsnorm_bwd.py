@@ -23,7 +23,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import config
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .reduction import MAX_N, RowLaunch, add, pick_row_launch, whole_warp_rows
 from .rmsnorm import RMSNormForward
 
@@ -51,6 +51,7 @@ def use_pdl() -> bool:
     return config.get().bwd_pdl
 
 
+@memo
 def head_launch(launch: RowLaunch, heads: int) -> RowLaunch | None:
     """``launch`` with rows_per_cta a multiple of ``heads`` (more rows a CTA), or None if that would
     pass 1024 threads: a thread's dweight partial must hold one head's rows only."""
@@ -60,6 +61,7 @@ def head_launch(launch: RowLaunch, heads: int) -> RowLaunch | None:
     return dataclasses.replace(launch, num_threads=rows * launch.threads_per_row)
 
 
+@memo
 def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False) -> RowLaunch:
     """Launch heuristic for the norm backward (the one place it is chosen); SM100 reuses SM90's.
     Where a whole number of warps covers a row exactly in at most ``upt`` accesses a thread
@@ -72,6 +74,7 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False) -> 
     return whole_warp_rows(launch, upt)
 
 
+@memo
 def persistent_ctas(launch: RowLaunch, sm_count: int, layernorm: bool = False) -> int:
     """CTAs in x of the persistent grid: a target of resident threads per SM."""
     tpsm = _knobs(layernorm)[1]
@@ -281,6 +284,7 @@ class RMSNormBackward(RMSNormForward):
             acc_db.store(acc_db.load() + g)
 
 
+@memo
 def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout_dtype: str,
                       dres_dtype: str | None, has_db: bool, layernorm: bool = False, weight_offset: float = 0.0,
                       heads: int = 1):
@@ -383,6 +387,7 @@ class PartialSum:
                         mOut1[col] = total.to(self.out_dtype)
 
 
+@memo
 def compiled_partial_sum(N: int, kinds: int, out_dtype: str, arch: str):
     """Compile (or fetch) the partials' sum for (N, kinds, dtype, arch); the partial row count is runtime."""
     od = cute_dtype(out_dtype)

@@ -2,6 +2,7 @@
 they are launched on torch tensors (RUNNERS). Imported only on a supported GPU."""
 from __future__ import annotations
 
+import functools
 
 import torch
 
@@ -10,6 +11,11 @@ from .compile import current_stream
 from .host import dtype_name, in_place_reason, ld, prepare_rows, prepare_vector, ptr, rows_view, vec_for, width_reason
 from .rmsnorm import compiled_forward
 from .rmsnorm_bwd import backward_launch, compiled_backward, compiled_partial_sum, head_launch, persistent_ctas
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def heads_of(weight, bias) -> int:
@@ -137,7 +143,7 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
     if heads > 1:
         launch = head_launch(launch, heads)
     tiles = -(-M // launch.rows_per_cta)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = sm_count(x.device.index)
     ctas = max(1, min(tiles, persistent_ctas(launch, sms, layernorm)))
     parts = ctas * launch.rows_per_cta
     buf, dw_part, db_part = partial_buffers(parts, N, weight is not None, has_bias, x.device, torch.empty)
@@ -189,10 +195,12 @@ def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean
     M, N = x2.shape
     fn = compiled_backward(dtype_name(x2), N, arch, dtype_name(w), dtype_name(g2), dtype_name(dr2),
                            db_part is not None, mean is not None, float(weight_offset), heads)
-    stat = lambda t: None if t is None else ptr(t.reshape(-1).contiguous(), 4)  # noqa: E731
+    # per-row statistics as flat fp32 (a copy only if strided), held here until the launch is enqueued
+    rstd = None if rstd is None else rstd.reshape(-1).contiguous()
+    mean = None if mean is None else mean.reshape(-1).contiguous()
     part = dw_part if dw_part is not None else db_part
     ldpart = part.stride(0) if part is not None else N
-    fn(ptr(x2), ptr(w), ptr(g2), stat(rstd), stat(mean), ptr(dr2), ptr(dx), ptr(dw_part),
+    fn(ptr(x2), ptr(w), ptr(g2), ptr(rstd, 4), ptr(mean, 4), ptr(dr2), ptr(dx), ptr(dw_part),
        ptr(db_part), M, ld(x2), ld(g2), ld(dr2), ld(dx), ldpart, ctas, current_stream(x2.device))
 
 

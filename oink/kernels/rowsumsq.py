@@ -8,7 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .reduction import RowKernelBase, RowLaunch, add, pick_row_launch
 
 
@@ -55,6 +55,7 @@ class RowSumSquares(RowKernelBase):
             mO[row] = s
 
 
+@memo
 def compiled_rowsumsq(dtype_name: str, N: int, arch: str, launch: RowLaunch | None = None):
     """Compile (or fetch) the kernel for (dtype, N, launch, arch); M and the row stride stay runtime."""
     dt = cute_dtype(dtype_name)

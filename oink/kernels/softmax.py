@@ -14,7 +14,7 @@ import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .reduction import MAX_N, RowKernelBase, RowLaunch, add, pick_row_launch
 
 MODES = ("forward", "backward", "fwd_bwd")
@@ -80,6 +80,7 @@ class Softmax(RowKernelBase):
             self.copy_row(rO, tXgO, tXcX, self.x_dtype)
 
 
+@memo
 def compiled_softmax(mode: str, dtype: str, N: int, arch: str):
     """Compile (or fetch) one softmax kernel for (mode, dtype, N, arch); M and strides are runtime."""
     if not 1 <= N <= MAX_N:
