@@ -134,7 +134,7 @@ class Op:
             if key is not None and not dispatch.log.isEnabledFor(10):  # DEBUG logs every route
                 if len(self._routes) >= 4096:
                     self._routes.clear()
-                self._routes[key] = r
+                r = self._routes[key] = dispatch.with_plan(r, args)
         if self.check_values is not None:
             self.check_values(**a)
         return r

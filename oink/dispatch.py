@@ -12,7 +12,8 @@ import functools
 import importlib
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -28,6 +29,8 @@ class Route:
     backend: str  # "kernel" or "reference"
     reason: str
     arch: str | None = None
+    # a launch prepared for one argument layout (the kernel module's PLANS[op]), or None
+    plan: Callable | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         return f"{self.op}: {self.backend} ({self.reason})"
@@ -85,8 +88,21 @@ def _route_device(op: str, device: torch.device, args: dict) -> Route:
     return Route(op, "kernel", f"CuTeDSL {arch}", arch)
 
 
+def with_plan(r: Route, args: dict) -> Route:
+    """``r`` with the kernel module's plan for ``args``' layout where it has one: a caller that
+    reuses the route for arguments of the same layout (``oink.declare``) launches without the
+    runner's preparation."""
+    if r.backend != "kernel":
+        return r
+    make = getattr(_kernel_module(r.op), "PLANS", {}).get(r.op)
+    plan = make(r.arch, args) if make is not None else None
+    return r if plan is None else replace(r, plan=plan)
+
+
 def run(r: Route, args: dict):
     """Run ``r.op`` on route ``r`` (``args``: the reference's keyword arguments)."""
+    if r.plan is not None:
+        return r.plan(args)
     if r.backend == "kernel":
         return _kernel_module(r.op).RUNNERS[r.op](r.arch, **args)
     return getattr(reference, r.op)(**args)

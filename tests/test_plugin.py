@@ -118,7 +118,9 @@ def test_suite_registry():
 
 
 @pytest.fixture
-def smoke_run(pytester, tmp_path_factory):
+def smoke_run(pytester, tmp_path_factory, monkeypatch):
+    # the CPU path these tests expect (timing rounds, gating CPU rows), also on a machine with a GPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     out = tmp_path_factory.mktemp("out")
     pytester.makepyfile(BENCH)
 
@@ -543,7 +545,8 @@ def test_wrong(oink_measure):
 '''
 
 
-def test_own_kernel_is_gated_timed_and_reported(pytester, tmp_path):
+def test_own_kernel_is_gated_timed_and_reported(pytester, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # CPU timing rules (5 rounds), GPU or not
     pytester.makepyfile(OWN)
     res = pytester.runpytest_subprocess(f"--oink-csv={tmp_path / 'r.csv'}", *PLUGIN)
     res.assert_outcomes(passed=1, failed=1)

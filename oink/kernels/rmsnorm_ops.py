@@ -7,8 +7,9 @@ import functools
 import torch
 
 from .. import config
-from .compile import current_stream
-from .host import dtype_name, in_place_reason, ld, prepare_rows, prepare_vector, ptr, rows_view, vec_for, width_reason
+from .compile import CACHE, current_stream
+from .host import (dtype_name, in_place_reason, kernel_ready, ld, prepare_rows, prepare_vector, ptr, rows_view,
+                   vec_for, width_reason)
 from .rmsnorm import compiled_forward
 from .rmsnorm_bwd import backward_launch, compiled_backward, compiled_partial_sum, head_launch, persistent_ctas
 
@@ -203,6 +204,100 @@ def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean
     fn(ptr(x2), ptr(w), ptr(g2), ptr(rstd, 4), ptr(mean, 4), ptr(dr2), ptr(dx), ptr(dw_part),
        ptr(db_part), M, ld(x2), ld(g2), ld(dr2), ld(dx), ldpart, ctas, current_stream(x2.device))
 
+
+# ---- plans: a launch prepared once per argument layout (see dispatch.Route.plan) --------------
+def _ready(t, vec) -> bool:
+    """t needs no copy for the kernel (a row view that is kernel-ready), or is absent."""
+    if t is None:
+        return True
+    v = rows_view(t) if t.dim() > 1 else t.view(1, -1)
+    return v is not None and kernel_ready(v, vec)
+
+
+def plan_forward(arch, a: dict):
+    """The forward with its compiled function, leading dims and strides fixed; None where a copy or
+    per-head parameters would be needed (the runner handles those)."""
+    x, w, b, res = a["x"], a["weight"], a["bias"], a["residual"]
+    N = x.shape[-1]
+    vec = vec_for(N, x)
+    if (not config.CONFIG.tvm_ffi or x.numel() == 0 or heads_of(w, b) > 1
+            or not all(_ready(t, vec) for t in (x, w, b, res))):
+        return None
+    x2, r2 = rows_view(x), rows_view(res) if res is not None else None
+    M = x2.shape[0]
+    out_dtype = a["out_dtype"] or x.dtype
+    res_dtype = a["residual_dtype"] or (res.dtype if res is not None else None)
+    store_rstd, eps, shape, lead, device = a["store_rstd"], float(a["eps"]), x.shape, x.shape[:-1], x.device
+    fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
+                          str(res_dtype).removeprefix("torch.") if res is not None else None, store_rstd, False,
+                          False, str(out_dtype).removeprefix("torch."), float(a["weight_offset"]), 1)
+    ldx, ldres = ld(x2), ld(r2)
+
+    def run(a):
+        CACHE.note(fn)
+        x, w, b, res = a["x"], a["weight"], a["bias"], a["residual"]
+        out = torch.empty(shape, device=device, dtype=out_dtype)
+        rstd = torch.empty(lead, device=device, dtype=torch.float32) if store_rstd else None
+        res_out = torch.empty(shape, device=device, dtype=res_dtype) if res is not None else None
+        fn(x.data_ptr(), None if w is None else w.data_ptr(), None if b is None else b.data_ptr(),
+           None if res is None else res.data_ptr(), out.data_ptr(), None if res_out is None else res_out.data_ptr(),
+           None if rstd is None else rstd.data_ptr(), None, M, ldx, ldres, N, N, eps, current_stream(device))
+        return out, rstd, res_out
+
+    return run
+
+
+def plan_fused_add(arch, a: dict):
+    x, res, w = a["x"], a["residual"], a["weight"]
+    N = x.shape[-1]
+    if not config.CONFIG.tvm_ffi or x.numel() == 0 or not _ready(w, vec_for(N, x)):
+        return None
+    x2, r2 = rows_view(x), rows_view(res)
+    M, eps, device, wd = x2.shape[0], float(a["eps"]), x.device, dtype_name(w)
+    fn = compiled_forward(dtype_name(x), N, arch, wd, None, dtype_name(res), dtype_name(res), False, False, False,
+                          dtype_name(x), 0.0, 1)
+    ldx, ldres = ld(x2), ld(r2)
+
+    def run(a):
+        CACHE.note(fn)
+        # outputs alias the inputs: each element is read before it is overwritten, by one thread
+        xp, rp = a["x"].data_ptr(), a["residual"].data_ptr()
+        fn(xp, a["weight"].data_ptr(), None, rp, xp, rp, None, None, M, ldx, ldres, ldx, ldres, eps,
+           current_stream(device))
+
+    return run
+
+
+def plan_layernorm(arch, a: dict):
+    x, w, b = a["x"], a["weight"], a["bias"]
+    N = x.shape[-1]
+    vec = vec_for(N, x)
+    if not config.CONFIG.tvm_ffi or x.numel() == 0 or not all(_ready(t, vec) for t in (x, w, b)):
+        return None
+    x2 = rows_view(x)
+    M, eps, shape, lead, device, dtype = x2.shape[0], float(a["eps"]), x.shape, x.shape[:-1], x.device, x.dtype
+    want_rstd, want_mean = a["return_rstd"], a["return_mean"]
+    fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), None, None, want_rstd, True,
+                          want_mean, dtype_name(x), 0.0, 1)
+    ldx = ld(x2)
+
+    def run(a):
+        CACHE.note(fn)
+        b = a["bias"]
+        out = torch.empty(shape, device=device, dtype=dtype)
+        rstd = torch.empty(lead, device=device, dtype=torch.float32) if want_rstd else None
+        mean = torch.empty(lead, device=device, dtype=torch.float32) if want_mean else None
+        fn(a["x"].data_ptr(), a["weight"].data_ptr(), None if b is None else b.data_ptr(), None, out.data_ptr(), None,
+           None if rstd is None else rstd.data_ptr(), None if mean is None else mean.data_ptr(), M, ldx, 0, N, 0,
+           eps, current_stream(device))
+        if not (want_rstd or want_mean):
+            return out
+        return (out, *([rstd] if want_rstd else []), *([mean] if want_mean else []))
+
+    return run
+
+
+PLANS = {"rmsnorm_forward": plan_forward, "fused_add_rmsnorm_": plan_fused_add, "layernorm": plan_layernorm}
 
 CHECKS = {"rmsnorm_forward": check_forward, "fused_add_rmsnorm_": check_fused_add,
           "rmsnorm_backward": check_backward, "layernorm": check_layernorm, "layernorm_backward": check_layernorm}

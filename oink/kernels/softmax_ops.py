@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from .compile import current_stream
-from .host import dtype_name, ld, prepare_rows, ptr, vec_for, width_reason
+from .. import config
+from .compile import CACHE, current_stream
+from .host import dtype_name, kernel_ready, ld, prepare_rows, ptr, rows_view, vec_for, width_reason
 from .softmax import compiled_softmax
 
 
@@ -49,6 +50,36 @@ def run_backward(arch, dy, y):
 def run_fwd_bwd(arch, dy, x):
     return _run("fwd_bwd", arch, x, dy)
 
+
+def _plan(mode: str, first: str, second: str | None):
+    """A launch prepared once per argument layout (see dispatch.Route.plan): None where a copy is needed."""
+    def make(arch, a: dict):
+        x, other = a[first], (a[second] if second else None)
+        N = x.shape[-1]
+        vec = vec_for(N, x)
+        if not config.CONFIG.tvm_ffi or x.numel() == 0:
+            return None
+        x2, o2 = rows_view(x), (rows_view(other) if other is not None else None)
+        if x2 is None or not kernel_ready(x2, vec) or (other is not None and (o2 is None or not kernel_ready(o2, vec))):
+            return None
+        fn = compiled_softmax(mode, dtype_name(x), N, arch)
+        M, shape, dtype, device = x2.shape[0], x.shape, x.dtype, x.device
+        lda, ldb = ld(x2), ld(o2 if o2 is not None else x2)
+
+        def run(a):
+            CACHE.note(fn)
+            pa = a[first].data_ptr()
+            out = torch.empty(shape, device=device, dtype=dtype)
+            fn(pa, a[second].data_ptr() if second else pa, out.data_ptr(), M, lda, ldb, N, current_stream(device))
+            return out
+
+        return run
+
+    return make
+
+
+PLANS = {"softmax_forward": _plan("forward", "x", None), "softmax_backward": _plan("backward", "y", "dy"),
+         "softmax_fwd_bwd": _plan("fwd_bwd", "x", "dy")}
 
 CHECKS = {"softmax_forward": _check, "softmax_backward": _check, "softmax_fwd_bwd": _check}
 RUNNERS = {"softmax_forward": run_forward, "softmax_backward": run_backward, "softmax_fwd_bwd": run_fwd_bwd}
