@@ -24,6 +24,19 @@ def _oink_config_follows_the_environment():
         sys.modules["oink.config"].reload()
 
 
+@pytest.fixture(autouse=True)
+def _gpu_memory_back_to_the_pool():
+    """Under pytest-xdist several workers share one GPU: each test hands its cached blocks back,
+    so a worker's idle cache does not make another's allocation fail."""
+    yield
+    import os
+    import sys
+
+    torch = sys.modules.get("torch")
+    if os.environ.get("PYTEST_XDIST_WORKER") and torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def seed(request) -> int:
     """A seed of this test's own (stable per test id, different between tests), so every

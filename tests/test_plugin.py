@@ -33,6 +33,14 @@ def test_plugin_import_is_light_and_help_lists_options(pytester):
         res.stdout.fnmatch_lines([f"*{flag}*"])
 
 
+@pytest.fixture(autouse=True)
+def _plugin_runs_see_no_gpu(monkeypatch):
+    """These tests check the plugin's CPU behaviour (timing rounds, gating CPU rows, the smoke
+    suite) in subprocess runs, also on a machine with GPUs: those stay hidden from the runs (the
+    GPU behaviour is what the benchmark suites exercise there)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 MARKED = '''
 import pytest
 
@@ -118,9 +126,7 @@ def test_suite_registry():
 
 
 @pytest.fixture
-def smoke_run(pytester, tmp_path_factory, monkeypatch):
-    # the CPU path these tests expect (timing rounds, gating CPU rows), also on a machine with a GPU
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+def smoke_run(pytester, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     pytester.makepyfile(BENCH)
 
@@ -516,17 +522,10 @@ def test_list_and_gpu_sized_suites_on_cpu(pytester, monkeypatch):
                               "providers (--oink-providers, --oink-gate-providers): oink, *"])
     monkeypatch.delenv("OINK_FAKE_SM", raising=False)
     pytester.makepyfile(BENCH)
-    if not _has_gpu():
-        res = pytester.runpytest_subprocess("-rs", "--oink-suite=dsv3", "--oink-ops=softmax_forward",
-                                            "--oink-providers=torch", *PLUGIN)
-        res.assert_outcomes(skipped=9)
-        res.stdout.fnmatch_lines(["*suite 'dsv3' is sized for a GPU and there is none*"])
-
-
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    res = pytester.runpytest_subprocess("-rs", "--oink-suite=dsv3", "--oink-ops=softmax_forward",
+                                        "--oink-providers=torch", *PLUGIN)
+    res.assert_outcomes(skipped=9)
+    res.stdout.fnmatch_lines(["*suite 'dsv3' is sized for a GPU and there is none*"])
 
 
 OWN = '''
@@ -545,8 +544,7 @@ def test_wrong(oink_measure):
 '''
 
 
-def test_own_kernel_is_gated_timed_and_reported(pytester, tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # CPU timing rules (5 rounds), GPU or not
+def test_own_kernel_is_gated_timed_and_reported(pytester, tmp_path):
     pytester.makepyfile(OWN)
     res = pytester.runpytest_subprocess(f"--oink-csv={tmp_path / 'r.csv'}", *PLUGIN)
     res.assert_outcomes(passed=1, failed=1)

@@ -217,7 +217,8 @@ def _ready(t, vec) -> bool:
 def plan_forward(arch, a: dict):
     """The forward with its compiled function, leading dims and strides fixed; None where a copy or
     per-head parameters would be needed (the runner handles those)."""
-    x, w, b, res = a["x"], a["weight"], a["bias"], a["residual"]
+    # vLLM's rmsnorm routes here with x, weight and eps only: the rest take the runner's defaults
+    x, w, b, res = a["x"], a["weight"], a.get("bias"), a.get("residual")
     N = x.shape[-1]
     vec = vec_for(N, x)
     if (not config.CONFIG.tvm_ffi or x.numel() == 0 or heads_of(w, b) > 1
@@ -225,17 +226,17 @@ def plan_forward(arch, a: dict):
         return None
     x2, r2 = rows_view(x), rows_view(res) if res is not None else None
     M = x2.shape[0]
-    out_dtype = a["out_dtype"] or x.dtype
-    res_dtype = a["residual_dtype"] or (res.dtype if res is not None else None)
-    store_rstd, eps, shape, lead, device = a["store_rstd"], float(a["eps"]), x.shape, x.shape[:-1], x.device
+    out_dtype = a.get("out_dtype") or x.dtype
+    res_dtype = a.get("residual_dtype") or (res.dtype if res is not None else None)
+    store_rstd, eps, shape, lead, device = a.get("store_rstd", False), float(a.get("eps", 1e-6)), x.shape, x.shape[:-1], x.device
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
                           str(res_dtype).removeprefix("torch.") if res is not None else None, store_rstd, False,
-                          False, str(out_dtype).removeprefix("torch."), float(a["weight_offset"]), 1)
+                          False, str(out_dtype).removeprefix("torch."), float(a.get("weight_offset", 0.0)), 1)
     ldx, ldres = ld(x2), ld(r2)
 
     def run(a):
         CACHE.note(fn)
-        x, w, b, res = a["x"], a["weight"], a["bias"], a["residual"]
+        x, w, b, res = a["x"], a["weight"], a.get("bias"), a.get("residual")
         out = torch.empty(shape, device=device, dtype=out_dtype)
         rstd = torch.empty(lead, device=device, dtype=torch.float32) if store_rstd else None
         res_out = torch.empty(shape, device=device, dtype=res_dtype) if res is not None else None
@@ -253,7 +254,7 @@ def plan_fused_add(arch, a: dict):
     if not config.CONFIG.tvm_ffi or x.numel() == 0 or not _ready(w, vec_for(N, x)):
         return None
     x2, r2 = rows_view(x), rows_view(res)
-    M, eps, device, wd = x2.shape[0], float(a["eps"]), x.device, dtype_name(w)
+    M, eps, device, wd = x2.shape[0], float(a.get("eps", 1e-6)), x.device, dtype_name(w)
     fn = compiled_forward(dtype_name(x), N, arch, wd, None, dtype_name(res), dtype_name(res), False, False, False,
                           dtype_name(x), 0.0, 1)
     ldx, ldres = ld(x2), ld(r2)
@@ -269,21 +270,21 @@ def plan_fused_add(arch, a: dict):
 
 
 def plan_layernorm(arch, a: dict):
-    x, w, b = a["x"], a["weight"], a["bias"]
+    x, w, b = a["x"], a["weight"], a.get("bias")
     N = x.shape[-1]
     vec = vec_for(N, x)
     if not config.CONFIG.tvm_ffi or x.numel() == 0 or not all(_ready(t, vec) for t in (x, w, b)):
         return None
     x2 = rows_view(x)
-    M, eps, shape, lead, device, dtype = x2.shape[0], float(a["eps"]), x.shape, x.shape[:-1], x.device, x.dtype
-    want_rstd, want_mean = a["return_rstd"], a["return_mean"]
+    M, eps, shape, lead, device, dtype = x2.shape[0], float(a.get("eps", 1e-6)), x.shape, x.shape[:-1], x.device, x.dtype
+    want_rstd, want_mean = a.get("return_rstd", False), a.get("return_mean", False)
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), None, None, want_rstd, True,
                           want_mean, dtype_name(x), 0.0, 1)
     ldx = ld(x2)
 
     def run(a):
         CACHE.note(fn)
-        b = a["bias"]
+        b = a.get("bias")
         out = torch.empty(shape, device=device, dtype=dtype)
         rstd = torch.empty(lead, device=device, dtype=torch.float32) if want_rstd else None
         mean = torch.empty(lead, device=device, dtype=torch.float32) if want_mean else None
