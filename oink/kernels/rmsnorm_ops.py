@@ -232,7 +232,7 @@ def plan_forward(arch, a: dict):
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
                           str(res_dtype).removeprefix("torch.") if res is not None else None, store_rstd, False,
                           False, str(out_dtype).removeprefix("torch."), float(a.get("weight_offset", 0.0)), 1)
-    ldx, ldres = ld(x2), ld(r2)
+    ldx, ldres, ldres_out = ld(x2), ld(r2), (N if res is not None else 0)
 
     def run(a):
         CACHE.note(fn)
@@ -242,7 +242,7 @@ def plan_forward(arch, a: dict):
         res_out = torch.empty(shape, device=device, dtype=res_dtype) if res is not None else None
         fn(x.data_ptr(), None if w is None else w.data_ptr(), None if b is None else b.data_ptr(),
            None if res is None else res.data_ptr(), out.data_ptr(), None if res_out is None else res_out.data_ptr(),
-           None if rstd is None else rstd.data_ptr(), None, M, ldx, ldres, N, N, eps, current_stream(device))
+           None if rstd is None else rstd.data_ptr(), None, M, ldx, ldres, N, ldres_out, eps, current_stream(device))
         return out, rstd, res_out
 
     return run

@@ -1,0 +1,96 @@
+"""Launch plans (a route's launch prepared once per argument layout) pass the compiled function
+exactly what the kernel runner passes, and return the same outputs, for every op that has plans.
+On a CPU: the compile step is replaced by a recorder, so no kernel runs; what is compared is the
+host side, argument by argument."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oink import config, dispatch
+
+pytestmark = pytest.mark.skipif(not config.get().tvm_ffi, reason="plans are made for the TVM-FFI launch only")
+
+BIG = 1 << 20  # addresses are above this; M, strides and flags below
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """Every compiled function is a recorder of its calls; streams are 0."""
+    import oink.kernels.compile as compile_mod
+    import oink.kernels.rmsnorm as rmsnorm
+    import oink.kernels.rmsnorm_ops as rmsnorm_ops
+    import oink.kernels.softmax as softmax
+    import oink.kernels.softmax_ops as softmax_ops
+
+    calls = []
+
+    def fake_compile(kernel, *fake_args, arch):
+        return lambda *args: calls.append(args)
+
+    for mod in (rmsnorm, softmax):
+        monkeypatch.setattr(mod, "compile_kernel", fake_compile)
+    for mod in (rmsnorm_ops, softmax_ops, compile_mod):
+        monkeypatch.setattr(mod, "current_stream", lambda device: 0)
+    compile_mod.CACHE.clear()
+    yield calls
+    compile_mod.CACHE.clear()
+
+
+def _tagged(args, inputs: dict):
+    """A launch's arguments with input addresses named and fresh output addresses as "out"."""
+    names = {t.data_ptr(): n for n, t in inputs.items() if isinstance(t, torch.Tensor)}
+    return [names.get(a, "out") if isinstance(a, int) and a >= BIG else a for a in args]
+
+
+def _shape(o):
+    if isinstance(o, (tuple, list)):
+        return [_shape(t) for t in o]
+    return None if o is None else (tuple(o.shape), o.dtype)
+
+
+def _x(M, N, dtype=torch.bfloat16, stride=None):
+    base = torch.randn(M, stride or N, dtype=dtype)
+    return base[:, :N]
+
+
+CASES = [
+    ("rmsnorm_forward", lambda: dict(x=_x(4, 256), weight=torch.randn(256, dtype=torch.bfloat16), bias=None,
+                                     residual=None, eps=1e-5, store_rstd=False, out_dtype=None, residual_dtype=None,
+                                     weight_offset=0.0)),
+    ("rmsnorm_forward", lambda: dict(x=_x(3, 512, stride=520), weight=torch.randn(512), bias=torch.randn(512),
+                                     residual=_x(3, 512), eps=1e-6, store_rstd=True, out_dtype=torch.float32,
+                                     residual_dtype=torch.float32, weight_offset=1.0)),
+    ("rmsnorm_forward", lambda: dict(x=_x(5, 128).view(5, 2, 64)[:, 1], weight=torch.randn(64, dtype=torch.bfloat16),
+                                     eps=1e-6)),  # vLLM's rmsnorm passes x, weight and eps only
+    ("fused_add_rmsnorm_", lambda: dict(x=_x(6, 256, torch.float16), residual=_x(6, 256, torch.float16),
+                                        weight=torch.randn(256, dtype=torch.float16), eps=1e-6)),
+    ("layernorm", lambda: dict(x=_x(4, 384), weight=torch.randn(384, dtype=torch.bfloat16), bias=None, eps=1e-5,
+                               return_rstd=True, return_mean=False)),
+    ("layernorm", lambda: dict(x=_x(6, 128, torch.float32), weight=torch.randn(128), bias=torch.randn(128), eps=1e-5, return_rstd=True,
+                               return_mean=True)),
+    ("softmax_forward", lambda: dict(x=_x(7, 1000, stride=1008))),
+    ("softmax_backward", lambda: dict(dy=_x(3, 512), y=_x(3, 512))),
+    ("softmax_fwd_bwd", lambda: dict(dy=_x(3, 512, torch.float32), x=_x(3, 512, torch.float32))),
+]
+
+
+@pytest.mark.parametrize("op,make", CASES, ids=[f"{op}-{i}" for i, (op, _) in enumerate(CASES)])
+def test_plan_launches_as_the_runner_does(recorder, op, make):
+    module = dispatch._kernel_module(op)
+    args = make()
+    route = dispatch.Route(op, "kernel", "test", "sm_90a")
+    planned = dispatch.with_plan(route, args)
+    assert planned.plan is not None, f"{op}: no plan for a kernel-ready layout"
+    out_runner = module.RUNNERS[op]("sm_90a", **args)
+    out_plan = dispatch.run(planned, args)
+    assert len(recorder) == 2
+    assert _tagged(recorder[1], args) == _tagged(recorder[0], args)
+    assert _shape(out_plan) == _shape(out_runner)
+
+
+def test_no_plan_where_a_copy_is_needed(recorder):
+    """A layout the kernel can't read as is (a transposed x) keeps the runner, which copies."""
+    x = torch.randn(256, 4, dtype=torch.bfloat16).t()
+    route = dispatch.Route("softmax_forward", "kernel", "test", "sm_90a")
+    assert dispatch.with_plan(route, {"x": x}).plan is None
