@@ -61,8 +61,9 @@ CASES = [
     ("rmsnorm_forward", lambda: dict(x=_x(3, 512, stride=520), weight=torch.randn(512), bias=torch.randn(512),
                                      residual=_x(3, 512), eps=1e-6, store_rstd=True, out_dtype=torch.float32,
                                      residual_dtype=torch.float32, weight_offset=1.0)),
-    ("rmsnorm_forward", lambda: dict(x=_x(5, 128).view(5, 2, 64)[:, 1], weight=torch.randn(64, dtype=torch.bfloat16),
-                                     eps=1e-6)),  # vLLM's rmsnorm passes x, weight and eps only
+    # vLLM's rmsnorm passes x, weight and eps only; x here is every other 64-wide half-row
+    ("rmsnorm_forward", lambda: dict(x=_x(5, 128).view(5, 2, 64)[:, 1],
+                                     weight=torch.randn(64, dtype=torch.bfloat16), eps=1e-6)),
     ("fused_add_rmsnorm_", lambda: dict(x=_x(6, 256, torch.float16), residual=_x(6, 256, torch.float16),
                                         weight=torch.randn(256, dtype=torch.float16), eps=1e-6)),
     ("layernorm", lambda: dict(x=_x(4, 384), weight=torch.randn(384, dtype=torch.bfloat16), bias=None, eps=1e-5,

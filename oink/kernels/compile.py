@@ -7,7 +7,8 @@ That is also what lets CI compile every variant on a CPU with no tensors at all.
 Launch: with apache-tvm-ffi installed (``OINK_TVM_FFI=0`` turns it off) kernels are compiled with
 ``--enable-tvm-ffi`` and called through the compiled ``tvm_ffi.Function``: pointers and the stream
 pass as plain integers, positional, with no per-argument Python marshalling. Without it they go
-through CuTeDSL's generic executor with ``cute.runtime`` pointers. ``launch_args`` hides which.
+through CuTeDSL's generic executor with ``cute.runtime`` pointers; ``runtime_ptr``, ``host.ptr`` and
+``current_stream`` give each launch what its function was compiled for.
 """
 from __future__ import annotations
 

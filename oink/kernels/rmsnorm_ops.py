@@ -242,7 +242,8 @@ def plan_forward(arch, a: dict):
         res_out = torch.empty(shape, device=device, dtype=res_dtype) if res is not None else None
         fn(x.data_ptr(), None if w is None else w.data_ptr(), None if b is None else b.data_ptr(),
            None if res is None else res.data_ptr(), out.data_ptr(), None if res_out is None else res_out.data_ptr(),
-           None if rstd is None else rstd.data_ptr(), None, M, ldx, ldres, N, ldres_out, eps, current_stream(device))
+           None if rstd is None else rstd.data_ptr(), None, M, ldx, ldres, N, ldres_out, eps,
+           current_stream(device))
         return out, rstd, res_out
 
     return run
@@ -276,7 +277,8 @@ def plan_layernorm(arch, a: dict):
     if not config.CONFIG.tvm_ffi or x.numel() == 0 or not all(_ready(t, vec) for t in (x, w, b)):
         return None
     x2 = rows_view(x)
-    M, eps, shape, lead, device, dtype = x2.shape[0], float(a.get("eps", 1e-6)), x.shape, x.shape[:-1], x.device, x.dtype
+    M, eps, shape, lead = x2.shape[0], float(a.get("eps", 1e-6)), x.shape, x.shape[:-1]
+    device, dtype = x.device, x.dtype
     want_rstd, want_mean = a.get("return_rstd", False), a.get("return_mean", False)
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), None, None, want_rstd, True,
                           want_mean, dtype_name(x), 0.0, 1)
