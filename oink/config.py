@@ -34,6 +34,7 @@ class Config:
     bwd_pdl: bool  # OINK_BWD_PDL=0: no programmatic dependent launch (A/B)
     bwd_exact: bool  # OINK_BWD_EXACT=0: power-of-two threads per row only (A/B)
     tvm_ffi: bool  # OINK_TVM_FFI=0: launch through CuTeDSL's generic executor (default: TVM-FFI if installed)
+    cache_dir: str | None  # OINK_CACHE_DIR: compiled kernels kept on disk there (off when unset)
 
 
 def _from_env() -> Config:
@@ -44,7 +45,8 @@ def _from_env() -> Config:
         bwd_upt=_int("OINK_BWD_UPT"), bwd_tpsm=_int("OINK_BWD_TPSM"), bwd_depth=_int("OINK_BWD_DEPTH"),
         bwd_partial_sum=env("OINK_BWD_PARTIAL_SUM", "kernel"), bwd_pdl=env("OINK_BWD_PDL", "1") != "0",
         bwd_exact=env("OINK_BWD_EXACT", "1") != "0",
-        tvm_ffi=env("OINK_TVM_FFI", "1") != "0" and importlib.util.find_spec("tvm_ffi") is not None)
+        tvm_ffi=env("OINK_TVM_FFI", "1") != "0" and importlib.util.find_spec("tvm_ffi") is not None,
+        cache_dir=env("OINK_CACHE_DIR") or None)
 
 
 CONFIG = _from_env()

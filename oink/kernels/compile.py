@@ -20,6 +20,7 @@ import cutlass
 import cutlass.cute as cute
 
 from .. import config
+from . import disk_cache
 from ..arch import SUPPORTED_ARCHS
 
 # torch dtype name -> CuTe numeric type, kept as strings so this module needs no torch.
@@ -80,10 +81,13 @@ class CompileCache:
             with self._lock:
                 fn = self._fns.get(key)
                 if fn is None:
-                    fn = build()
+                    fn = disk_cache.load(key)
+                    if fn is None:
+                        fn = build()
+                        self.compiles += 1
+                        disk_cache.store(key, COMPILED.get(id(fn), fn))
                     self._fns[key] = fn
                     self._keys[id(fn)] = key
-                    self.compiles += 1
         self.note(fn)
         return fn
 
