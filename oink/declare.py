@@ -19,6 +19,7 @@ back into the public ones (None where not asked for).
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Callable
 
 import torch
@@ -131,7 +132,7 @@ class Op:
         if r is None:
             self.check(**a)
             r = dispatch.route(self.route, args)
-            if key is not None and not dispatch.log.isEnabledFor(10):  # DEBUG logs every route
+            if key is not None and not dispatch.log.isEnabledFor(logging.DEBUG):  # DEBUG logs every route
                 if len(self._routes) >= 4096:
                     self._routes.clear()
                 r = self._routes[key] = dispatch.with_plan(r, args)

@@ -40,6 +40,15 @@ def kernel_ready(t2d: torch.Tensor, vec: int) -> bool:
     return t2d.data_ptr() % 16 == 0
 
 
+def kernel_ready_rows(t: torch.Tensor | None, vec: int) -> bool:
+    """Whether t (an activation [..., N] or a parameter [N]) is readable by a kernel as is, with
+    no copy; an absent t is."""
+    if t is None:
+        return True
+    v = rows_view(t)
+    return v is not None and kernel_ready(v, vec)
+
+
 def prepare_rows(t: torch.Tensor | None, vec: int) -> torch.Tensor | None:
     """An activation [..., N] (a 1-D one is a single row) as a kernel-ready [M, N] tensor,
     copying only when its layout demands."""
@@ -56,7 +65,7 @@ def prepare_vector(t: torch.Tensor | None, vec: int) -> torch.Tensor | None:
     """A per-column parameter [N] (weight, bias) as a kernel-ready 1-D tensor."""
     if t is None:
         return None
-    if kernel_ready(t.view(1, -1), vec):
+    if kernel_ready_rows(t, vec):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -68,8 +77,7 @@ def width_reason(N: int, name: str = "N") -> str | None:
 
 def in_place_reason(name: str, t: torch.Tensor, vec: int) -> str | None:
     """Why an in-place operand can't be used as is (a copy would break in place), or None."""
-    v = rows_view(t)
-    if v is None or not kernel_ready(v, vec):
+    if not kernel_ready_rows(t, vec):
         return f"{name} is not 16-byte aligned with unit last stride and aligned rows (in place: no copy possible)"
     return None
 

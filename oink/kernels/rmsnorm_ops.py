@@ -8,8 +8,8 @@ import torch
 
 from .. import config
 from .compile import CACHE, current_stream
-from .host import (dtype_name, in_place_reason, kernel_ready, ld, prepare_rows, prepare_vector, ptr, rows_view,
-                   vec_for, width_reason)
+from .host import (dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr,
+                   rows_view, vec_for, width_reason)
 from .rmsnorm import compiled_forward
 from .rmsnorm_bwd import backward_launch, compiled_backward, compiled_partial_sum, head_launch, persistent_ctas
 
@@ -206,14 +206,6 @@ def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean
 
 
 # ---- plans: a launch prepared once per argument layout (see dispatch.Route.plan) --------------
-def _ready(t, vec) -> bool:
-    """t needs no copy for the kernel (a row view that is kernel-ready), or is absent."""
-    if t is None:
-        return True
-    v = rows_view(t) if t.dim() > 1 else t.view(1, -1)
-    return v is not None and kernel_ready(v, vec)
-
-
 def plan_forward(arch, a: dict):
     """The forward with its compiled function, leading dims and strides fixed; None where a copy or
     per-head parameters would be needed (the runner handles those)."""
@@ -222,13 +214,14 @@ def plan_forward(arch, a: dict):
     N = x.shape[-1]
     vec = vec_for(N, x)
     if (not config.CONFIG.tvm_ffi or x.numel() == 0 or heads_of(w, b) > 1
-            or not all(_ready(t, vec) for t in (x, w, b, res))):
+            or not all(kernel_ready_rows(t, vec) for t in (x, w, b, res))):
         return None
     x2, r2 = rows_view(x), rows_view(res) if res is not None else None
     M = x2.shape[0]
     out_dtype = a.get("out_dtype") or x.dtype
     res_dtype = a.get("residual_dtype") or (res.dtype if res is not None else None)
-    store_rstd, eps, shape, lead, device = a.get("store_rstd", False), float(a.get("eps", 1e-6)), x.shape, x.shape[:-1], x.device
+    store_rstd, eps = a.get("store_rstd", False), float(a.get("eps", 1e-6))
+    shape, lead, device = x.shape, x.shape[:-1], x.device
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
                           str(res_dtype).removeprefix("torch.") if res is not None else None, store_rstd, False,
                           False, str(out_dtype).removeprefix("torch."), float(a.get("weight_offset", 0.0)), 1)
@@ -252,7 +245,7 @@ def plan_forward(arch, a: dict):
 def plan_fused_add(arch, a: dict):
     x, res, w = a["x"], a["residual"], a["weight"]
     N = x.shape[-1]
-    if not config.CONFIG.tvm_ffi or x.numel() == 0 or not _ready(w, vec_for(N, x)):
+    if not config.CONFIG.tvm_ffi or x.numel() == 0 or not kernel_ready_rows(w, vec_for(N, x)):
         return None
     x2, r2 = rows_view(x), rows_view(res)
     M, eps, device, wd = x2.shape[0], float(a.get("eps", 1e-6)), x.device, dtype_name(w)
@@ -274,7 +267,7 @@ def plan_layernorm(arch, a: dict):
     x, w, b = a["x"], a["weight"], a.get("bias")
     N = x.shape[-1]
     vec = vec_for(N, x)
-    if not config.CONFIG.tvm_ffi or x.numel() == 0 or not all(_ready(t, vec) for t in (x, w, b)):
+    if not config.CONFIG.tvm_ffi or x.numel() == 0 or not all(kernel_ready_rows(t, vec) for t in (x, w, b)):
         return None
     x2 = rows_view(x)
     M, eps, shape, lead = x2.shape[0], float(a.get("eps", 1e-6)), x.shape, x.shape[:-1]

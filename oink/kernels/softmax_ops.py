@@ -5,7 +5,7 @@ import torch
 
 from .. import config
 from .compile import CACHE, current_stream
-from .host import dtype_name, kernel_ready, ld, prepare_rows, ptr, rows_view, vec_for, width_reason
+from .host import dtype_name, kernel_ready_rows, ld, prepare_rows, ptr, rows_view, vec_for, width_reason
 from .softmax import compiled_softmax
 
 
@@ -59,9 +59,9 @@ def _plan(mode: str, first: str, second: str | None):
         vec = vec_for(N, x)
         if not config.CONFIG.tvm_ffi or x.numel() == 0:
             return None
-        x2, o2 = rows_view(x), (rows_view(other) if other is not None else None)
-        if x2 is None or not kernel_ready(x2, vec) or (other is not None and (o2 is None or not kernel_ready(o2, vec))):
+        if not (kernel_ready_rows(x, vec) and kernel_ready_rows(other, vec)):
             return None
+        x2, o2 = rows_view(x), (rows_view(other) if other is not None else None)
         fn = compiled_softmax(mode, dtype_name(x), N, arch)
         M, shape, dtype, device = x2.shape[0], x.shape, x.dtype, x.device
         lda, ldb = ld(x2), ld(o2 if o2 is not None else x2)
