@@ -615,6 +615,13 @@ def _fi_rms(device):
     return lambda a: (m.rmsnorm(a["x"], a["weight"], EPS),)
 
 
+@provider("layernorm", "flashinfer", label="weight and bias cast to fp32 in the call (FlashInfer takes fp32 only)")
+def _fi_ln(device):
+    _needs_cuda(device)
+    m = _peer("flashinfer.norm", "flashinfer-python")
+    return lambda a: (m.layernorm(a["x"], a["weight"].float(), a["bias"].float(), EPS),)
+
+
 @provider("fused_add_rmsnorm_", "flashinfer")
 def _fi_fused(device):
     _needs_cuda(device)

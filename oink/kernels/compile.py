@@ -99,6 +99,18 @@ class CompileCache:
     def clear_used(self) -> None:
         self.used.clear()
 
+    def used_launches(self) -> set:
+        """(threads_per_row, num_threads, cluster_n) of the launch shapes in the keys used since
+        ``clear_used()``: which tiling actually ran (the launch-table search and its tests)."""
+        found, todo = set(), list(self.used)
+        while todo:
+            part = todo.pop()
+            if isinstance(part, tuple):
+                todo.extend(part)
+            elif hasattr(part, "threads_per_row") and hasattr(part, "cluster_n"):
+                found.add((part.threads_per_row, part.num_threads, part.cluster_n))
+        return found
+
     def used_functions(self) -> dict:
         return {k: self._fns[k] for k in dict.fromkeys(self.used) if k in self._fns}
 

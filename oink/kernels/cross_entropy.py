@@ -22,6 +22,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
+from .launch_table import pick
 from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, pick_row_launch
 
 MODES = ("forward", "backward", "fwd_bwd")
@@ -121,7 +122,7 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the cross-entropy kernels handle 1 <= N <= {MAX_N}")
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
-    launch = cross_entropy_launch(N, dt.width, arch)
+    launch = pick(f"cross_entropy/{mode}/x{dt.width}", arch, cross_entropy_launch(N, dt.width, arch))
     store_lse = store_lse and mode != "backward"
 
     def build():

@@ -19,7 +19,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
+from .launch_table import pick
 from .nvfp4 import _asm, div_rn, f32_bits, f32_from_bits, fp4_launch
 from .reduction import MAX_N, RowKernelBase, RowLaunch, fmax
 from .rmsnorm import RMSNormForward
@@ -41,11 +43,12 @@ def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None)
         "=r,f,f,f,f", [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)], loc, ip))
 
 
-def fp8_launch(N: int, arch: str, kind: str, group_size: int) -> RowLaunch:
-    """Launch heuristic for the FP8 kernels (the one place it is chosen): the FP4 kernels' tiling
-    with 16-value units (the same register budget a unit), checked to keep a group within a warp's
-    aligned lanes."""
-    launch = fp4_launch(N, arch, kind, UNIT)
+def fp8_launch(N: int, arch: str, kind: str, group_size: int, op: str | None = None) -> RowLaunch:
+    """Launch heuristic for the FP8 kernels (the one place it is chosen): the tuned table's shape for
+    (op, group or row scales), else the FP4 kernels' tiling with 16-value units (the same register
+    budget a unit); checked to keep a group within a warp's aligned lanes."""
+    launch = pick(f"fp8/{op or kind}/{'group' if group_size else 'row'}", arch, fp4_launch(N, arch, kind, UNIT),
+                  config.get().fp4_upt)
     lanes = group_size // UNIT
     if group_size and (launch.threads_per_row % lanes or launch.vec != UNIT):
         raise ValueError(f"N={N}: no launch keeps a {group_size}-wide group on aligned lanes")
@@ -255,7 +258,7 @@ def compiled_rmsnorm_fp8(x_dtype: str, res_dtype: str | None, w_dtype: str, N: i
     _check_width(N, group_size)
     xd, wd = cute_dtype(x_dtype), cute_dtype(w_dtype)
     rd = cute_dtype(res_dtype) if res_dtype else None
-    launch = fp8_launch(N, arch, "add_rmsnorm", group_size)
+    launch = fp8_launch(N, arch, "add_rmsnorm", group_size, "add_rmsnorm" if rd else "rmsnorm")
 
     def build():
         one = Int64(launch.vec)

@@ -11,14 +11,14 @@ from .fp8 import UNIT, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch
 from .host import dtype_name, in_place_reason, ld, prepare_rows, prepare_vector, ptr, rows_view, width_reason
 
 
-def _launch_reason(N: int, group_size: int, kind: str, arch: str) -> str | None:
+def _launch_reason(N: int, group_size: int, kind: str, arch: str, op: str | None = None) -> str | None:
     why = width_reason(N)
     if why:
         return why
     if N % UNIT:
         return f"N={N} is not a multiple of {UNIT}: the FP8 kernels' units"
     try:
-        fp8_launch(N, arch, kind, group_size)
+        fp8_launch(N, arch, kind, group_size, op)
     except ValueError as e:
         return str(e)
     return None
@@ -35,7 +35,8 @@ def check_silu_mul(t: dict, arch: str) -> str | None:
 def check_rmsnorm(t: dict, arch: str) -> str | None:
     if t["weight"].dtype not in (t["x"].dtype, torch.float32):  # other mixes compile, untested on a GPU
         return f"weight dtype {t['weight'].dtype} with x {t['x'].dtype}: the fused FP8 kernels take x's or fp32"
-    why = _launch_reason(t["x"].shape[-1], t["group_size"], "add_rmsnorm", arch)
+    op = "rmsnorm" if t.get("residual") is None else "add_rmsnorm"
+    why = _launch_reason(t["x"].shape[-1], t["group_size"], "add_rmsnorm", arch, op)
     if why is None and t.get("residual") is not None:  # updated in place: no copy possible
         why = in_place_reason("residual", t["residual"], UNIT)
     return why

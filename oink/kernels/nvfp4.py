@@ -36,6 +36,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
+from .launch_table import pick
 from .reduction import MAX_N, RowKernelBase, RowLaunch, pick_row_launch
 from .rmsnorm import RMSNormForward
 
@@ -321,7 +322,7 @@ def compiled_add_rmsnorm_fp4(x_dtype: str, res_dtype: str, w_dtype: str, N: int,
                              store_y: bool, mx: bool = False):
     block = _check_width(N, mx)
     xd, rd, wd = cute_dtype(x_dtype), cute_dtype(res_dtype), cute_dtype(w_dtype)
-    launch = fp4_launch(N, arch, "add_rmsnorm", block)
+    launch = pick(f"fp4/add_rmsnorm/{block}", arch, fp4_launch(N, arch, "add_rmsnorm", block), config.get().fp4_upt)
 
     def build():
         one = Int64(launch.vec)
@@ -338,7 +339,7 @@ def compiled_fp4(mode: str, dtype: str, N: int, arch: str, swizzled: bool, mx: b
     """Compile (or fetch) one FP4 kernel; N is the quantized width (K for silu_mul)."""
     block = _check_width(N, mx)
     dt = cute_dtype(dtype)
-    launch = fp4_launch(N, arch, mode, block)
+    launch = pick(f"fp4/{mode}/{block}", arch, fp4_launch(N, arch, mode, block), config.get().fp4_upt)
 
     def build():
         return compile_kernel(Fp4Quantize(launch, dt, mode, swizzled, arch, mx), gmem_ptr(dt),

@@ -18,6 +18,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
+from .launch_table import pick
 from .reduction import MAX_N, RowKernelBase, RowLaunch, add, pick_row_launch, whole_warp_rows
 
 
@@ -212,7 +213,8 @@ def compiled_forward(x_dtype: str, N: int, arch: str, w_dtype: str | None = None
     xd = cute_dtype(x_dtype)
     out_dtype = out_dtype or x_dtype
     wide = max([cute_dtype(d).width for d in (w_dtype, res_dtype, res_out_dtype) if d is not None], default=0)
-    launch = forward_launch(N, xd.width, arch, wide, layernorm)
+    launch = pick(f"{'layernorm' if layernorm else 'rmsnorm'}_fwd/x{xd.width}w{wide}", arch,
+                  forward_launch(N, xd.width, arch, wide, layernorm), config.get().fwd_upt)
     key = ("layernorm_fwd" if layernorm else "rmsnorm_fwd", x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype,
            out_dtype, store_rstd, store_mean, float(weight_offset), heads, N, arch, launch)
 

@@ -15,6 +15,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
+from .launch_table import pick
 from .reduction import MAX_N, RowKernelBase, RowLaunch, add, pick_row_launch
 
 MODES = ("forward", "backward", "fwd_bwd")
@@ -86,7 +87,7 @@ def compiled_softmax(mode: str, dtype: str, N: int, arch: str):
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the softmax kernels handle 1 <= N <= {MAX_N}")
     dt = cute_dtype(dtype)
-    launch = softmax_launch(N, dt.width, arch)
+    launch = pick(f"softmax/{mode}/x{dt.width}", arch, softmax_launch(N, dt.width, arch))
 
     def build():
         one = Int64(launch.vec)

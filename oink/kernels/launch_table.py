@@ -1,0 +1,85 @@
+"""Tuned launch shapes per arch, kept as data (``launch_table.json``).
+
+A launch heuristic computes its own choice, then asks ``pick(key, arch, default)``: the table's
+entry for (arch, key, N) wins where there is one, the heuristic's answer elsewhere (every width the
+search did not measure, and every arch no GPU of which was lent: sm_100a has no entries).
+``scripts/tune_launch.py`` fills the table: on a GPU it tries ``candidates`` for each key an op
+looks up, gates each against the op's reference, times it, and keeps the fastest that passed.
+No torch here; ``RowLaunch`` is the only kernel type used.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+from .. import config
+from .reduction import WARP, RowLaunch
+
+TABLE_PATH = Path(__file__).with_name("launch_table.json")
+
+# (key, arch, N) -> (threads_per_row, num_threads, cluster_n): the search tool's trial, in process
+OVERRIDES: dict = {}
+# (key, arch, N) -> the heuristic's RowLaunch, for every lookup since the last clear (the search
+# tool runs an op once to learn which keys and widths it uses)
+SEEN: dict = {}
+
+
+@functools.cache
+def table() -> dict:
+    """{arch: {key: {N: entry}}}; an entry's "launch" is [threads_per_row, num_threads, cluster_n]."""
+    if not TABLE_PATH.exists():
+        return {}
+    data = json.loads(TABLE_PATH.read_text())
+    return {arch: {key: {int(n): e for n, e in by_n.items()} for key, by_n in keys.items()}
+            for arch, keys in data.get("tables", {}).items()}
+
+
+def pick(key: str, arch: str, default: RowLaunch, knob: int | None = None) -> RowLaunch:
+    """The launch for ``key`` at ``default.N``: a trial override, the table's entry, or ``default``
+    (also where a sweep knob such as OINK_FP4_UPT is set: ``knob``, which ``default`` obeys)."""
+    N = default.N
+    SEEN[(key, arch, N)] = default
+    shape = OVERRIDES.get((key, arch, N))
+    if shape is None and not knob:
+        entry = table().get(arch, {}).get(key, {}).get(N)
+        shape = entry["launch"] if entry else None
+    if shape is None:
+        return default
+    tpr, nt, cluster_n = shape
+    return RowLaunch(N=N, vec=default.vec, threads_per_row=tpr, num_threads=nt, cluster_n=cluster_n)
+
+
+def candidates(default: RowLaunch, max_iters: int = 8, lanes: int = 1, clusters=(1,)) -> list[RowLaunch]:
+    """Launch shapes worth trying for ``default``'s width and vector: threads per row a power of two
+    or a whole number of warps that tiles the row exactly, at most ``max_iters`` accesses a thread,
+    over each cluster size in ``clusters``; a row narrower than 128 threads shares its CTA with others
+    (128 or 256 threads); threads per row a multiple of ``lanes`` (the FP8 group's aligned lanes).
+    The heuristic's own choice is always among them."""
+    N, vec = default.N, default.vec
+    units = N // vec
+    out = {default}
+    for cluster_n in clusters:
+        per_cta = math.ceil(units / cluster_n)
+        tprs = {1 << k for k in range(11)}
+        tprs |= {per_cta // it for it in range(1, max_iters + 1)
+                 if units % (cluster_n * it) == 0 and (per_cta // it) % WARP == 0}
+        for tpr in sorted(tprs):
+            if tpr > 1024 or tpr % lanes or math.ceil(per_cta / tpr) > max_iters:
+                continue
+            if tpr >= 2 * per_cta:  # whole idle accesses in every row
+                continue
+            for nt in sorted({max(tpr, 128), max(tpr, 256)} if tpr < 128 else {tpr}):
+                try:
+                    out.add(RowLaunch(N=N, vec=vec, threads_per_row=tpr, num_threads=nt, cluster_n=cluster_n))
+                except ValueError:
+                    pass
+    return sorted(out, key=lambda L: (L.cluster_n, L.threads_per_row, L.num_threads))
+
+
+def _clear() -> None:
+    table.cache_clear()
+
+
+config.ON_RELOAD.append(_clear)

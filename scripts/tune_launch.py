@@ -1,0 +1,149 @@
+"""Search the launch shapes of Oink's row kernels on this GPU and write the tuned table.
+
+For each op and width: run the op once to learn which launch keys it looks up (and the heuristic's
+choice for each), then for every candidate shape (``oink.kernels.launch_table.candidates``) gate
+the op against its reference (the benchmark gate: 3 seeds, at the timed row count and at an odd
+one that leaves a partial CTA) and time it (CUDA-graph replay, inputs cycled past L2). A shape
+that fails the gate or raises is never chosen; a table entry is written only where the fastest
+passing shape beats the heuristic's by more than ``--min-gain``. Entries for other keys, widths
+and arches in the table are kept.
+
+    python3 scripts/tune_launch.py --ops rmsnorm_fp8quant,silu_mul_fp8quant --widths 7168,18432 \
+        --rows 4096,16384 [--dtype bfloat16] [--max-iters 4] [--out oink/kernels/launch_table.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import oink
+from oink import config
+from oink.kernels import launch_table
+from oink.kernels.compile import CACHE
+from pytest_oink.bench_runner import _inputs, gate
+from pytest_oink.providers import SPECS, build
+from pytest_oink.suites import Case
+from pytest_oink.timing import Rotation, copies_for_cold_cache, median, time_cuda_graph
+
+ODD_ROWS = 37  # a partial last CTA for every rows-per-CTA the candidates use
+
+
+def time_op(spec, run, case, dtype, device) -> float:
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    n_sets = copies_for_cold_cache(spec.nbytes(case.M, case.N, dtype.itemsize), l2)
+    rot = Rotation([_inputs(spec, case, dtype, device, 100 + i) for i in range(n_sets)])
+    return median(time_cuda_graph(run, rot).samples)
+
+
+def keys_of(spec, run, N, dtype, device) -> dict:
+    """{(key, arch, width): heuristic RowLaunch} that one call of the op at width N looks up."""
+    launch_table.OVERRIDES.clear()
+    config.reload()
+    launch_table.SEEN.clear()
+    run(_inputs(spec, Case("tune", "", 8, N, str(dtype).split(".")[-1]), dtype, device, 0))
+    torch.cuda.synchronize()
+    return dict(launch_table.SEEN)
+
+
+def try_shape(spec, run, op, N, rows, dtype, device, key, shape) -> tuple[bool, list, str]:
+    """(passed, [seconds per row count], why) with ``shape`` forced for ``key``."""
+    launch_table.OVERRIDES.clear()
+    if shape is not None:
+        launch_table.OVERRIDES[key] = shape
+    config.reload()
+    name = str(dtype).split(".")[-1]
+    times = []
+    for M in sorted({ODD_ROWS, *rows}):
+        case = Case("tune", op, M, N, name)
+        CACHE.clear_used()
+        g = gate(spec, run, case, dtype, device)
+        if not g["passed"]:
+            return False, [], g.get("report", "gate failed")[:200]
+        ran = CACHE.used_launches()
+        if not ran or (shape is not None and shape not in ran):
+            return False, [], "the shape did not run (the op took another path)"
+        if M in rows:
+            times.append(time_op(spec, run, case, dtype, device))
+    return True, times, ""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", required=True)
+    ap.add_argument("--widths", required=True)
+    ap.add_argument("--rows", default="4096,16384")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-iters", type=int, default=8, help="most accesses a thread (registers)")
+    ap.add_argument("--clusters", default="1", help="cluster sizes to try, e.g. 1,2,4")
+    ap.add_argument("--min-gain", type=float, default=0.03, help="keep a shape only this much faster (0.03 = 3%%)")
+    ap.add_argument("--out", default=str(launch_table.TABLE_PATH))
+    ap.add_argument("--log", default=None, help="also write every trial as JSON lines here")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_launch: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device, dtype = torch.device("cuda"), getattr(torch, a.dtype)
+    rows = [int(r) for r in a.rows.split(",")]
+    clusters = tuple(int(c) for c in a.clusters.split(","))
+    out = Path(a.out)
+    data = json.loads(out.read_text()) if out.exists() else {}
+    tables = data.setdefault("tables", {})
+    log = open(a.log, "a") if a.log else None
+    started = time.time()
+    for op in a.ops.split(","):
+        spec, run = SPECS[op], build(op, "oink", device)
+        for N in (int(n) for n in a.widths.split(",")):
+            for (key, arch, width), default in keys_of(spec, run, N, dtype, device).items():
+                lanes = 8 if key.startswith("fp8/") and key.endswith("/group") else 1
+                trials = []
+                for L in launch_table.candidates(default, a.max_iters, lanes, clusters):
+                    shape = (L.threads_per_row, L.num_threads, L.cluster_n)
+                    ok, times, why = try_shape(spec, run, op, N, rows, dtype, device, (key, arch, width),
+                                               None if L == default else shape)
+                    geo = math.exp(sum(map(math.log, times)) / len(times)) if ok else None
+                    trials.append((L, geo))
+                    line = {"op": op, "N": N, "key": key, "arch": arch, "launch": list(shape), "iters": L.iters,
+                            "default": L == default, "passed": ok, "us": [t * 1e6 for t in times], "why": why}
+                    print(json.dumps(line), flush=True)
+                    if log:
+                        log.write(json.dumps(line) + "\n")
+                base = next(g for L, g in trials if L == default)
+                passed = [(g, L) for L, g in trials if g is not None]
+                if base is None or not passed:
+                    print(f"# {key} N={width}: the heuristic's shape failed its gate: no entry", flush=True)
+                    continue
+                best_t, best = min(passed, key=lambda p: p[0])
+                entries = tables.setdefault(arch, {}).setdefault(key, {})
+                if best != default and best_t < base * (1 - a.min_gain):
+                    entries[str(width)] = {"launch": [best.threads_per_row, best.num_threads, best.cluster_n],
+                                           "op": op, "rows": rows, "dtype": a.dtype, "us": round(best_t * 1e6, 2),
+                                           "heuristic": [default.threads_per_row, default.num_threads,
+                                                         default.cluster_n],
+                                           "heuristic_us": round(base * 1e6, 2)}
+                    verdict = f"tuned {entries[str(width)]['launch']}"
+                else:
+                    entries.pop(str(width), None)
+                    verdict = "heuristic kept"
+                print(f"# {key} N={width}: heuristic {base * 1e6:.1f} us, best {best_t * 1e6:.1f} us: {verdict}",
+                      flush=True)
+    launch_table.OVERRIDES.clear()
+    config.reload()
+    data["measured"] = {"card": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+                        "torch": torch.__version__, "oink": getattr(oink, "__version__", "?"),
+                        "seconds": round(time.time() - started), "command": " ".join(sys.argv)}
+    for arch in tables:
+        tables[arch] = {k: v for k, v in sorted(tables[arch].items()) if v}
+    out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    print(f"tune_launch: wrote {out} after {time.time() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The tuned launch table (oink/kernels/launch_table.json): lookups, the search's candidates, every
+entry compiled for its arch on CPU, and every entry run against its op's reference on a GPU."""
+from __future__ import annotations
+
+import pytest
+
+from oink import config
+from oink.kernels import launch_table
+from oink.kernels.reduction import RowLaunch, pick_row_launch
+
+ENTRIES = [(arch, key, N, e) for arch, keys in launch_table.table().items() for key, by_n in keys.items()
+           for N, e in by_n.items()]
+IDS = [f"{arch}-{key}-{N}" for arch, key, N, _ in ENTRIES]
+
+
+@pytest.fixture
+def override():
+    yield launch_table.OVERRIDES
+    launch_table.OVERRIDES.clear()
+    config.reload()
+
+
+def test_pick_prefers_override_then_table_then_heuristic(override, monkeypatch):
+    default = pick_row_launch(18432, 8)
+    assert launch_table.pick("test/none", "sm_90a", default) == default
+    monkeypatch.setattr(launch_table, "table", lambda: {"sm_90a": {"test/k": {18432: {"launch": [384, 384, 1]}}}})
+    tuned = launch_table.pick("test/k", "sm_90a", default)
+    assert (tuned.threads_per_row, tuned.num_threads, tuned.cluster_n, tuned.vec) == (384, 384, 1, default.vec)
+    assert launch_table.pick("test/k", "sm_100a", default) == default  # another arch: no entry
+    assert launch_table.pick("test/k", "sm_90a", default, knob=2) == default  # a sweep knob wins
+    override[("test/k", "sm_90a", 18432)] = (576, 576, 1)
+    assert launch_table.pick("test/k", "sm_90a", default).threads_per_row == 576
+    assert launch_table.SEEN[("test/k", "sm_90a", 18432)] == default
+
+
+@pytest.mark.parametrize("N,bits", [(64, 16), (4096, 8), (7168, 8), (18432, 8), (131072, 16), (1000, 16)])
+def test_candidates_are_valid_and_hold_the_heuristic(N, bits):
+    default = pick_row_launch(N, bits)
+    found = launch_table.candidates(default, max_iters=4, lanes=8, clusters=(1, 2))
+    assert default in found
+    for L in found:
+        assert isinstance(L, RowLaunch) and L.N == N and L.vec == default.vec
+        if L != default:
+            assert L.iters <= 4 and L.threads_per_row % 8 == 0 and L.cluster_n in (1, 2)
+    if N == 18432:  # 1152 units: the exact whole-warp tilings are offered
+        assert {288, 384, 576} <= {L.threads_per_row for L in found}
+
+
+def test_table_file_is_well_formed():
+    for arch, key, N, e in ENTRIES:
+        assert arch in ("sm_90a", "sm_100a") and key.count("/") >= 1
+        tpr, nt, cl = e["launch"]
+        RowLaunch(N=N, vec=1, threads_per_row=tpr, num_threads=nt, cluster_n=cl)  # raises if not a launch shape
+        assert e["us"] < e["heuristic_us"], "an entry is kept only where it beat the heuristic"
+
+
+def _compile(arch: str, key: str, N: int):
+    """Compile the kernel ``key`` names at width N for ``arch`` (bf16), with the table active."""
+    family, op, variant = key.split("/")
+    if family == "fp8":
+        from oink.kernels.fp8 import compiled_fp8, compiled_rmsnorm_fp8
+
+        mode, g = ("group", 128) if variant == "group" else ("token", 0)
+        if op in ("quantize", "silu_mul"):
+            return compiled_fp8(op, "bfloat16", N, arch, mode, g, False, False, False)
+        return compiled_rmsnorm_fp8("bfloat16", "bfloat16" if op == "add_rmsnorm" else None, "bfloat16", N, arch,
+                                    mode, g, False, False, False, False)
+    if family == "softmax":
+        from oink.kernels.softmax import compiled_softmax
+
+        return compiled_softmax(op, {"x16": "bfloat16", "x32": "float32"}[variant], N, arch)
+    if family == "cross_entropy":
+        from oink.kernels.cross_entropy import compiled_cross_entropy
+
+        return compiled_cross_entropy(op, {"x16": "bfloat16", "x32": "float32"}[variant], "int64", N, arch)
+    raise AssertionError(f"{key}: add its compile call to tests/test_launch_table.py")
+
+
+@pytest.mark.parametrize("arch,key,N,entry", ENTRIES, ids=IDS)
+def test_entry_compiles_for_its_arch(arch, key, N, entry):
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from oink.kernels.compile import CACHE
+
+    CACHE.clear_used()
+    assert callable(_compile(arch, key, N))
+    shapes = CACHE.used_launches()
+    assert tuple(entry["launch"]) in shapes, f"the compiled kernel did not take the table's shape: {shapes}"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm(90, exact=True)
+@pytest.mark.parametrize("arch,key,N,entry", [e for e in ENTRIES if e[0] == "sm_90a"],
+                         ids=[i for i, e in zip(IDS, ENTRIES) if e[0] == "sm_90a"])
+@pytest.mark.parametrize("M", [1, 37, 4099])
+def test_entry_runs_correctly(arch, key, N, entry, M):
+    """A tuned shape is a code path of its own: its op, through the public call, against the reference."""
+    import torch
+
+    from oink.kernels.compile import CACHE
+    from pytest_oink.bench_runner import gate
+    from pytest_oink.providers import SPECS, build
+    from pytest_oink.suites import Case
+
+    spec, device = SPECS[entry["op"]], torch.device("cuda")
+    CACHE.clear_used()
+    result = gate(spec, build(entry["op"], "oink", device), Case("test", entry["op"], M, N, entry["dtype"]),
+                  getattr(torch, entry["dtype"]), device)
+    assert result["passed"], result.get("report")
+    shapes = CACHE.used_launches()
+    assert tuple(entry["launch"]) in shapes, f"the op did not run the table's shape: {shapes}"
