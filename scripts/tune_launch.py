@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     data = json.loads(out.read_text()) if out.exists() else {}
     tables = data.setdefault("tables", {})
     log = open(a.log, "a") if a.log else None
+    card = torch.cuda.get_device_name()
     started = time.time()
     for op in a.ops.split(","):
         spec, run = SPECS[op], build(op, "oink", device)
@@ -126,7 +127,8 @@ def main(argv=None) -> int:
                                            "op": op, "rows": rows, "dtype": a.dtype, "us": round(best_t * 1e6, 2),
                                            "heuristic": [default.threads_per_row, default.num_threads,
                                                          default.cluster_n],
-                                           "heuristic_us": round(base * 1e6, 2)}
+                                           "heuristic_us": round(base * 1e6, 2), "card": card,
+                                           "date": datetime.date.today().isoformat()}
                     verdict = f"tuned {entries[str(width)]['launch']}"
                 else:
                     entries.pop(str(width), None)
@@ -135,9 +137,9 @@ def main(argv=None) -> int:
                       flush=True)
     launch_table.OVERRIDES.clear()
     config.reload()
-    data["measured"] = {"card": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-                        "torch": torch.__version__, "oink": getattr(oink, "__version__", "?"),
-                        "seconds": round(time.time() - started), "command": " ".join(sys.argv)}
+    data.setdefault("runs", []).append({"card": card, "date": datetime.date.today().isoformat(),
+                                        "torch": torch.__version__, "oink": getattr(oink, "__version__", "?"),
+                                        "seconds": round(time.time() - started), "command": " ".join(sys.argv)})
     for arch in tables:
         tables[arch] = {k: v for k, v in sorted(tables[arch].items()) if v}
     out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
