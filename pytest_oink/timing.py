@@ -108,33 +108,19 @@ class GraphTiming:
     calls_per_replay: int
 
 
-REPLAY_S = 1e-3  # a replay lasts at least this long where 10 calls would take longer than needed
-
-
 def time_cuda_graph(fn, rotation, calls_per_replay: int | None = None, replays: int = 15, warmup: int = 3):
     """Capture ``calls_per_replay`` calls (cycling the input sets) in one CUDA graph and time its
-    replays with events; falls back to event timing if capture fails. By default a replay holds every
-    input set once and 10 calls, or fewer where one call takes over a tenth of ``REPLAY_S`` (large
-    shapes: their replays stay well above the events' resolution, in a fraction of the time)."""
+    replays with events; falls back to event timing if capture fails."""
     import torch
 
+    calls = calls_per_replay or max(10, len(rotation.sets))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(max(warmup, len(rotation.sets))):  # every input set once: per-set lazy work stays out
             fn(rotation())
-        if calls_per_replay is None:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(len(rotation.sets)):
-                fn(rotation())
-            b.record()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    calls = calls_per_replay
-    if calls is None:
-        per_call = a.elapsed_time(b) / 1e3 / len(rotation.sets)
-        calls = max(len(rotation.sets), min(10, math.ceil(REPLAY_S / max(per_call, 1e-9))))
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
