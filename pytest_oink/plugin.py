@@ -307,6 +307,7 @@ def pytest_sessionfinish(session, exitstatus):
             bool(options.get(config, "--oink-gate-cpu")))
         state["regression_lines"], state["regressions"], state["not_compared"] = lines, bad, missing
         state["compared"] = len(lines)
+        state["cpu_rows"] = any(r.device == "cpu" and r.status == "ok" for r in rows)
         from .benchmark_hooks import pytest_benchmark_update_machine_info
 
         here: dict = {}
@@ -335,7 +336,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             terminalreporter.write_line("baseline measured elsewhere (timings may not compare): "
                                         + "; ".join(state["machine_differences"]), yellow=True)
         if not state.get("compared"):
-            why = "" if options.get(config, "--oink-gate-cpu") else " (CPU rows are gated only with --oink-gate-cpu)"
+            cpu_skipped = state.get("cpu_rows") and not options.get(config, "--oink-gate-cpu")
+            why = " (CPU rows are gated only with --oink-gate-cpu)" if cpu_skipped else ""
             terminalreporter.write_line(f"the regression gate compared nothing{why}", red=True)
         # pytest's final line then counts them: "... 4 passed, 2 regressed"
         terminalreporter.stats.setdefault("regressed", []).extend(state["regressions"])
