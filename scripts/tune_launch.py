@@ -115,14 +115,12 @@ def main(argv=None) -> int:
                     print(json.dumps(line), flush=True)
                     if log:
                         log.write(json.dumps(line) + "\n")
-                base = next(g for L, g in trials if L == default)
-                passed = [(g, L) for L, g in trials if g is not None]
-                if base is None or not passed:
+                best, base, best_t = launch_table.choose(trials, default, a.min_gain)
+                if base is None:
                     print(f"# {key} N={width}: the heuristic's shape failed its gate: no entry", flush=True)
                     continue
-                best_t, best = min(passed, key=lambda p: p[0])
                 entries = tables.setdefault(arch, {}).setdefault(key, {})
-                if best != default and best_t < base * (1 - a.min_gain):
+                if best is not None:
                     entries[str(width)] = {"launch": [best.threads_per_row, best.num_threads, best.cluster_n],
                                            "op": op, "rows": rows, "dtype": a.dtype, "us": round(best_t * 1e6, 2),
                                            "heuristic": [default.threads_per_row, default.num_threads,

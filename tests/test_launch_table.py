@@ -108,3 +108,16 @@ def test_entry_runs_correctly(arch, key, N, entry, M):
     assert result["passed"], result.get("report")
     shapes = CACHE.used_launches()
     assert tuple(entry["launch"]) in shapes, f"the op did not run the table's shape: {shapes}"
+
+
+def test_search_keeps_only_a_passing_shape_that_beats_the_heuristic():
+    default = pick_row_launch(18432, 8)
+    a, b, c = (RowLaunch(N=18432, vec=16, threads_per_row=t, num_threads=t) for t in (288, 384, 576))
+    # the fastest failed its gate: the fastest passing one is kept
+    assert launch_table.choose([(default, 3.0), (a, None), (b, 2.0), (c, 2.5)], default, 0.03) == (b, 3.0, 2.0)
+    # within the noise margin: the heuristic stays
+    assert launch_table.choose([(default, 3.0), (b, 2.95)], default, 0.03) == (None, 3.0, 2.95)
+    # the heuristic is the fastest: nothing to keep
+    assert launch_table.choose([(default, 1.0), (b, 2.0)], default, 0.03) == (None, 1.0, 1.0)
+    # the heuristic's own shape failed: no verdict (the tool reports it)
+    assert launch_table.choose([(default, None), (b, 2.0)], default, 0.03) == (None, None, None)

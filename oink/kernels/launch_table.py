@@ -78,6 +78,20 @@ def candidates(default: RowLaunch, max_iters: int = 8, lanes: int = 1, clusters=
     return sorted(out, key=lambda L: (L.cluster_n, L.threads_per_row, L.num_threads))
 
 
+def choose(trials, default: RowLaunch, min_gain: float):
+    """The search's verdict for one key and width from its ``(launch, seconds or None)`` trials (None:
+    failed its gate, raised or did not run): ``(launch to keep or None, heuristic's seconds, best seconds)``.
+    A shape is kept only where the fastest passing one beats the heuristic's by more than ``min_gain``;
+    where the heuristic's own shape failed, nothing is kept and its seconds are None (the caller says so)."""
+    base = next((t for L, t in trials if L == default), None)
+    passed = [(t, L) for L, t in trials if t is not None]
+    if base is None or not passed:
+        return None, base, None
+    best_t, best = min(passed, key=lambda p: p[0])
+    keep = best if best != default and best_t < base * (1 - min_gain) else None
+    return keep, base, best_t
+
+
 def _clear() -> None:
     table.cache_clear()
 
