@@ -12,8 +12,8 @@ def listing() -> str:
     from .providers import ALL_PROVIDERS, providers_for
 
     lines = ["suites (--oink-suite):"]
-    lines += [f"  {name:8s} {about}{' (GPU)' if gpu else ''}; {len(suites.expand(name))} op x shape cases"
-              for name, (about, gpu) in suites.ABOUT.items()]
+    lines += [f"  {name:8s} {about}{' (GPU)' if gpu else ''}; {len(suites.expand(name))} op x shape cases; "
+              f"{suites.duration(name)}" for name, (about, gpu) in suites.ABOUT.items()]
     lines.append("ops (--oink-ops) and their providers:")
     lines += [f"  {op:24s} {', '.join(providers_for(op))}" for op in suites.bench_ops()]
     lines.append(f"providers (--oink-providers, --oink-gate-providers): {', '.join(ALL_PROVIDERS)}")

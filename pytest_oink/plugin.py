@@ -133,6 +133,13 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+def pytest_report_header(config):
+    suite = options.get(config, "--oink-suite")
+    if suite in suites.ABOUT:
+        return f"oink suite {suite}: {suites.ABOUT[suite][0]}; {suites.duration(suite)}"
+    return None
+
+
 def pytest_generate_tests(metafunc):
     if "oink_case" not in metafunc.fixturenames:
         return

@@ -78,6 +78,21 @@ ABOUT = {
     "smoke": ("two tiny shapes a CPU runs in about a minute (reference timing, labelled)", False),
 }
 
+# how long a suite took where it was measured (bench/RESULTS.md, "Suite runs"); None: not yet timed
+DURATION = {
+    "quack": "343-356 s on one H100 with every peer installed",
+    "dsv3": "349 s on one H100 with every peer installed, 235 s with -n 2 on two H100s",
+    "launch": "73 s on one H100 with every peer installed",
+    "fp8": "73 s on one H100 for its M >= 4096 rows (oink, oink-unfused, torch.compile)",
+    "smoke": "about a minute on a 2-core CPU",
+    "nvfp4": None,
+    "sweep": None,
+}
+
+
+def duration(suite: str) -> str:
+    return f"measured {DURATION[suite]}" if DURATION.get(suite) else "duration not measured yet"
+
 
 def parse_configs(text: str) -> list[tuple[int, int]]:
     """'4096x7168,128x1024' -> [(4096, 7168), (128, 1024)]."""

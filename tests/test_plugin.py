@@ -520,7 +520,8 @@ def test_csv_rows_append_as_they_complete(tmp_path):
 def test_list_and_gpu_sized_suites_on_cpu(pytester, monkeypatch):
     res = pytester.runpytest_subprocess("--oink-list", *PLUGIN)
     assert res.ret == 0
-    res.stdout.fnmatch_lines(["suites (--oink-suite):", "*dsv3*(GPU); 189 op x shape cases", "*smoke*",
+    res.stdout.fnmatch_lines(["suites (--oink-suite):", "*dsv3*(GPU); 189 op x shape cases; measured 349 s*",
+                              "*sweep*; duration not measured yet", "*smoke*",
                               "*rmsnorm_forward_gemma*oink, quack*",
                               "providers (--oink-providers, --oink-gate-providers): oink, *"])
     monkeypatch.delenv("OINK_FAKE_SM", raising=False)
@@ -528,7 +529,8 @@ def test_list_and_gpu_sized_suites_on_cpu(pytester, monkeypatch):
     res = pytester.runpytest_subprocess("-rs", "--oink-suite=dsv3", "--oink-ops=softmax_forward",
                                         "--oink-providers=torch", *PLUGIN)
     res.assert_outcomes(skipped=9)
-    res.stdout.fnmatch_lines(["*suite 'dsv3' is sized for a GPU and there is none*"])
+    res.stdout.fnmatch_lines(["oink suite dsv3: DeepSeek-V3 widths*; measured 349 s on one H100*",
+                              "*suite 'dsv3' is sized for a GPU and there is none*"])
 
 
 OWN = '''
