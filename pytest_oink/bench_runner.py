@@ -133,7 +133,7 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
             run = build(case.op, provider, device)
         except Unavailable as e:
             pytest.skip(f"{provider}: {e}")
-    label = LABELS.get((case.op, provider), "")
+    label = getattr(run, "label", None) or LABELS.get((case.op, provider), "")
     if device.type != "cuda":
         label = (label + "; " if label else "") + "CPU (reference timing, not a kernel number)"
     row = Row(suite=case.suite, op=case.op, provider=provider, M=case.M, N=case.N, dtype=case.dtype,

@@ -644,3 +644,14 @@ def test_baseline_machine_differences_are_reported(smoke_run, tmp_path):
     assert res.ret == 0
     res.stdout.fnmatch_lines(["*baseline measured elsewhere (timings may not compare): "
                               "GPU NVIDIA H100 80GB HBM3 -> none; torch 0.0.1 -> *"])
+
+
+def test_device_specific_label_only_on_its_device():
+    # the out-of-place torch.compile of the in-place fused add is a CPU workaround: only CPU rows say so
+    import torch
+
+    from pytest_oink.providers import LABELS, build
+
+    run = build("fused_add_rmsnorm_", "torch.compile", torch.device("cpu"))
+    assert run.label.startswith("on CPU")
+    assert ("fused_add_rmsnorm_", "torch.compile") not in LABELS  # a GPU row gets no such label
