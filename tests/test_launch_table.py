@@ -92,8 +92,10 @@ def test_entry_compiles_for_its_arch(arch, key, N, entry):
 @pytest.mark.parametrize("arch,key,N,entry", [e for e in ENTRIES if e[0] == "sm_90a"],
                          ids=[i for i, e in zip(IDS, ENTRIES) if e[0] == "sm_90a"])
 @pytest.mark.parametrize("M", [1, 37, 4099])
-def test_entry_runs_correctly(arch, key, N, entry, M):
-    """A tuned shape is a code path of its own: its op, through the public call, against the reference."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_entry_runs_correctly(arch, key, N, entry, M, dtype):
+    """A tuned shape is a code path of its own (for every x dtype, though tuned on one): its op, through
+    the public call, against the reference."""
     import torch
 
     from oink.kernels.compile import CACHE
@@ -103,8 +105,8 @@ def test_entry_runs_correctly(arch, key, N, entry, M):
 
     spec, device = SPECS[entry["op"]], torch.device("cuda")
     CACHE.clear_used()
-    result = gate(spec, build(entry["op"], "oink", device), Case("test", entry["op"], M, N, entry["dtype"]),
-                  getattr(torch, entry["dtype"]), device)
+    result = gate(spec, build(entry["op"], "oink", device), Case("test", entry["op"], M, N, dtype),
+                  getattr(torch, dtype), device)
     assert result["passed"], result.get("report")
     shapes = CACHE.used_launches()
     assert tuple(entry["launch"]) in shapes, f"the op did not run the table's shape: {shapes}"
