@@ -55,8 +55,25 @@ def test_table_file_is_well_formed():
 
 
 def _compile(arch: str, key: str, N: int):
-    """Compile the kernel ``key`` names at width N for ``arch`` (bf16), with the table active."""
-    family, op, variant = key.split("/")
+    """Compile the kernels ``key`` names at width N for ``arch``, with the table active: one dtype
+    per key (bf16 where the key does not fix it) and the flag variants that change the kernel most."""
+    family, *rest = key.split("/")
+    op, variant = rest if len(rest) == 2 else (None, rest[0])  # the norms' keys have no op part
+    x16 = {"x16": "bfloat16", "x32": "float32"}
+    if family in ("rmsnorm_fwd", "layernorm_fwd"):
+        from oink.kernels.rmsnorm import compiled_forward
+
+        x, w = x16[variant[:3]], {"w0": None, "w16": "bfloat16", "w32": "float32"}[variant[3:]]
+        ln = family == "layernorm_fwd"
+        compiled_forward(x, N, arch, w, w if ln else None, None, None, True, layernorm=ln, store_mean=ln)
+        return compiled_forward(x, N, arch, w, None, w or x, w or x, False, layernorm=ln)  # with a residual
+    if family == "fp4":
+        from oink.kernels.nvfp4 import compiled_add_rmsnorm_fp4, compiled_fp4
+
+        mx = variant == "32"
+        if op == "add_rmsnorm":
+            return compiled_add_rmsnorm_fp4("bfloat16", "bfloat16", "bfloat16", N, arch, False, False, mx)
+        return compiled_fp4(op, "bfloat16", N, arch, False, mx)
     if family == "fp8":
         from oink.kernels.fp8 import compiled_fp8, compiled_rmsnorm_fp8
 
@@ -68,11 +85,11 @@ def _compile(arch: str, key: str, N: int):
     if family == "softmax":
         from oink.kernels.softmax import compiled_softmax
 
-        return compiled_softmax(op, {"x16": "bfloat16", "x32": "float32"}[variant], N, arch)
+        return compiled_softmax(op, x16[variant], N, arch)
     if family == "cross_entropy":
         from oink.kernels.cross_entropy import compiled_cross_entropy
 
-        return compiled_cross_entropy(op, {"x16": "bfloat16", "x32": "float32"}[variant], "int64", N, arch)
+        return compiled_cross_entropy(op, x16[variant], "int64", N, arch)
     raise AssertionError(f"{key}: add its compile call to tests/test_launch_table.py")
 
 
