@@ -655,3 +655,23 @@ def test_device_specific_label_only_on_its_device():
     run = build("fused_add_rmsnorm_", "torch.compile", torch.device("cpu"))
     assert run.label.startswith("on CPU")
     assert ("fused_add_rmsnorm_", "torch.compile") not in LABELS  # a GPU row gets no such label
+
+
+def test_gate_compares_each_spec_with_its_own_reference():
+    # the gate keeps a case's reference outputs for the next provider: never for another spec
+    import torch
+
+    from pytest_oink.bench_runner import gate
+    from pytest_oink.providers import OpSpec
+    from pytest_oink.suites import Case
+
+    def inputs(M, N, dtype, device, gen):
+        return {"x": torch.randn(M, N, generator=gen, dtype=dtype, device=device)}
+
+    twice = OpSpec("softmax", inputs, lambda a: (a["x"] * 2,), lambda M, N, e: 2 * M * N * e)
+    thrice = OpSpec("softmax", inputs, lambda a: (a["x"] * 3,), lambda M, N, e: 2 * M * N * e)
+    run = lambda a: (a["x"] * 3,)  # noqa: E731
+    case, cpu = Case("t", "my_op", 4, 64, "float32"), torch.device("cpu")
+    assert not gate(twice, run, case, torch.float32, cpu)["passed"]
+    assert gate(thrice, run, case, torch.float32, cpu)["passed"]
+    assert not gate(twice, run, case, torch.float32, cpu)["passed"]
