@@ -8,8 +8,11 @@ from .compile import cute_dtype, runtime_ptr
 from .reduction import MAX_N
 
 
-def dtype_name(t: torch.Tensor | None) -> str | None:
-    return None if t is None else str(t.dtype).removeprefix("torch.")
+def dtype_name(t: torch.Tensor | torch.dtype | None) -> str | None:
+    """'bfloat16' for a bf16 tensor or torch.bfloat16 (the compile functions' dtype keys)."""
+    if t is None:
+        return None
+    return str(t if isinstance(t, torch.dtype) else t.dtype).removeprefix("torch.")
 
 
 def rows_view(t: torch.Tensor) -> torch.Tensor | None:

@@ -223,8 +223,8 @@ def plan_forward(arch, a: dict):
     store_rstd, eps = a.get("store_rstd", False), float(a.get("eps", 1e-6))
     shape, lead, device = x.shape, x.shape[:-1], x.device
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
-                          str(res_dtype).removeprefix("torch.") if res is not None else None, store_rstd, False,
-                          False, str(out_dtype).removeprefix("torch."), float(a.get("weight_offset", 0.0)), 1)
+                          dtype_name(res_dtype) if res is not None else None, store_rstd, False,
+                          False, dtype_name(out_dtype), float(a.get("weight_offset", 0.0)), 1)
     ldx, ldres, ldres_out = ld(x2), ld(r2), (N if res is not None else 0)
 
     def run(a):
