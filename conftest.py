@@ -13,6 +13,16 @@ register_profiles()
 settings.load_profile("oink-ci")
 
 
+def pytest_ignore_collect(collection_path, config):
+    """With --oink-suite the session runs benchmarks only: the unit tests are not even collected
+    (the plugin would deselect them after collection, which imports every test module)."""
+    from pytest_oink import options
+
+    if (config.rootpath / "tests") in collection_path.parents and options.get(config, "--oink-suite"):
+        return True
+    return None
+
+
 @pytest.fixture(autouse=True)
 def _oink_config_follows_the_environment():
     """Tests that set an OINK_* knob call oink.config.reload(); after monkeypatch restores the

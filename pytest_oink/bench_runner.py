@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -100,6 +101,9 @@ def gate(spec, run, case, dtype, device) -> dict:
     return worst
 
 
+# A row's timed replays take about this long at most: 15 replays of 10 calls, fewer (down to 7)
+# for calls over ~1 ms, which vary least and cost a suite most of its time.
+REPLAY_BUDGET_S = 0.15
 EAGER_CAP = 10.0  # the eager reference is timed briefly where one call takes this many times the fastest row
 
 
@@ -118,10 +122,11 @@ def _eager_cap(request, case, provider, run, spec, dtype, device):
     same = [r.median_s for r in request.config.stash.get(ROWS, []) if r.status == "ok" and r.median_s
             and (r.op, r.M, r.N, r.dtype) == (case.op, case.M, case.N, case.dtype)]
     rot = Rotation([_inputs(spec, case, dtype, device, 100)])
-    probe = time_host(run, rot, repeats=1, warmup=1, sync=torch.cuda.synchronize)[0]
-    if not cap_applies(provider, probe, min(same) if same else None):
+    probe = time_host(run, rot, repeats=1, warmup=1, sync=torch.cuda.synchronize)
+    if not cap_applies(provider, probe[0], min(same) if same else None):
         return None
-    return time_host(run, rot, repeats=3, warmup=0, sync=torch.cuda.synchronize), "capped-synced-perf_counter"
+    # the probe (after a warm-up call) is the first of the 3 samples
+    return probe + time_host(run, rot, repeats=2, warmup=0, sync=torch.cuda.synchronize), "capped-synced-perf_counter"
 
 
 def run_case(case, provider, device, roofline, benchmark, request, spec=None, run=None) -> Row:
@@ -129,6 +134,7 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
     ours); a user's own kernel passes them (the ``oink_measure`` fixture)."""
     import torch
 
+    started = time.perf_counter()
     dtype = getattr(torch, case.dtype)
     spec = spec or SPECS[case.op]
     if run is None:
@@ -154,6 +160,7 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
         row.gate = gate(spec, run, case, dtype, device)
     except Unavailable as e:
         pytest.skip(f"{provider}: {e}")
+    row.gate_s = row.wall_s = time.perf_counter() - started
     if not row.gate["passed"]:
         row.status = "failed"
         return row
@@ -172,7 +179,7 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
         l2 = torch.cuda.get_device_properties(device).L2_cache_size
         n_sets = copies_for_cold_cache(row.bytes, l2)
         rot = Rotation([_inputs(spec, case, dtype, device, 100 + i) for i in range(n_sets)])
-        timing = time_cuda_graph(run, rot)
+        timing = time_cuda_graph(run, rot, budget_s=REPLAY_BUDGET_S)
         samples, row.method = timing.samples, timing.method
     else:
         rot = Rotation([_inputs(spec, case, dtype, device, 100)])
@@ -183,6 +190,7 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
     benchmark.group = f"{case.op} {case.M}x{case.N} {case.dtype}"  # its table compares like with like
     feed_benchmark(benchmark, samples)
     benchmark.extra_info.update(row.extra_info())
+    row.wall_s = time.perf_counter() - started
     return row
 
 

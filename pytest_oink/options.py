@@ -3,7 +3,7 @@ from __future__ import annotations
 
 OPTIONS = [
     # (flag, ini key, help, default, is_flag)
-    ("--oink-suite", "oink_suite", "run the benchmark suite NAME (quack, dsv3, nvfp4, smoke; --oink-list describes them); the session then runs the benchmarks only", None, False),
+    ("--oink-suite", "oink_suite", "run the benchmark suite NAME (quack, dsv3, nvfp4, fp8, sweep, launch, smoke; --oink-list describes them); the session then runs the benchmarks only", None, False),
     ("--oink-configs", "oink_configs", "benchmark these shapes instead of the suite's: MxN,MxN,...", None, False),
     ("--oink-dtype", "oink_dtype", "benchmark dtype (bfloat16, float16, float32)", "bfloat16", False),
     ("--oink-ops", "oink_ops", "comma-separated ops to benchmark (default: the suite's)", None, False),

@@ -349,5 +349,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         # pytest's final line then counts them: "... 4 passed, 2 regressed"
         terminalreporter.stats.setdefault("regressed", []).extend(state["regressions"])
         terminalreporter.stats.setdefault("not compared", []).extend(state["not_compared"])
+    from .report import time_by_provider
+
+    spent = time_by_provider(config.stash[ROWS])
+    if spent:
+        terminalreporter.write_line(f"[oink] time by provider: {spent}")
     for path in state["written"]:
         terminalreporter.write_line(f"[oink] wrote {path}")

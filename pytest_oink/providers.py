@@ -403,10 +403,29 @@ def _needs_cuda(device):
         raise Unavailable("GPU-only provider; no CUDA device")
 
 
+_PARAMS = ("weight", "bias")  # per-column inputs: their first dim is N, never the rows
+
+
 def _compiled(fn):
+    """torch.compile of ``fn(args)`` with the rows dimension marked dynamic on first sight (torch's
+    ``maybe_mark_dynamic``: Inductor may still specialize it): one compile serves every M, as the
+    automatic-dynamic recompile of torch's default would from the second M on, without compiling a
+    static kernel first. N stays static."""
     import torch
 
-    return torch.compile(fn)
+    compiled = torch.compile(fn)
+    mark = torch._dynamo.maybe_mark_dynamic
+
+    def run(a):
+        x = next(v for v in a.values() if isinstance(v, torch.Tensor))
+        rows = x.shape[0] if x.dim() > 1 else None
+        for name, v in a.items():
+            if (rows is not None and isinstance(v, torch.Tensor) and name not in _PARAMS and v.dim()
+                    and v.shape[0] == rows and not hasattr(v, "_dynamo_weak_dynamic_indices")):
+                mark(v, 0)
+        return compiled(a)
+
+    return run
 
 
 
@@ -435,12 +454,13 @@ for _op in SPECS:
 def _compiled_out_of_place_with_copies():
     """Inductor on CPU fails to compile the in-place reference (KeyError in its loop body,
     torch 2.13); the functional form plus the two copies has the same semantics."""
+    import torch
 
     def functional(x, r, w):
         h = (x.float() + r.float()).to(r.dtype)
         return _R().rmsnorm_forward(h, w, eps=EPS)[0], h
 
-    f = _compiled(functional)
+    f = torch.compile(functional)
 
     def run(a):
         y, h = f(a["x"], a["residual"], a["weight"])

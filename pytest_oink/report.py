@@ -33,6 +33,8 @@ class Row:
     gate: dict = field(default_factory=dict)
     profile: dict = field(default_factory=dict)
     test: str = ""
+    wall_s: float = 0.0  # the row's session time: inputs, gate (first calls compile), timing
+    gate_s: float = 0.0  # of which the gate
 
     @property
     def key(self):
@@ -123,6 +125,18 @@ def speedups(rows):
     return out
 
 
+def time_by_provider(rows) -> str:
+    """Where a session's time went: each provider's rows' wall time (of which the gate, where the
+    first calls compile), slowest first; "" without timed rows."""
+    total: dict = {}
+    for r in rows:
+        t = total.setdefault(r.provider, [0.0, 0.0, 0])
+        t[0], t[1], t[2] = t[0] + r.wall_s, t[1] + r.gate_s, t[2] + 1
+    parts = [f"{p} {w:.0f} s ({n} rows; gate and first calls {g:.0f} s)"
+             for p, (w, g, n) in sorted(total.items(), key=lambda kv: -kv[1][0]) if w > 0]
+    return "; ".join(parts)
+
+
 def summary_markdown(rows, roofline=None) -> str:
     lines = ["# Oink benchmark summary", ""]
     if roofline is not None:
@@ -130,6 +144,9 @@ def summary_markdown(rows, roofline=None) -> str:
                  if roofline.launch_floor_us else "")
         lines += [f"Device: {roofline.device}; measured copy {roofline.copy_tbs:.3f} TB/s, triad "
                   f"{roofline.triad_tbs:.3f} TB/s ({roofline.method}){floor}.", ""]
+    spent = time_by_provider(rows)
+    if spent:
+        lines += [f"Session time by provider: {spent}.", ""]
     sp = speedups(rows)
     ops = sorted({r.op for r in rows})
     for op in ops:

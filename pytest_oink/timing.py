@@ -108,9 +108,12 @@ class GraphTiming:
     calls_per_replay: int
 
 
-def time_cuda_graph(fn, rotation, calls_per_replay: int | None = None, replays: int = 15, warmup: int = 3):
+def time_cuda_graph(fn, rotation, calls_per_replay: int | None = None, replays: int = 15, warmup: int = 3,
+                    budget_s: float | None = None, min_replays: int = 7):
     """Capture ``calls_per_replay`` calls (cycling the input sets) in one CUDA graph and time its
-    replays with events; falls back to event timing if capture fails."""
+    replays with events; falls back to event timing if capture fails. With ``budget_s``, a graph
+    whose warm-up replay shows that ``replays`` replays would take longer is replayed fewer times
+    (never under ``min_replays``): long rows, whose samples vary least, cost less session time."""
     import torch
 
     calls = calls_per_replay or max(10, len(rotation.sets))
@@ -129,8 +132,11 @@ def time_cuda_graph(fn, rotation, calls_per_replay: int | None = None, replays: 
     except Exception:  # noqa: BLE001  (uncapturable callable: host syncs, allocations the graph forbids)
         torch.cuda.synchronize()
         return GraphTiming(time_cuda_events(fn, rotation, repeats=replays), "cuda-events", 1)
+    t0 = time.perf_counter()
     graph.replay()
     torch.cuda.synchronize()
+    if budget_s is not None:
+        replays = max(min(replays, min_replays), min(replays, math.ceil(budget_s / (time.perf_counter() - t0))))
     samples = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
