@@ -230,6 +230,9 @@ def _fused_reference(a):
 
 MX_FUSED_GATE = ("mxfp4_block_ratio", "nvfp4_code_step")  # (code ratios, scale bytes)
 FP8_SUITES = ("fp8", "smoke", "launch")
+# FP4 ops have no peer kernel in the quack and dsv3 suites (Quack's, DeepSeek's shapes for the norms,
+# softmax and cross-entropy): their numbers at scale are the nvfp4 suite's
+FP4_SUITES = ("nvfp4", "sweep", "smoke", "launch")
 
 SPECS = {
     "rmsnorm_forward": OpSpec("rmsnorm", _norm_inputs, _rmsnorm_forward_reference,
@@ -303,11 +306,12 @@ SPECS = {
     "nvfp4_quantize": OpSpec("nvfp4_code_step", _fp4_inputs,
                              lambda a: _R().nvfp4_quantize(a["x"], a["global_scale"]),
                              lambda M, N, e: M * N * e + M * N // 2 + M * N // 16, gate_view=_fp4_code_steps,
-                             oink=lambda o, a: o.nvfp4_quantize(a["x"], a["global_scale"]), block=16),
+                             oink=lambda o, a: o.nvfp4_quantize(a["x"], a["global_scale"]), block=16,
+                             only_in=FP4_SUITES),
     # read x; write codes and one UE8M0 scale byte per 32
     "mxfp4_quantize": OpSpec("nvfp4_code_step", _mx_inputs, lambda a: _R().mxfp4_quantize(a["x"]),
                              lambda M, N, e: M * N * e + M * N // 2 + M * N // 32, gate_view=_fp4_code_steps,
-                             oink=lambda o, a: o.mxfp4_quantize(a["x"]), block=32),
+                             oink=lambda o, a: o.mxfp4_quantize(a["x"]), block=32, only_in=FP4_SUITES),
     # read x and residual, write residual (in place), codes and scales; read the weight
     "add_rmsnorm_fp4quant": OpSpec("nvfp4_code_step", _add_rms_fp4_inputs,
                                    lambda a: _R().add_rmsnorm_fp4quant(a["x"], a["residual"], a["weight"],
@@ -315,24 +319,27 @@ SPECS = {
                                    lambda M, N, e: 3 * M * N * e + M * N // 2 + M * N // 16 + N * e,
                                    gate_view=_fp4_code_steps,
                                    oink=lambda o, a: o.add_rmsnorm_fp4quant(a["x"], a["residual"], a["weight"],
-                                                                            a["global_scale"], EPS), block=16),
+                                                                            a["global_scale"], EPS), block=16,
+                                   only_in=FP4_SUITES),
     # read x [M, 2N]; write codes and scales of the N-wide product
     "silu_mul_fp4quant": OpSpec("nvfp4_code_step", _silu_fp4_inputs,
                                 lambda a: _R().silu_mul_fp4quant(a["x"], a["global_scale"]),
                                 lambda M, N, e: 2 * M * N * e + M * N // 2 + M * N // 16,
                                 gate_view=_fp4_code_steps,
-                                oink=lambda o, a: o.silu_mul_fp4quant(a["x"], a["global_scale"]), block=16),
+                                oink=lambda o, a: o.silu_mul_fp4quant(a["x"], a["global_scale"]), block=16,
+                                only_in=FP4_SUITES),
     # the MXFP4 fused variants: the same bytes with one scale byte per 32
     "add_rmsnorm_mxfp4quant": OpSpec(MX_FUSED_GATE, _fused_inputs,
                                      lambda a: _R().add_rmsnorm_mxfp4quant(a["x"], a["residual"], a["weight"], EPS),
                                      lambda M, N, e: 3 * M * N * e + M * N // 2 + M * N // 32 + N * e,
                                      gate_view=_mx_block_ratios,
                                      oink=lambda o, a: o.add_rmsnorm_mxfp4quant(a["x"], a["residual"], a["weight"],
-                                                                              EPS), block=32),
+                                                                              EPS), block=32,
+                                     only_in=FP4_SUITES),
     "silu_mul_mxfp4quant": OpSpec(MX_FUSED_GATE, _silu_mx_inputs, lambda a: _R().silu_mul_mxfp4quant(a["x"]),
                                   lambda M, N, e: 2 * M * N * e + M * N // 2 + M * N // 32,
                                   gate_view=_mx_block_ratios,
-                                  oink=lambda o, a: o.silu_mul_mxfp4quant(a["x"]), block=32),
+                                  oink=lambda o, a: o.silu_mul_mxfp4quant(a["x"]), block=32, only_in=FP4_SUITES),
     # vLLM's two ops as vLLM calls them (torch.ops.oink.*, through the dispatcher): launch cost only
     "vllm_rmsnorm": OpSpec("rmsnorm", _norm_inputs, _rmsnorm_forward_reference, lambda M, N, e: 2 * M * N * e + N * e,
                            oink=lambda o, a: (_oink_ops().rmsnorm(a["x"], a["weight"], EPS),), only_in=("launch",)),
