@@ -1,0 +1,89 @@
+"""On a GPU: where the host time of an eager call goes. For each op (its bench spec's call, as the
+launch suite makes it, M = 128, N = 4096 bf16): the per-call host time (400 calls, then one sync),
+then a cProfile of 1000 calls, the functions with the most own time. For rmsnorm_forward also the
+pieces: the cached launch plan alone, one output allocation, and Quack's rmsnorm_fwd.
+
+    python3 scripts/host_profile.py [op,op,...] > host_profile.txt
+"""
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+import oink
+from pytest_oink.providers import SPECS
+
+
+def host_us(fn, calls=400, rounds=5):
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def profile(fn, calls=1000, top=14):
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    lines = [line for line in out.getvalue().splitlines() if line.strip()]
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
+    return "\n".join(lines[start:])
+
+
+def pieces(M=128, N=4096):
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    op = oink.rmsnorm_forward.op
+    a = {**op.defaults, "x": x, "weight": w}
+    route = op._checked_route(a, a)
+    print(f"  route: {route}; plan: {route.plan is not None}")
+    if route.plan is not None:
+        print(f"  plan alone: {host_us(lambda: route.plan(a)):.2f} us")
+    print(f"  checked route (cached): {host_us(lambda: op._checked_route(a, a)):.2f} us")
+    print(f"  torch.empty [M, N]: {host_us(lambda: torch.empty((M, N), device=x.device, dtype=x.dtype)):.2f} us")
+    print(f"  torch.empty_like: {host_us(lambda: torch.empty_like(x)):.2f} us")
+    print(f"  oink.rmsnorm_forward: {host_us(lambda: oink.rmsnorm_forward(x, w)):.2f} us")
+    print(f"  torch.ops.oink.rmsnorm: {host_us(lambda: torch.ops.oink.rmsnorm(x, w, 1e-6)):.2f} us")
+    try:
+        from quack.rmsnorm import rmsnorm_fwd
+
+        print(f"  quack rmsnorm_fwd: {host_us(lambda: rmsnorm_fwd(x, w, eps=1e-6)):.2f} us")
+        print("  quack rmsnorm_fwd profile:\n" + profile(lambda: rmsnorm_fwd(x, w, eps=1e-6)))
+    except Exception as e:  # noqa: BLE001  (Quack is optional)
+        print(f"  quack: {type(e).__name__}: {e}")
+    print(f"  F.rms_norm: {host_us(lambda: torch.nn.functional.rms_norm(x, (N,), w, 1e-6)):.2f} us")
+
+
+def main():
+    print("card:", torch.cuda.get_device_name(), "torch", torch.__version__)
+    ops = sys.argv[1].split(",") if len(sys.argv) > 1 else ["rmsnorm_forward", "layernorm", "rmsnorm_backward",
+                                                             "fp8_quantize", "nvfp4_quantize", "cross_entropy_forward",
+                                                             "add_rmsnorm_fp8quant"]
+    print("rmsnorm_forward pieces (M=128, N=4096 bf16):")
+    pieces()
+    for name in ops:
+        spec = SPECS[name]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        a = spec.make_inputs(128, 4096, torch.bfloat16, torch.device("cuda"), gen)
+        call = lambda: spec.oink(oink, a)  # noqa: E731
+        print(f"\n== {name}: {host_us(call):.2f} us per eager call")
+        print(profile(call))
+
+
+if __name__ == "__main__":
+    main()
