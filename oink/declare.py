@@ -31,41 +31,46 @@ LIB = torch.library.Library("oink", "DEF")
 PUBLIC: dict[str, "Op"] = {}  # name -> op, for every public oink.<name>
 OPS: dict[str, "Op"] = {}  # torch.ops.oink.<op_name> -> its declaration
 
-_PLAIN = (Tensor, torch.nn.Parameter)
+_PARAMETER = torch.nn.Parameter
+_KEY_SCALARS = (bool, int, float, str, torch.dtype, type(None))
 
 
-def _eager(values, differentiable: bool = False) -> bool:
-    """Whether a call may skip the dispatcher: plain tensors, no compile, dispatch mode or functorch
-    transform, and (for a differentiable op) no autograd graph to record."""
+def _layout_key(values, grad: bool = False):
+    """What the metadata checks and the route read of the arguments: each tensor's dtype, shape,
+    strides, device and 16-byte alignment, each scalar's value; None if an argument is neither (or
+    has no strides). False where an eager call must take the custom op instead: a tensor subclass,
+    or with ``grad`` a tensor that requires grad. One pass: this runs on every call."""
+    key = []
+    add = key.append
+    for v in values:
+        t = type(v)
+        if t is Tensor or t is _PARAMETER:
+            if grad and v.requires_grad:
+                return False
+            if key is not None:
+                try:
+                    add((v.dtype, v.shape, v.stride(), v.device, v.data_ptr() & 15))
+                except RuntimeError:  # no strides or storage (sparse, nested): checked on every call
+                    key = None
+        elif isinstance(v, Tensor):
+            return False
+        elif key is not None:
+            if t in _KEY_SCALARS:
+                add(v)
+            else:
+                key = None
+    return None if key is None else tuple(key)
+
+
+def _eager_key(values, differentiable: bool = False):
+    """The layout key of a call that may skip the dispatcher (plain tensors, no compile, dispatch
+    mode or functorch transform, and for a differentiable op no autograd graph to record), or
+    False where it must take the custom op."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     if torch._C._are_functorch_transforms_active():
         return False
-    grad = differentiable and torch.is_grad_enabled()
-    for v in values:
-        if isinstance(v, Tensor) and (type(v) not in _PLAIN or (grad and v.requires_grad)):
-            return False
-    return True
-
-
-_KEY_SCALARS = (bool, int, float, str, torch.dtype, type(None))
-
-
-def _layout_key(values) -> tuple | None:
-    """What the metadata checks and the route read of the arguments: each tensor's dtype, shape,
-    strides, device and 16-byte alignment, each scalar's value; None if an argument is neither."""
-    key = []
-    try:
-        for v in values:
-            if isinstance(v, Tensor):
-                key += (v.dtype, v.shape, v.stride(), v.device, v.data_ptr() & 15)
-            elif type(v) in _KEY_SCALARS:
-                key.append(v)
-            else:
-                return None
-    except RuntimeError:  # no strides or storage (sparse, nested): checked on every call
-        return None
-    return tuple(key)
+    return _layout_key(values, differentiable and torch.is_grad_enabled())
 
 
 def _needs_graph(values) -> bool:
@@ -123,11 +128,11 @@ class Op:
     def _bind_op(self, args) -> dict:
         return {**self.defaults, **dict(zip(self.op_params, args))}
 
-    def _checked_route(self, a: dict, args: dict) -> dispatch.Route:
+    def _checked_route(self, a: dict, args: dict, key) -> dispatch.Route:
         """Check ``a`` and route ``args`` (``a`` with the fixed arguments). The metadata checks and
-        the route depend only on the arguments' layouts and values, so they are cached per layout;
-        value checks (which read the data) run on every call."""
-        key = _layout_key(a.values())
+        the route depend only on the arguments' layouts and values, so they are cached per layout
+        (``key``: ``_layout_key``'s, None for none); value checks (which read the data) run on
+        every call."""
         r = self._routes.get(key) if key is not None else None
         if r is None:
             self.check(**a)
@@ -143,7 +148,8 @@ class Op:
     def _impl(self, *args):
         a = self._bind_op(args)
         kw = {**a, **self.fixed} if self.fixed else a
-        out = dispatch.run(self._checked_route(a, kw), kw)
+        key = _layout_key(a.values())
+        out = dispatch.run(self._checked_route(a, kw, key if key is not False else None), kw)
         if self.n_out == 0:
             return None
         outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -164,9 +170,10 @@ class Op:
 
     # -- oink.<name>
     def __call__(self, a: dict):
-        if _eager(a.values(), self.differentiable):
+        key = _eager_key(a.values(), self.differentiable)
+        if key is not False:
             args = {**a, **self.fixed} if self.fixed else a
-            out = dispatch.run(self._checked_route(a, args), args)
+            out = dispatch.run(self._checked_route(a, args, key), args)
             if self.mutated and torch.is_grad_enabled():  # as the op's ADInplaceOrView would
                 for n in self.mutated:
                     if not a[n].is_inference():

@@ -98,7 +98,7 @@ def test_eager_call_skips_the_dispatcher_and_the_op_path_agrees(op, monkeypatch)
     assert dispatched(lambda: fn(**clone_args(args))) == set()
     eager = fn(**eager_args)
     # what torch.compile, dispatch modes and functorch transforms take: the custom op
-    monkeypatch.setattr(declare, "_eager", lambda values, differentiable=False: False)
+    monkeypatch.setattr(declare, "_eager_key", lambda values, differentiable=False: False)
     box = []
     assert dispatched(lambda: box.append(fn(**op_args))) == {f"oink::{fn.op.op_name}"}
     assert_same(eager, box[0])

@@ -18,6 +18,10 @@ BIG = 1 << 20  # addresses are above this; M, strides and flags below
 def recorder(monkeypatch):
     """Every compiled function is a recorder of its calls; streams are 0."""
     import oink.kernels.compile as compile_mod
+    import oink.kernels.fp8 as fp8
+    import oink.kernels.fp8_ops as fp8_ops
+    import oink.kernels.nvfp4 as nvfp4
+    import oink.kernels.nvfp4_ops as nvfp4_ops
     import oink.kernels.rmsnorm as rmsnorm
     import oink.kernels.rmsnorm_ops as rmsnorm_ops
     import oink.kernels.softmax as softmax
@@ -28,9 +32,9 @@ def recorder(monkeypatch):
     def fake_compile(kernel, *fake_args, arch):
         return lambda *args: calls.append(args)
 
-    for mod in (rmsnorm, softmax):
+    for mod in (rmsnorm, softmax, fp8, nvfp4):
         monkeypatch.setattr(mod, "compile_kernel", fake_compile)
-    for mod in (rmsnorm_ops, softmax_ops, compile_mod):
+    for mod in (rmsnorm_ops, softmax_ops, fp8_ops, nvfp4_ops, compile_mod):
         monkeypatch.setattr(mod, "current_stream", lambda device: 0)
     compile_mod.CACHE.clear()
     yield calls
@@ -54,6 +58,11 @@ def _x(M, N, dtype=torch.bfloat16, stride=None):
     return base[:, :N]
 
 
+def _fp8(**a):
+    """An FP8 op's arguments: the dynamic scale modes (the plans' case) unless given."""
+    return {"scale": None, "group_size": 0, "column_major_scales": False, "ue8m0": False, "scale_ub": None, **a}
+
+
 CASES = [
     ("rmsnorm_forward", lambda: dict(x=_x(4, 256), weight=torch.randn(256, dtype=torch.bfloat16), bias=None,
                                      residual=None, eps=1e-5, store_rstd=False, out_dtype=None, residual_dtype=None,
@@ -73,6 +82,23 @@ CASES = [
     ("softmax_forward", lambda: dict(x=_x(7, 1000, stride=1008))),
     ("softmax_backward", lambda: dict(dy=_x(3, 512), y=_x(3, 512))),
     ("softmax_fwd_bwd", lambda: dict(dy=_x(3, 512, torch.float32), x=_x(3, 512, torch.float32))),
+    ("fp8_quantize", lambda: _fp8(x=_x(4, 256))),
+    ("fp8_quantize", lambda: _fp8(x=_x(3, 512, stride=528), group_size=128, column_major_scales=True, ue8m0=True)),
+    ("silu_mul_fp8quant", lambda: _fp8(x=_x(5, 512), group_size=64)),
+    ("rmsnorm_fp8quant", lambda: _fp8(x=_x(4, 256), weight=torch.randn(256, dtype=torch.bfloat16), eps=1e-5,
+                                      return_y=True)),
+    ("add_rmsnorm_fp8quant", lambda: _fp8(x=_x(4, 256), residual=_x(4, 256, stride=272), weight=torch.randn(256),
+                                          eps=1e-6, group_size=128, return_y=False)),
+    ("nvfp4_quantize", lambda: dict(x=_x(4, 256), global_scale=torch.tensor([2.0]), swizzled=False)),
+    ("nvfp4_quantize", lambda: dict(x=_x(130, 256, stride=288), global_scale=torch.tensor([0.5]), swizzled=True)),
+    ("mxfp4_quantize", lambda: dict(x=_x(3, 256), swizzled=False)),
+    ("silu_mul_fp4quant", lambda: dict(x=_x(4, 512), global_scale=torch.tensor([2.0]), swizzled=True)),
+    ("silu_mul_mxfp4quant", lambda: dict(x=_x(4, 512), swizzled=False)),
+    ("add_rmsnorm_fp4quant", lambda: dict(x=_x(4, 256), residual=_x(4, 256),
+                                          weight=torch.randn(256, dtype=torch.bfloat16),
+                                          global_scale=torch.tensor([2.0]), eps=1e-6, swizzled=False, return_y=True)),
+    ("add_rmsnorm_mxfp4quant", lambda: dict(x=_x(4, 256), residual=_x(4, 256), weight=torch.randn(256), eps=1e-6,
+                                            swizzled=True, return_y=False)),
 ]
 
 
@@ -91,7 +117,12 @@ def test_plan_launches_as_the_runner_does(recorder, op, make):
 
 
 def test_no_plan_where_a_copy_is_needed(recorder):
-    """A layout the kernel can't read as is (a transposed x) keeps the runner, which copies."""
+    """A layout the kernel can't read as is (a transposed x) keeps the runner, which copies; so do
+    the FP8 ops' static scale and upper bound (fp32 copies of scalars)."""
     x = torch.randn(256, 4, dtype=torch.bfloat16).t()
     route = dispatch.Route("softmax_forward", "kernel", "test", "sm_90a")
     assert dispatch.with_plan(route, {"x": x}).plan is None
+    route = dispatch.Route("fp8_quantize", "kernel", "test", "sm_90a")
+    assert dispatch.with_plan(route, _fp8(x=_x(4, 256), scale=torch.tensor([1.0]))).plan is None
+    assert dispatch.with_plan(route, _fp8(x=_x(4, 256), scale_ub=torch.tensor([9.0]))).plan is None
+    assert dispatch.with_plan(route, _fp8(x=x.t().contiguous().t())).plan is None

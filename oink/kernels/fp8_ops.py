@@ -5,10 +5,12 @@ from __future__ import annotations
 import cutlass
 import torch
 
+from .. import config
 from ..reference.fp8 import empty_scales, mode_of
-from .compile import current_stream, runtime_ptr
+from .compile import CACHE, current_stream, runtime_ptr
 from .fp8 import UNIT, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch
-from .host import dtype_name, in_place_reason, ld, prepare_rows, prepare_vector, ptr, rows_view, width_reason
+from .host import (dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr, rows_view,
+                   width_reason)
 
 
 def _launch_reason(N: int, group_size: int, kind: str, arch: str, op: str | None = None) -> str | None:
@@ -109,6 +111,55 @@ def run_rmsnorm(arch, x, weight, eps=1e-6, scale=None, group_size=0, column_majo
     return run_add_rmsnorm(arch, x, None, weight, eps, scale, group_size, column_major_scales, ue8m0, scale_ub,
                            return_y)
 
+
+def _plan(kind: str):
+    """A launch prepared once per argument layout (see dispatch.Route.plan) for the dynamic scale
+    modes; None where the runner is needed (a static scale or an upper bound, a copy of an input)."""
+    def make(arch, a: dict):
+        x, w, res = a["x"], a.get("weight"), a.get("residual")
+        if (not config.CONFIG.tvm_ffi or x.numel() == 0 or a.get("scale") is not None
+                or a.get("scale_ub") is not None or not all(kernel_ready_rows(t, UNIT) for t in (x, w, res))):
+            return None
+        x2 = rows_view(x)
+        M, N = x2.shape[0], x.shape[-1] // 2 if kind == "silu_mul" else x.shape[-1]
+        g, cms, ue8m0 = a.get("group_size", 0), a.get("column_major_scales", False), a.get("ue8m0", False)
+        mode, device, ldx, qshape = mode_of(None, g), x.device, ld(x2), (*x.shape[:-1], N)
+        if kind != "add_rmsnorm":
+            fn = compiled_fp8(kind, dtype_name(x2), N, arch, mode, g, cms, ue8m0, False)
+
+            def run(a):
+                CACHE.note(fn)
+                x = a["x"]
+                q = torch.empty(qshape, device=device, dtype=torch.float8_e4m3fn)
+                s = empty_scales(x, M, N, None, g, cms)
+                fn(x.data_ptr(), None, None, q.data_ptr(), s.data_ptr(), M, ldx, current_stream(device))
+                return q, s
+
+            return run
+        r2 = rows_view(res) if res is not None else None
+        return_y, eps = a.get("return_y", False), float(a.get("eps", 1e-6))
+        fn = compiled_rmsnorm_fp8(dtype_name(x2), dtype_name(r2), dtype_name(w), N, arch, mode, g, cms, ue8m0, False,
+                                  return_y)
+        ldr, ldy = ld(r2), (N if return_y else 0)
+
+        def run_norm(a):
+            CACHE.note(fn)
+            x, res = a["x"], a.get("residual")
+            q = torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format)
+            s = empty_scales(x, M, N, None, g, cms)
+            y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else None
+            fn(x.data_ptr(), None if res is None else res.data_ptr(), a["weight"].data_ptr(), None, None,
+               None if y is None else y.data_ptr(), q.data_ptr(), s.data_ptr(), M, ldx, ldr, ldy, eps,
+               current_stream(device))
+            return (q, s, y) if return_y else (q, s)
+
+        return run_norm
+
+    return make
+
+
+PLANS = {"fp8_quantize": _plan("quantize"), "silu_mul_fp8quant": _plan("silu_mul"),
+         "rmsnorm_fp8quant": _plan("add_rmsnorm"), "add_rmsnorm_fp8quant": _plan("add_rmsnorm")}
 
 CHECKS = {"fp8_quantize": check_quantize, "silu_mul_fp8quant": check_silu_mul, "rmsnorm_fp8quant": check_rmsnorm,
           "add_rmsnorm_fp8quant": check_rmsnorm}

@@ -8,9 +8,11 @@ from functools import partial
 import cutlass
 import torch
 
-from .compile import current_stream, runtime_ptr
+from .. import config
+from .compile import CACHE, current_stream, runtime_ptr
 from ..reference.nvfp4 import round_up
-from .host import dtype_name, in_place_reason, ld, prepare_rows, prepare_vector, ptr, rows_view, width_reason
+from .host import (dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr, rows_view,
+                   width_reason)
 from .nvfp4 import BLOCK, MX_BLOCK, compiled_add_rmsnorm_fp4, compiled_fp4
 
 
@@ -94,6 +96,55 @@ def run_add_rmsnorm(arch, x, residual, weight, global_scale, eps=1e-6, swizzled=
 def run_add_rmsnorm_mx(arch, x, residual, weight, eps=1e-6, swizzled=False, return_y=False):
     return run_add_rmsnorm(arch, x, residual, weight, None, eps, swizzled, return_y, mx=True)
 
+
+def _plan(mode: str, mx: bool = False):
+    """A launch prepared once per argument layout (see dispatch.Route.plan); None where the runner
+    is needed (a copy of an input, a global scale that is not one contiguous fp32)."""
+    block, sf_dtype = (MX_BLOCK, torch.float8_e8m0fnu) if mx else (BLOCK, torch.float8_e4m3fn)
+
+    def make(arch, a: dict):
+        x, w, res, gs = a["x"], a.get("weight"), a.get("residual"), a.get("global_scale")
+        if (not config.CONFIG.tvm_ffi or x.numel() == 0 or not all(kernel_ready_rows(t, block) for t in (x, w, res))
+                or (gs is not None and (gs.dtype != torch.float32 or not gs.is_contiguous()))):
+            return None
+        x2, swizzled = rows_view(x), a.get("swizzled", False)
+        M, N = x2.shape[0], x.shape[-1] // 2 if mode == "silu_mul" else x.shape[-1]
+        device, ldx = x.device, ld(x2)
+        if mode != "add_rmsnorm":
+            fn = compiled_fp4(mode, dtype_name(x2), N, arch, swizzled, mx)
+
+            def run(a):
+                CACHE.note(fn)
+                gs = a.get("global_scale")
+                q, sf = _outputs(M, N, device, swizzled, block)
+                fn(a["x"].data_ptr(), None if gs is None else gs.data_ptr(), q.data_ptr(), sf.data_ptr(), M, ldx,
+                   current_stream(device))
+                return q, sf.view(sf_dtype)
+
+            return run
+        r2 = rows_view(res)
+        return_y, eps = a.get("return_y", False), float(a.get("eps", 1e-6))
+        fn = compiled_add_rmsnorm_fp4(dtype_name(x2), dtype_name(r2), dtype_name(w), N, arch, swizzled, return_y, mx)
+        ldr, ldy = ld(r2), (N if return_y else 0)
+
+        def run_norm(a):
+            CACHE.note(fn)
+            x, gs = a["x"], a.get("global_scale")
+            q, sf = _outputs(M, N, device, swizzled, block)
+            y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else None
+            fn(x.data_ptr(), a["residual"].data_ptr(), a["weight"].data_ptr(), None if gs is None else gs.data_ptr(),
+               None if y is None else y.data_ptr(), q.data_ptr(), sf.data_ptr(), M, ldx, ldr, ldy, eps,
+               current_stream(device))
+            return (q, sf.view(sf_dtype), y) if return_y else (q, sf.view(sf_dtype))
+
+        return run_norm
+
+    return make
+
+
+PLANS = {"nvfp4_quantize": _plan("quantize"), "silu_mul_fp4quant": _plan("silu_mul"),
+         "add_rmsnorm_fp4quant": _plan("add_rmsnorm"), "mxfp4_quantize": _plan("quantize", mx=True),
+         "silu_mul_mxfp4quant": _plan("silu_mul", mx=True), "add_rmsnorm_mxfp4quant": _plan("add_rmsnorm", mx=True)}
 
 CHECKS = {"nvfp4_quantize": check_quantize, "silu_mul_fp4quant": check_silu_mul,
           "add_rmsnorm_fp4quant": check_add_rmsnorm, "mxfp4_quantize": check_quantize,

@@ -206,6 +206,7 @@ def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean
 
 
 # ---- plans: a launch prepared once per argument layout (see dispatch.Route.plan) --------------
+DENSE = torch.contiguous_format  # outputs are dense rows, whatever x's leading strides
 def plan_forward(arch, a: dict):
     """The forward with its compiled function, leading dims and strides fixed; None where a copy or
     per-head parameters would be needed (the runner handles those)."""
@@ -221,7 +222,7 @@ def plan_forward(arch, a: dict):
     out_dtype = a.get("out_dtype") or x.dtype
     res_dtype = a.get("residual_dtype") or (res.dtype if res is not None else None)
     store_rstd, eps = a.get("store_rstd", False), float(a.get("eps", 1e-6))
-    shape, lead, device = x.shape, x.shape[:-1], x.device
+    lead, device = x.shape[:-1], x.device
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
                           dtype_name(res_dtype) if res is not None else None, store_rstd, False,
                           False, dtype_name(out_dtype), float(a.get("weight_offset", 0.0)), 1)
@@ -230,9 +231,9 @@ def plan_forward(arch, a: dict):
     def run(a):
         CACHE.note(fn)
         x, w, b, res = a["x"], a["weight"], a.get("bias"), a.get("residual")
-        out = torch.empty(shape, device=device, dtype=out_dtype)
+        out = torch.empty_like(x, dtype=out_dtype, memory_format=DENSE)  # cheaper than torch.empty(shape)
         rstd = torch.empty(lead, device=device, dtype=torch.float32) if store_rstd else None
-        res_out = torch.empty(shape, device=device, dtype=res_dtype) if res is not None else None
+        res_out = torch.empty_like(x, dtype=res_dtype, memory_format=DENSE) if res is not None else None
         fn(x.data_ptr(), None if w is None else w.data_ptr(), None if b is None else b.data_ptr(),
            None if res is None else res.data_ptr(), out.data_ptr(), None if res_out is None else res_out.data_ptr(),
            None if rstd is None else rstd.data_ptr(), None, M, ldx, ldres, N, ldres_out, eps,
@@ -270,8 +271,7 @@ def plan_layernorm(arch, a: dict):
     if not config.CONFIG.tvm_ffi or x.numel() == 0 or not all(kernel_ready_rows(t, vec) for t in (x, w, b)):
         return None
     x2 = rows_view(x)
-    M, eps, shape, lead = x2.shape[0], float(a.get("eps", 1e-6)), x.shape, x.shape[:-1]
-    device, dtype = x.device, x.dtype
+    M, eps, lead, device = x2.shape[0], float(a.get("eps", 1e-6)), x.shape[:-1], x.device
     want_rstd, want_mean = a.get("return_rstd", False), a.get("return_mean", False)
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), None, None, want_rstd, True,
                           want_mean, dtype_name(x), 0.0, 1)
@@ -279,11 +279,11 @@ def plan_layernorm(arch, a: dict):
 
     def run(a):
         CACHE.note(fn)
-        b = a.get("bias")
-        out = torch.empty(shape, device=device, dtype=dtype)
+        x, b = a["x"], a.get("bias")
+        out = torch.empty_like(x, memory_format=DENSE)
         rstd = torch.empty(lead, device=device, dtype=torch.float32) if want_rstd else None
         mean = torch.empty(lead, device=device, dtype=torch.float32) if want_mean else None
-        fn(a["x"].data_ptr(), a["weight"].data_ptr(), None if b is None else b.data_ptr(), None, out.data_ptr(), None,
+        fn(x.data_ptr(), a["weight"].data_ptr(), None if b is None else b.data_ptr(), None, out.data_ptr(), None,
            None if rstd is None else rstd.data_ptr(), None if mean is None else mean.data_ptr(), M, ldx, 0, N, 0,
            eps, current_stream(device))
         if not (want_rstd or want_mean):

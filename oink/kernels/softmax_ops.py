@@ -63,13 +63,14 @@ def _plan(mode: str, first: str, second: str | None):
             return None
         x2, o2 = rows_view(x), (rows_view(other) if other is not None else None)
         fn = compiled_softmax(mode, dtype_name(x), N, arch)
-        M, shape, dtype, device = x2.shape[0], x.shape, x.dtype, x.device
+        M, device = x2.shape[0], x.device
         lda, ldb = ld(x2), ld(o2 if o2 is not None else x2)
 
         def run(a):
             CACHE.note(fn)
-            pa = a[first].data_ptr()
-            out = torch.empty(shape, device=device, dtype=dtype)
+            x = a[first]
+            pa = x.data_ptr()
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)  # cheaper than torch.empty(shape)
             fn(pa, a[second].data_ptr() if second else pa, out.data_ptr(), M, lda, ldb, N, current_stream(device))
             return out
 
