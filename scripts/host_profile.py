@@ -14,6 +14,7 @@ import time
 import torch
 
 import oink
+from oink import declare
 from pytest_oink.providers import SPECS
 
 
@@ -50,11 +51,13 @@ def pieces(M=128, N=4096):
     w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     op = oink.rmsnorm_forward.op
     a = {**op.defaults, "x": x, "weight": w}
-    route = op._checked_route(a, a)
+    key = declare._eager_key(a.values())
+    route = op._checked_route(a, a, key)
     print(f"  route: {route}; plan: {route.plan is not None}")
     if route.plan is not None:
         print(f"  plan alone: {host_us(lambda: route.plan(a)):.2f} us")
-    print(f"  checked route (cached): {host_us(lambda: op._checked_route(a, a)):.2f} us")
+    print(f"  eager verdict and layout key: {host_us(lambda: declare._eager_key(a.values())):.2f} us")
+    print(f"  checked route (cached): {host_us(lambda: op._checked_route(a, a, key)):.2f} us")
     print(f"  torch.empty [M, N]: {host_us(lambda: torch.empty((M, N), device=x.device, dtype=x.dtype)):.2f} us")
     print(f"  torch.empty_like: {host_us(lambda: torch.empty_like(x)):.2f} us")
     print(f"  oink.rmsnorm_forward: {host_us(lambda: oink.rmsnorm_forward(x, w)):.2f} us")
