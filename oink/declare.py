@@ -44,7 +44,10 @@ def _layout_key(values, grad: bool = False):
     add = key.append
     for v in values:
         t = type(v)
-        if t is Tensor or t is _PARAMETER:
+        if t in _KEY_SCALARS:  # before isinstance, which costs more
+            if key is not None:
+                add(v)
+        elif t is Tensor or t is _PARAMETER:
             if grad and v.requires_grad:
                 return False
             if key is not None:
@@ -54,11 +57,8 @@ def _layout_key(values, grad: bool = False):
                     key = None
         elif isinstance(v, Tensor):
             return False
-        elif key is not None:
-            if t in _KEY_SCALARS:
-                add(v)
-            else:
-                key = None
+        else:
+            key = None
     return None if key is None else tuple(key)
 
 

@@ -80,9 +80,9 @@ ABOUT = {
 
 # how long a suite took where it was measured (bench/RESULTS.md, "Suite runs"); None: not yet timed
 DURATION = {
-    "quack": "343-356 s on one H100 with every peer installed",
-    "dsv3": "349 s on one H100 with every peer installed, 235 s with -n 2 on two H100s",
-    "launch": "73 s on one H100 with every peer installed",
+    "quack": "200 s on one H100 with every peer installed, compiles included",
+    "dsv3": "219 s on one H100 with every peer installed, compiles included",
+    "launch": "112 s on one H100 with every peer installed",
     "fp8": "73 s on one H100 for its M >= 4096 rows (oink, oink-unfused, torch.compile)",
     "smoke": "about a minute on a 2-core CPU",
     "nvfp4": None,
