@@ -520,7 +520,7 @@ def test_csv_rows_append_as_they_complete(tmp_path):
 def test_list_and_gpu_sized_suites_on_cpu(pytester, monkeypatch):
     res = pytester.runpytest_subprocess("--oink-list", *PLUGIN)
     assert res.ret == 0
-    res.stdout.fnmatch_lines(["suites (--oink-suite):", "*dsv3*(GPU); 189 op x shape cases; measured 349 s*",
+    res.stdout.fnmatch_lines(["suites (--oink-suite):", "*dsv3*(GPU); 135 op x shape cases; measured 219 s*",
                               "*sweep*; duration not measured yet", "*smoke*",
                               "*rmsnorm_forward_gemma*oink, quack*",
                               "providers (--oink-providers, --oink-gate-providers): oink, *"])
@@ -529,7 +529,7 @@ def test_list_and_gpu_sized_suites_on_cpu(pytester, monkeypatch):
     res = pytester.runpytest_subprocess("-rs", "--oink-suite=dsv3", "--oink-ops=softmax_forward",
                                         "--oink-providers=torch", *PLUGIN)
     res.assert_outcomes(skipped=9)
-    res.stdout.fnmatch_lines(["oink suite dsv3: DeepSeek-V3 widths*; measured 349 s on one H100*",
+    res.stdout.fnmatch_lines(["oink suite dsv3: DeepSeek-V3 widths*; measured 219 s on one H100*",
                               "*suite 'dsv3' is sized for a GPU and there is none*"])
 
 
@@ -607,6 +607,35 @@ def test_gate_noise_floor():
     assert timing.relative_spread([1.0, 1.0, 1.0]) == 0.0
     assert abs(timing.relative_spread([1.0, 1.1, 0.9, 1.0, 1.0]) - 0.0) < 1e-12  # MAD ignores the two outliers
     assert abs(timing.relative_spread([1.0, 1.1, 0.9]) - 1.4826 * 0.1) < 1e-9
+
+
+def test_time_by_provider_sums_each_providers_rows():
+    from pytest_oink.report import Row, time_by_provider
+
+    rows = [Row("s", "op", p, 1, 8, "bfloat16", "cpu", "ok", wall_s=w, gate_s=g)
+            for p, w, g in (("oink", 2.0, 1.0), ("torch.compile", 5.0, 4.0), ("oink", 1.0, 0.5))]
+    assert time_by_provider(rows) == ("torch.compile 5 s (1 rows; gate and first calls 4 s); "
+                                      "oink 3 s (2 rows; gate and first calls 2 s)")
+    assert time_by_provider([]) == ""
+
+
+def test_torch_compile_provider_marks_rows_dynamic_not_parameters():
+    """One compile serves every M: the rows dimension of each activation is marked dynamic before
+    the first call, never a weight's (whose first dim is N, equal to M at 4096 x 4096)."""
+    import torch
+
+    from pytest_oink import providers
+
+    seen = []
+    orig = torch.compile
+    try:
+        torch.compile = lambda fn: (lambda a: seen.append({k: getattr(v, "_dynamo_weak_dynamic_indices", None)
+                                                            for k, v in a.items()}))
+        run = providers._compiled(lambda a: None)
+    finally:
+        torch.compile = orig
+    run({"x": torch.randn(8, 8), "weight": torch.randn(8), "target": torch.zeros(8, dtype=torch.long), "eps": 1e-6})
+    assert seen == [{"x": {0}, "weight": None, "target": {0}, "eps": None}]
 
 
 def test_eager_reference_cap_rule():
