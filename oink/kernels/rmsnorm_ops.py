@@ -207,6 +207,8 @@ def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean
 
 # ---- plans: a launch prepared once per argument layout (see dispatch.Route.plan) --------------
 DENSE = torch.contiguous_format  # outputs are dense rows, whatever x's leading strides
+
+
 def plan_forward(arch, a: dict):
     """The forward with its compiled function, leading dims and strides fixed; None where a copy or
     per-head parameters would be needed (the runner handles those)."""
