@@ -92,6 +92,30 @@ def test_out_of_range_target_raises():
         oink.cross_entropy_forward(logits, torch.tensor([0, 64, 1, 2], device="cuda"))
 
 
+def test_value_checks_off_give_bad_rows_nan(seed, monkeypatch):
+    """OINK_CHECK_VALUES=0: no host sync for the target range; the kernels give a bad target's row
+    a NaN loss and NaN dlogits, every other row its reference value."""
+    from oink import config
+
+    monkeypatch.setenv("OINK_CHECK_VALUES", "0")
+    config.reload()
+    logits, target, dloss = _case(256, 32000, torch.bfloat16, seed)
+    target[5], target[7] = 32000, -3  # out of range, not ignored
+    loss, dx = oink.cross_entropy_fwd_bwd(dloss, logits, target)
+    fwd_loss, lse = oink.cross_entropy_forward(logits, target)
+    dx2 = oink.cross_entropy_backward(dloss, logits, target, lse)
+    assert loss[[5, 7]].isnan().all() and fwd_loss[[5, 7]].isnan().all()
+    assert dx[[5, 7]].isnan().all() and dx2[[5, 7]].isnan().all()
+    keep = torch.ones(256, dtype=torch.bool, device="cuda")
+    keep[[5, 7]] = False
+    good = target.clone()
+    good[[5, 7]] = 0
+    ref_loss, ref_dx = R.cross_entropy_fwd_bwd(dloss, logits, good)
+    close_family(loss[keep], ref_loss[keep], "cross_entropy_loss", torch.float32, "other rows")
+    close_family(dx[keep], ref_dx[keep], "softmax", torch.bfloat16, "other rows' dx")
+    close_family(dx2[keep], ref_dx[keep], "softmax", torch.bfloat16, "other rows' dx (backward)")
+
+
 def test_cuda_graph_capture(seed):
     """The public ops capture (the host target check is skipped while capturing); a bad target
     then gives its row a NaN loss and NaN dlogits instead of an out-of-bounds read."""
