@@ -1,4 +1,5 @@
 """Root conftest: fixtures shared by tests/ and bench/, and the Hypothesis profile."""
+import os
 import zlib
 
 import pytest
@@ -7,6 +8,10 @@ from hypothesis import settings
 from pytest_oink.strategies import register_profiles
 
 pytest_plugins = ["pytester"]
+
+# Hermetic tests: the compile cache on disk stays off unless a session names one (its own tests set
+# a temporary directory); set before oink reads its config.
+os.environ.setdefault("OINK_CACHE_DIR", "0")
 
 # Small, derandomized runs by default (stable CI); `--hypothesis-profile=oink-gpu` for more.
 register_profiles()

@@ -8,11 +8,22 @@ import os
 from dataclasses import dataclass
 
 TRUTHY = ("1", "true", "yes", "on")
+FALSY = ("", "0", "false", "no", "off")
 
 
 def truthy(value) -> bool:
     """The one truthy-string rule (1/true/yes/on, any case, spaces ignored)."""
     return str(value or "").strip().lower() in TRUTHY
+
+
+def _cache_dir() -> str | None:
+    """OINK_CACHE_DIR: where compiled kernels persist across processes; by default
+    ``$XDG_CACHE_HOME/oink/kernels`` (``~/.cache/oink/kernels``); a falsy value turns the cache off."""
+    value = os.environ.get("OINK_CACHE_DIR")
+    if value is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "oink", "kernels")
+    return None if value.strip().lower() in FALSY else value
 
 
 def _int(name: str) -> int | None:
@@ -34,7 +45,7 @@ class Config:
     bwd_pdl: bool  # OINK_BWD_PDL=0: no programmatic dependent launch (A/B)
     bwd_exact: bool  # OINK_BWD_EXACT=0: power-of-two threads per row only (A/B)
     tvm_ffi: bool  # OINK_TVM_FFI=0: launch through CuTeDSL's generic executor (default: TVM-FFI if installed)
-    cache_dir: str | None  # OINK_CACHE_DIR: compiled kernels kept on disk there (off when unset)
+    cache_dir: str | None  # OINK_CACHE_DIR: compiled kernels kept on disk there (see _cache_dir)
     # OINK_CHECK_VALUES=0: where a kernel serves the call, skip the checks that read values on the host
     # (the cross-entropy target range: one sync a call); the kernels give a bad target's row NaN
     check_values: bool
@@ -49,7 +60,7 @@ def _from_env() -> Config:
         bwd_partial_sum=env("OINK_BWD_PARTIAL_SUM", "kernel"), bwd_pdl=env("OINK_BWD_PDL", "1") != "0",
         bwd_exact=env("OINK_BWD_EXACT", "1") != "0",
         tvm_ffi=env("OINK_TVM_FFI", "1") != "0" and importlib.util.find_spec("tvm_ffi") is not None,
-        cache_dir=env("OINK_CACHE_DIR") or None, check_values=env("OINK_CHECK_VALUES", "1") != "0")
+        cache_dir=_cache_dir(), check_values=env("OINK_CHECK_VALUES", "1") != "0")
 
 
 CONFIG = _from_env()

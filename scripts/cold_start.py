@@ -40,7 +40,7 @@ def run(label: str, env: dict) -> None:
 def main():
     with tempfile.TemporaryDirectory() as cache:
         base = {k: v for k, v in os.environ.items() if k != "OINK_CACHE_DIR"}
-        run("disk cache off", base)
+        run("disk cache off", dict(base, OINK_CACHE_DIR="0"))
         on = dict(base, OINK_CACHE_DIR=cache)
         run("disk cache on, empty (fills it)", on)
         run("disk cache on, warm", on)

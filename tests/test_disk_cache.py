@@ -1,7 +1,7 @@
 """The on-disk compile cache (oink/kernels/disk_cache.py), on a CPU: a compiled kernel is stored,
 a fresh in-memory cache (a new process, in effect) loads it instead of compiling, a corrupt entry
 is rebuilt, and the entry's name changes with the kernel sources. Launching a loaded function needs
-a GPU: the last test (marked gpu) does, and is what the cache waits on to be turned on by default."""
+a GPU: the last test (marked gpu) does."""
 from __future__ import annotations
 
 import pytest
@@ -68,12 +68,17 @@ def test_the_name_follows_the_sources_and_the_key(monkeypatch):
     assert disk_cache.entry_name(key) != before
 
 
-def test_off_without_a_directory(monkeypatch):
+def test_on_by_default_in_the_user_cache_and_off_when_asked(monkeypatch, tmp_path):
     from oink.kernels import disk_cache
 
     monkeypatch.delenv("OINK_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     config.reload()
-    assert disk_cache.directory() is None
+    assert disk_cache.directory() == tmp_path / "oink" / "kernels"
+    for off in ("0", "off", ""):
+        monkeypatch.setenv("OINK_CACHE_DIR", off)
+        config.reload()
+        assert disk_cache.directory() is None
 
 
 @pytest.mark.gpu

@@ -2,8 +2,8 @@
 object file (``export_to_c``) and loaded back in a fresh process with ``cute.runtime.load_module``
 instead of being compiled again.
 
-Off unless ``OINK_CACHE_DIR`` names a directory: the loaded functions have not yet been launched on
-a GPU (the export and the load are tested on a CPU). An entry's name hashes the compile key (op,
+On by default in ``~/.cache/oink/kernels`` (``OINK_CACHE_DIR`` names another directory, ``0`` turns
+it off; see ``oink.config``). An entry's name hashes the compile key (op,
 dtypes, N, flags, arch, launch), the source of every kernel module and the CuTeDSL and TVM-FFI
 versions, so a changed kernel or library never loads an old entry. An entry that fails to load is
 deleted and rebuilt; entries are written to a temporary name and renamed, so concurrent processes
