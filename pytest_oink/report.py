@@ -137,6 +137,46 @@ def time_by_provider(rows) -> str:
     return "; ".join(parts)
 
 
+NOT_PEERS = ("oink", "oink-unfused", "torch")  # Oink itself, and the eager reference no one compares with
+BIG_BYTES = 256 * 2**20  # shapes moving this much are held to the copy ceiling
+
+
+def best_peer_table(rows) -> list[str]:
+    """Per op: Oink's time over the fastest peer's (every provider but NOT_PEERS, gate passed) per
+    shape, as a geomean with the worst shape and how many exceed 1.05; the shapes no peer ran (a
+    refusal is not a win: counted apart); and the shapes moving >= 256 MB under 0.92 of the copy
+    ceiling. Lines of Markdown, [] without Oink rows."""
+    ok = [r for r in rows if r.status == "ok" and r.median_s]
+    lines = []
+    for op in sorted({r.op for r in ok if r.provider == "oink"}):
+        ratios, alone, slow_big, big = [], 0, [], 0
+        for o in (r for r in ok if r.op == op and r.provider == "oink"):
+            peers = [r for r in ok if r.key[0] == op and r.key[2:] == o.key[2:] and r.provider not in NOT_PEERS]
+            if peers:
+                best = min(peers, key=lambda r: r.median_s)
+                ratios.append((o.median_s / best.median_s, f"{o.M}x{o.N} vs {best.provider}"))
+            else:
+                alone += 1
+            if o.bytes >= BIG_BYTES:
+                big += 1
+                if o.roofline_frac is not None and o.roofline_frac < 0.92:
+                    slow_big.append(f"{o.M}x{o.N} {o.roofline_frac:.2f}")
+        if ratios:
+            worst = max(ratios)
+            over = sum(1 for r, _ in ratios if r > 1.05)
+            verdict = f"{geomean([r for r, _ in ratios]):.3f} | {worst[0]:.3f} ({worst[1]}) | {over}"
+        else:
+            verdict = "- | - | -"
+        lines.append(f"| {op} | {len(ratios)} | {verdict} | {alone} | {big} | {', '.join(slow_big) or '-'} |")
+    if not lines:
+        return []
+    return ["## Oink against the best peer", "",
+            "Oink's time / the fastest peer's per shape (< 1: Oink faster; peers: every provider but "
+            f"{', '.join(NOT_PEERS)}); shapes moving >= 256 MB below 0.92 of the copy ceiling listed.", "",
+            "| op | shapes with a peer | geomean | worst shape | shapes > 1.05 | shapes no peer ran | shapes >= 256 MB "
+            "| of them < 0.92 of copy |", "|---|---|---|---|---|---|---|---|"] + lines + [""]
+
+
 def summary_markdown(rows, roofline=None) -> str:
     lines = ["# Oink benchmark summary", ""]
     if roofline is not None:
@@ -147,6 +187,7 @@ def summary_markdown(rows, roofline=None) -> str:
     spent = time_by_provider(rows)
     if spent:
         lines += [f"Session time by provider: {spent}.", ""]
+    lines += best_peer_table(rows)
     sp = speedups(rows)
     ops = sorted({r.op for r in rows})
     for op in ops:

@@ -609,6 +609,23 @@ def test_gate_noise_floor():
     assert abs(timing.relative_spread([1.0, 1.1, 0.9]) - 1.4826 * 0.1) < 1e-9
 
 
+def test_best_peer_table_counts_what_the_shape_targets_ask():
+    """Oink over the fastest peer per shape (the eager reference is no peer), the worst shape, the
+    shapes over 1.05, the shapes no peer ran, and big shapes under 0.92 of the copy ceiling."""
+    from pytest_oink.report import Row, best_peer_table
+
+    def row(provider, M, ms, nbytes=0):
+        return Row("sweep", "rmsnorm_forward", provider, M, 4096, "bfloat16", "H100", "ok", median_s=ms / 1e3,
+                   bytes=nbytes, roofline_tbs=3e0)
+
+    rows = [row("oink", 4096, 0.1, 2**28), row("quack", 4096, 0.12), row("torch", 4096, 0.05),
+            row("oink", 1, 0.01), row("liger", 1, 0.009), row("quack", 1, 0.02), row("oink", 8, 0.01)]
+    lines = best_peer_table(rows)
+    assert lines[0] == "## Oink against the best peer"
+    assert lines[-2] == ("| rmsnorm_forward | 2 | 0.962 | 1.111 (1x4096 vs liger) | 1 | 1 | 1 | 4096x4096 0.89 |")
+    assert best_peer_table([row("quack", 1, 0.01)]) == []
+
+
 def test_time_by_provider_sums_each_providers_rows():
     from pytest_oink.report import Row, time_by_provider
 
