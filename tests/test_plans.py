@@ -18,6 +18,8 @@ BIG = 1 << 20  # addresses are above this; M, strides and flags below
 def recorder(monkeypatch):
     """Every compiled function is a recorder of its calls; streams are 0."""
     import oink.kernels.compile as compile_mod
+    import oink.kernels.cross_entropy as cross_entropy
+    import oink.kernels.cross_entropy_ops as cross_entropy_ops
     import oink.kernels.fp8 as fp8
     import oink.kernels.fp8_ops as fp8_ops
     import oink.kernels.nvfp4 as nvfp4
@@ -32,9 +34,9 @@ def recorder(monkeypatch):
     def fake_compile(kernel, *fake_args, arch):
         return lambda *args: calls.append(args)
 
-    for mod in (rmsnorm, softmax, fp8, nvfp4):
+    for mod in (rmsnorm, softmax, fp8, nvfp4, cross_entropy):
         monkeypatch.setattr(mod, "compile_kernel", fake_compile)
-    for mod in (rmsnorm_ops, softmax_ops, fp8_ops, nvfp4_ops, compile_mod):
+    for mod in (rmsnorm_ops, softmax_ops, fp8_ops, nvfp4_ops, cross_entropy_ops, compile_mod):
         monkeypatch.setattr(mod, "current_stream", lambda device: 0)
     compile_mod.CACHE.clear()
     yield calls
@@ -61,6 +63,18 @@ def _x(M, N, dtype=torch.bfloat16, stride=None):
 def _fp8(**a):
     """An FP8 op's arguments: the dynamic scale modes (the plans' case) unless given."""
     return {"scale": None, "group_size": 0, "column_major_scales": False, "ue8m0": False, "scale_ub": None, **a}
+
+
+def _ce(**a):
+    """A cross-entropy op's arguments: targets in range with one ignored, no class weight."""
+    target = a.pop("target", None)
+    if target is None:
+        target = torch.randint(0, a["logits"].shape[-1], (a["logits"].shape[0],))
+        target[1 % target.numel()] = -100
+    base = {"target": target, "ignore_index": -100, "weight": None}
+    if "lse" not in a and "dloss" not in a:
+        base.update(reduction="none", lse_partial=None, target_logit=None)
+    return {**base, **a}
 
 
 CASES = [
@@ -99,6 +113,12 @@ CASES = [
                                           global_scale=torch.tensor([2.0]), eps=1e-6, swizzled=False, return_y=True)),
     ("add_rmsnorm_mxfp4quant", lambda: dict(x=_x(4, 256), residual=_x(4, 256), weight=torch.randn(256), eps=1e-6,
                                             swizzled=True, return_y=False)),
+    ("cross_entropy_forward", lambda: _ce(logits=_x(5, 1000, stride=1008))),
+    ("cross_entropy_backward", lambda: _ce(dloss=torch.randn(5), logits=_x(5, 1000), lse=torch.randn(5))),
+    ("cross_entropy_fwd_bwd", lambda: _ce(dloss=torch.randn(5), logits=_x(5, 1000, torch.float32),
+                                          target=torch.tensor([1, -100, 3, 999, 0], dtype=torch.int32),
+                                          return_lse=True)),
+    ("cross_entropy_fwd_bwd", lambda: _ce(dloss=torch.randn(1), logits=_x(1, 512), target=torch.tensor([7]))),
 ]
 
 
@@ -126,3 +146,9 @@ def test_no_plan_where_a_copy_is_needed(recorder):
     assert dispatch.with_plan(route, _fp8(x=_x(4, 256), scale=torch.tensor([1.0]))).plan is None
     assert dispatch.with_plan(route, _fp8(x=_x(4, 256), scale_ub=torch.tensor([9.0]))).plan is None
     assert dispatch.with_plan(route, _fp8(x=x.t().contiguous().t())).plan is None
+    # a reduction, a class weight or a scalar dloss (broadcast by the runner) keep the runner
+    route = dispatch.Route("cross_entropy_forward", "kernel", "test", "sm_90a")
+    assert dispatch.with_plan(route, _ce(logits=_x(4, 256), reduction="mean")).plan is None
+    assert dispatch.with_plan(route, _ce(logits=_x(4, 256), weight=torch.rand(256))).plan is None
+    route = dispatch.Route("cross_entropy_fwd_bwd", "kernel", "test", "sm_90a")
+    assert dispatch.with_plan(route, _ce(dloss=torch.tensor(1.0), logits=_x(4, 256))).plan is None

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from .compile import current_stream
+from .. import config
+from .compile import CACHE, current_stream
 from ..reference.cross_entropy import per_row, safe_target, loss_from_lse, reduce_loss, row_weight
 from .cross_entropy import compiled_cross_entropy
-from .host import dtype_name, ld, prepare_rows, ptr, vec_for, width_reason
+from .host import dtype_name, kernel_ready_rows, ld, prepare_rows, ptr, vec_for, width_reason
 
 INT32 = torch.iinfo(torch.int32)
 
@@ -120,6 +121,54 @@ def run_fwd_bwd(arch, dloss, logits, target, ignore_index=-100, weight=None, ret
         loss = loss * rw
     return (loss, dx, lse) if return_lse else (loss, dx)
 
+
+def _plain_rows(t, M: int) -> bool:
+    """A per-row input the kernel reads as is: contiguous fp32 [M] (else the runner copies it)."""
+    return t.dtype == torch.float32 and t.dim() == 1 and t.shape[0] == M and t.is_contiguous()
+
+
+def _plan(mode: str):
+    """A launch prepared once per argument layout (see dispatch.Route.plan) for the plain calls: no
+    class weight, ``lse_partial``, ``target_logit`` or reduction; logits readable as they are;
+    contiguous targets; ``dloss`` and ``lse`` contiguous fp32 [M]. None otherwise (the runner)."""
+    def make(arch, a: dict):
+        logits, target = a["logits"], a["target"]
+        M, V = logits.shape[0], logits.shape[-1]
+        if (not config.CONFIG.tvm_ffi or logits.numel() == 0 or a.get("weight") is not None
+                or a.get("lse_partial") is not None or a.get("target_logit") is not None
+                or a.get("reduction", "none") != "none" or not kernel_ready_rows(logits, vec_for(V, logits))
+                or not target.is_contiguous()
+                or any(a.get(n) is not None and not _plain_rows(a[n], M) for n in ("dloss", "lse"))
+                or (mode != "forward" and not _plain_rows(a["dloss"], M))):
+            return None
+        return_lse = mode == "forward" or a.get("return_lse", False)
+        fn = compiled_cross_entropy(mode, dtype_name(logits), dtype_name(target), V, arch, return_lse)
+        device, ldx, ignore = logits.device, ld(logits), int(a.get("ignore_index", -100))
+
+        def run(a):
+            CACHE.note(fn)
+            x, dloss = a["logits"], a.get("dloss")
+            loss = torch.empty(M, device=device, dtype=torch.float32) if mode != "backward" else None
+            lse = torch.empty(M, device=device, dtype=torch.float32) if mode != "backward" and return_lse else None
+            dx = torch.empty_like(x, memory_format=torch.contiguous_format) if mode != "forward" else None
+            lse_in = a["lse"] if mode == "backward" else None
+            fn(x.data_ptr(), a["target"].data_ptr(), None if dloss is None else dloss.data_ptr(),
+               None if lse_in is None else lse_in.data_ptr(), None if loss is None else loss.data_ptr(),
+               None if lse is None else lse.data_ptr(), None if dx is None else dx.data_ptr(), M, ldx,
+               0 if dx is None else V, ignore, current_stream(device))
+            if mode == "forward":
+                return loss, lse
+            if mode == "backward":
+                return dx
+            return (loss, dx, lse) if return_lse else (loss, dx)
+
+        return run
+
+    return make
+
+
+PLANS = {"cross_entropy_forward": _plan("forward"), "cross_entropy_backward": _plan("backward"),
+         "cross_entropy_fwd_bwd": _plan("fwd_bwd")}
 
 CHECKS = {"cross_entropy_forward": _check_forward, "cross_entropy_backward": _check,
           "cross_entropy_backward_": _check_inplace, "cross_entropy_fwd_bwd": _check}
