@@ -91,8 +91,8 @@ def _route_device(op: str, device: torch.device, args: dict) -> Route:
 def with_plan(r: Route, args: dict) -> Route:
     """``r`` with the kernel module's plan for ``args``' layout where it has one: a caller that
     reuses the route for arguments of the same layout (``oink.declare``) launches without the
-    runner's preparation."""
-    if r.backend != "kernel":
+    runner's preparation. Plans pass integer addresses: TVM-FFI launches only."""
+    if r.backend != "kernel" or not config.get().tvm_ffi:
         return r
     make = getattr(_kernel_module(r.op), "PLANS", {}).get(r.op)
     plan = make(r.arch, args) if make is not None else None

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import config
 from .compile import CACHE, current_stream
 from ..reference.cross_entropy import per_row, safe_target, loss_from_lse, reduce_loss, row_weight
 from .cross_entropy import compiled_cross_entropy
@@ -134,12 +133,11 @@ def _plan(mode: str):
     def make(arch, a: dict):
         logits, target = a["logits"], a["target"]
         M, V = logits.shape[0], logits.shape[-1]
-        if (not config.CONFIG.tvm_ffi or logits.numel() == 0 or a.get("weight") is not None
-                or a.get("lse_partial") is not None or a.get("target_logit") is not None
-                or a.get("reduction", "none") != "none" or not kernel_ready_rows(logits, vec_for(V, logits))
-                or not target.is_contiguous()
-                or any(a.get(n) is not None and not _plain_rows(a[n], M) for n in ("dloss", "lse"))
-                or (mode != "forward" and not _plain_rows(a["dloss"], M))):
+        # dloss (backward, fwd_bwd) and lse (backward) are required where the op has them
+        if (logits.numel() == 0 or a.get("weight") is not None or a.get("lse_partial") is not None
+                or a.get("target_logit") is not None or a.get("reduction", "none") != "none"
+                or not kernel_ready_rows(logits, vec_for(V, logits)) or not target.is_contiguous()
+                or any(n in a and not _plain_rows(a[n], M) for n in ("dloss", "lse"))):
             return None
         return_lse = mode == "forward" or a.get("return_lse", False)
         fn = compiled_cross_entropy(mode, dtype_name(logits), dtype_name(target), V, arch, return_lse)
@@ -149,7 +147,7 @@ def _plan(mode: str):
             CACHE.note(fn)
             x, dloss = a["logits"], a.get("dloss")
             loss = torch.empty(M, device=device, dtype=torch.float32) if mode != "backward" else None
-            lse = torch.empty(M, device=device, dtype=torch.float32) if mode != "backward" and return_lse else None
+            lse = torch.empty(M, device=device, dtype=torch.float32) if return_lse else None
             dx = torch.empty_like(x, memory_format=torch.contiguous_format) if mode != "forward" else None
             lse_in = a["lse"] if mode == "backward" else None
             fn(x.data_ptr(), a["target"].data_ptr(), None if dloss is None else dloss.data_ptr(),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import cutlass
 import torch
 
-from .. import config
 from ..reference.fp8 import empty_scales, mode_of
 from .compile import CACHE, current_stream, runtime_ptr
 from .fp8 import UNIT, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch
@@ -117,7 +116,7 @@ def _plan(kind: str):
     modes; None where the runner is needed (a static scale or an upper bound, a copy of an input)."""
     def make(arch, a: dict):
         x, w, res = a["x"], a.get("weight"), a.get("residual")
-        if (not config.CONFIG.tvm_ffi or x.numel() == 0 or a.get("scale") is not None
+        if (x.numel() == 0 or a.get("scale") is not None
                 or a.get("scale_ub") is not None or not all(kernel_ready_rows(t, UNIT) for t in (x, w, res))):
             return None
         x2 = rows_view(x)

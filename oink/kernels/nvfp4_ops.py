@@ -8,7 +8,6 @@ from functools import partial
 import cutlass
 import torch
 
-from .. import config
 from .compile import CACHE, current_stream, runtime_ptr
 from ..reference.nvfp4 import round_up
 from .host import (dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr, rows_view,
@@ -104,7 +103,7 @@ def _plan(mode: str, mx: bool = False):
 
     def make(arch, a: dict):
         x, w, res, gs = a["x"], a.get("weight"), a.get("residual"), a.get("global_scale")
-        if (not config.CONFIG.tvm_ffi or x.numel() == 0 or not all(kernel_ready_rows(t, block) for t in (x, w, res))
+        if (x.numel() == 0 or not all(kernel_ready_rows(t, block) for t in (x, w, res))
                 or (gs is not None and (gs.dtype != torch.float32 or not gs.is_contiguous()))):
             return None
         x2, swizzled = rows_view(x), a.get("swizzled", False)

@@ -216,7 +216,7 @@ def plan_forward(arch, a: dict):
     x, w, b, res = a["x"], a["weight"], a.get("bias"), a.get("residual")
     N = x.shape[-1]
     vec = vec_for(N, x)
-    if (not config.CONFIG.tvm_ffi or x.numel() == 0 or heads_of(w, b) > 1
+    if (x.numel() == 0 or heads_of(w, b) > 1
             or not all(kernel_ready_rows(t, vec) for t in (x, w, b, res))):
         return None
     x2, r2 = rows_view(x), rows_view(res) if res is not None else None
@@ -248,7 +248,7 @@ def plan_forward(arch, a: dict):
 def plan_fused_add(arch, a: dict):
     x, res, w = a["x"], a["residual"], a["weight"]
     N = x.shape[-1]
-    if not config.CONFIG.tvm_ffi or x.numel() == 0 or not kernel_ready_rows(w, vec_for(N, x)):
+    if x.numel() == 0 or not kernel_ready_rows(w, vec_for(N, x)):
         return None
     x2, r2 = rows_view(x), rows_view(res)
     M, eps, device, wd = x2.shape[0], float(a.get("eps", 1e-6)), x.device, dtype_name(w)
@@ -270,7 +270,7 @@ def plan_layernorm(arch, a: dict):
     x, w, b = a["x"], a["weight"], a.get("bias")
     N = x.shape[-1]
     vec = vec_for(N, x)
-    if not config.CONFIG.tvm_ffi or x.numel() == 0 or not all(kernel_ready_rows(t, vec) for t in (x, w, b)):
+    if x.numel() == 0 or not all(kernel_ready_rows(t, vec) for t in (x, w, b)):
         return None
     x2 = rows_view(x)
     M, eps, lead, device = x2.shape[0], float(a.get("eps", 1e-6)), x.shape[:-1], x.device
