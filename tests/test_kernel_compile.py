@@ -197,7 +197,7 @@ from oink.kernels.cross_entropy import compiled_cross_entropy  # noqa: E402
 
 # vocabularies: one warp, odd (scalar loads), GPT-2's odd 50257 (a cluster of 8 scalar loads),
 # Llama-3's 128256 (cluster of 2) and the widest (cluster of 4 in 16-bit dtypes, 8 in fp32)
-CE_WIDTHS = [64, 1000, 3072, 50257, 128256, 262144]
+CE_WIDTHS = [64, 1000, 3072, 50257, 65536, 128256, 262144]
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)

@@ -75,7 +75,10 @@ class CompileCache:
         self._keys: dict[int, Hashable] = {}  # id(fn) -> its key
 
     def get(self, key: Hashable, build: Callable[[], Callable]) -> Callable:
-        key = (key, config.get().tvm_ffi)  # a function is called the way it was compiled
+        cfg = config.get()
+        key = (key, cfg.tvm_ffi)  # a function is called the way it was compiled
+        if cfg.keep_cubin:  # and one compiled without its cubin can't be profiled
+            key += ("cubin",)
         fn = self._fns.get(key)
         if fn is None:
             with self._lock:

@@ -1,9 +1,86 @@
-"""Resource usage of compiled kernels, read from the cubin through the CUDA driver: registers
-per thread, local memory per thread (spills + stack), static shared memory, and theoretical
-occupancy at the kernel's block size. Needs kernels compiled with OINK_KEEP_CUBIN=1 and a GPU."""
+"""Resource usage of compiled kernels: registers per thread, local memory per thread (spills +
+stack), static shared memory, and theoretical occupancy at the kernel's block size, read through
+the CUDA driver (a GPU); registers and local frame also straight from the cubin's ELF notes
+(``cubin_resources``, no GPU: how CI checks that a launch shape does not spill). Needs kernels
+compiled with OINK_KEEP_CUBIN=1."""
 from __future__ import annotations
 
+import struct
+
 from .compile import BLOCK_THREADS, CACHE, COMPILED
+
+# EIATTR codes of the cubin's .nv.info notes (format 4: a u16 size, then a u32 symbol and a u32 value)
+_EIATTR = {0x2F: "registers", 0x11: "frame_bytes"}
+
+
+def cubin_resources(cubin: bytes) -> dict:
+    """{"registers", "frame_bytes"} of the cubin's kernels (the most over them): a frame above zero
+    is local memory, which for these kernels (no calls, no stack arrays) means spilled registers."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF cubin")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = heads[shstrndx][4]
+    out = {"registers": 0, "frame_bytes": 0}
+    for name, _type, _flags, _addr, off, size in heads:
+        if not cubin[names_at + name:].startswith(b".nv.info"):
+            continue
+        i = off
+        while i + 4 <= off + size:
+            fmt, attr, n = cubin[i], cubin[i + 1], struct.unpack_from("<H", cubin, i + 2)[0]
+            if fmt != 4:  # formats 1-3 carry no size: a 4-byte entry
+                i += 4
+                continue
+            if attr in _EIATTR and n >= 8:
+                key = _EIATTR[attr]
+                out[key] = max(out[key], struct.unpack_from("<I", cubin, i + 8)[0])
+            i += 4 + n
+    return out
+
+
+def _row_families() -> dict:
+    """family -> compile(dtype, N, arch): the row kernels the public ops launch, with same-dtype
+    parameters (and an fp32 weight for ``rmsnorm_fwd_w32``)."""
+    from .cross_entropy import compiled_cross_entropy as ce
+    from .rmsnorm import compiled_forward as fwd
+    from .rmsnorm_bwd import compiled_backward as bwd
+    from .softmax import compiled_softmax as sm
+
+    return {
+        "rmsnorm_fwd": lambda d, N, a: fwd(d, N, a, d),
+        "rmsnorm_fwd_w32": lambda d, N, a: fwd(d, N, a, "float32"),
+        "rmsnorm_fwd_res": lambda d, N, a: fwd(d, N, a, d, None, d, d),
+        "layernorm_fwd": lambda d, N, a: fwd(d, N, a, d, d, layernorm=True),
+        "rmsnorm_bwd": lambda d, N, a: bwd(d, N, a, d, d, None, False),
+        "layernorm_bwd": lambda d, N, a: bwd(d, N, a, d, d, None, True, layernorm=True),
+        "softmax_fwd": lambda d, N, a: sm("forward", d, N, a),
+        "softmax_bwd": lambda d, N, a: sm("backward", d, N, a),
+        "softmax_fwd_bwd": lambda d, N, a: sm("fwd_bwd", d, N, a),
+        "ce_fwd": lambda d, N, a: ce("forward", d, "int64", N, a),
+        "ce_bwd": lambda d, N, a: ce("backward", d, "int64", N, a),
+        "ce_fwd_bwd": lambda d, N, a: ce("fwd_bwd", d, "int64", N, a),
+    }
+
+
+ROW_FAMILIES = ("rmsnorm_fwd", "rmsnorm_fwd_w32", "rmsnorm_fwd_res", "layernorm_fwd", "rmsnorm_bwd", "layernorm_bwd",
+                "softmax_fwd", "softmax_bwd", "softmax_fwd_bwd", "ce_fwd", "ce_bwd", "ce_fwd_bwd")
+
+
+def launch_resources(family: str, dtype: str, N: int, arch: str) -> tuple:
+    """(launch shapes used, ``cubin_resources``) of ``family``'s kernel at (dtype, N, arch) as the
+    heuristic or the launch table picks it, compiled on the spot (no GPU); needs OINK_KEEP_CUBIN=1."""
+    CACHE.clear_used()
+    fn = _row_families()[family](dtype, N, arch)
+    return sorted(CACHE.used_launches()), compiled_resources(fn)
+
+
+def compiled_resources(fn) -> dict:
+    """``cubin_resources`` of a compiled function of the cache (compiled with OINK_KEEP_CUBIN=1)."""
+    cubin = COMPILED.get(id(fn), fn).artifacts.CUBIN
+    if not cubin:
+        raise RuntimeError("no cubin kept: compile with OINK_KEEP_CUBIN=1")
+    return cubin_resources(cubin)
 
 
 def _check(result):

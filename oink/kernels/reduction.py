@@ -65,32 +65,40 @@ class RowLaunch:
 
 
 def pick_row_launch(N: int, widest_bits: int, units_per_thread: int = 4,
-                    max_units_per_thread: int = 8) -> RowLaunch:
+                    max_units_per_thread: int = 8, max_threads: int = 1024) -> RowLaunch:
     """Default heuristic. A "unit" is one 128-bit access of the widest dtype. Rows get the
-    fewest threads (a power of two, at most 1024) that leave <= ``units_per_thread`` units
-    each; rows too wide for that are split over a cluster of up to 8 CTAs so that no thread
-    holds more than ``max_units_per_thread`` units (<= 64 values of 16 bits in registers)."""
+    fewest threads (a power of two, at most ``max_threads``) that leave <= ``units_per_thread``
+    units each; rows too wide for that are split over a cluster of up to 8 CTAs so that no thread
+    holds more than ``max_units_per_thread`` units. The register file is 64K a SM, so a CTA of
+    1024 threads has 64 registers a thread: families whose threads hold more than 4 units' worth
+    of live values pass a smaller ``max_threads`` (``scripts/spill_scan.py`` shows what spills)."""
     vec = math.gcd(N, 128 // widest_bits)
     units = N // vec
     tpr = 1 << max(0, (math.ceil(units / units_per_thread) - 1).bit_length())
-    tpr = min(tpr, 1024)
+    tpr = min(tpr, 1024, 1 << (max_threads.bit_length() - 1))
     cluster_n = 1
     while units > tpr * cluster_n * max_units_per_thread and cluster_n < MAX_CLUSTER:
         cluster_n *= 2
     return RowLaunch(N=N, vec=vec, threads_per_row=tpr, num_threads=max(128, tpr), cluster_n=cluster_n)
 
 
-def whole_warp_rows(launch: RowLaunch, max_iters: int) -> RowLaunch:
+def whole_warp_rows(launch: RowLaunch, max_iters: int, max_threads: int = 1024) -> RowLaunch:
     """``launch`` retiled so a whole number of warps covers a row exactly in at most ``max_iters``
     accesses a thread (7168 bf16 = 224 threads x 4 x 8), where the power-of-two tiling leaves an idle
-    padded tail (256 x 4 x 8 > 7168); unchanged if already exact, clustered, or no such tiling exists."""
-    if launch.even_n or launch.cluster_n > 1:
+    padded tail (256 x 4 x 8 > 7168). A clustered launch first tries one CTA (a cluster costs a
+    DSMEM exchange a row; 18432 bf16 = 576 x 4 x 8), then each of its CTAs' share tiled exactly
+    (14336 bf16 over 2 CTAs = 448 x 2 x 8 each). Unchanged if already exact or no such tiling exists."""
+    if launch.even_n:
         return launch
     units = launch.N // launch.vec
-    for iters in range(max_iters, 0, -1):
-        tpr = units // iters
-        if units % iters == 0 and tpr % WARP == 0 and tpr <= 1024:
-            return dataclasses.replace(launch, threads_per_row=tpr, num_threads=tpr)
+    for cluster_n in dict.fromkeys((1, launch.cluster_n)):
+        per_cta = units // cluster_n
+        if units % cluster_n:
+            continue
+        for iters in range(max_iters, 0, -1):
+            tpr = per_cta // iters
+            if per_cta % iters == 0 and tpr % WARP == 0 and tpr <= min(max_threads, 1024):
+                return dataclasses.replace(launch, threads_per_row=tpr, num_threads=tpr, cluster_n=cluster_n)
     return launch
 
 

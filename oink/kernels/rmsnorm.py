@@ -22,26 +22,37 @@ from .launch_table import pick
 from .reduction import MAX_N, RowKernelBase, RowLaunch, add, pick_row_launch, whole_warp_rows
 
 
+# The forward's thread holds its units of x (and residual) live between the reduction and the
+# store; 4 units a thread fill the 64 registers a thread of a 1024-thread CTA has, so a wider row
+# takes a cluster rather than more units. LayerNorm's centred values need about 1.5x RMSNorm's
+# registers, and a weight wider than x doubles the weight's: those CTAs stop at 640 and 512 threads.
+FWD_MAX_UNITS = 4
+LAYERNORM_MAX_THREADS = 640
+WIDE_WEIGHT_MAX_THREADS = 512
+
+
 @memo
 def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: bool = False) -> RowLaunch:
     """Launch heuristic for the forward (the one place it is chosen). Measured on SM90 only;
     SM100 takes the same shapes until a Blackwell card can tune them. A unit is one 128-bit
     access of x, 4 a thread; a weight or residual wider than x (fp32 with bf16 x: ``w_bits``, the
     widest) costs two accesses a unit, so rows then take 2 units a thread where that still covers the
-    row exactly (N = 4096: up to 2.5% faster on H100; where the tile would not be exact, 6144 and
-    7168, it lost 6-13%).
+    row exactly in one CTA (N = 4096: up to 2.5% faster on H100; where the tile would not be exact,
+    6144 and 7168, it lost 6-13%).
     LayerNorm rows take whole warps where that tiles them exactly (7168 bf16: 224 threads): its
     padded tail costs registers (mask, corrected mean: 105 instead of 80 at 256 threads).
     OINK_FWD_UPT (units a thread) overrides, for sweeps."""
     if config.get().fwd_upt:
         return pick_row_launch(N, x_bits, units_per_thread=config.get().fwd_upt)
     if layernorm:
-        return whole_warp_rows(pick_row_launch(N, x_bits), 4)
+        return whole_warp_rows(pick_row_launch(N, x_bits, max_units_per_thread=FWD_MAX_UNITS,
+                                               max_threads=LAYERNORM_MAX_THREADS), 4, LAYERNORM_MAX_THREADS)
     if w_bits > x_bits:
         narrow = pick_row_launch(N, x_bits, units_per_thread=2)
-        if narrow.even_n:
+        if narrow.even_n and narrow.cluster_n == 1 and narrow.iters <= 2:
             return narrow
-    return pick_row_launch(N, x_bits)
+        return pick_row_launch(N, x_bits, max_units_per_thread=FWD_MAX_UNITS, max_threads=WIDE_WEIGHT_MAX_THREADS)
+    return pick_row_launch(N, x_bits, max_units_per_thread=FWD_MAX_UNITS)
 
 
 class RMSNormForward(RowKernelBase):

@@ -38,6 +38,10 @@ from .rmsnorm import RMSNormForward
 # the partials' sum without programmatic dependent launch, OINK_BWD_EXACT=0 keeps power-of-two
 # threads per row.
 TUNING = {"rmsnorm": (2, 512, 2), "layernorm": (4, 256, 1)}
+# A backward thread holds x, dout and (RMSNorm, depth 2) the next tile's: 128-145 registers for
+# RMSNorm's 2 units, 216-255 for LayerNorm's 4, so CTAs stop where the register file allows them
+# (64K / threads); a wider row takes a cluster (scripts/spill_scan.py: none of these spill).
+BWD_MAX_THREADS = {"rmsnorm": 512, "layernorm": 256}
 
 
 def _knobs(layernorm: bool) -> tuple[int, int, int]:
@@ -68,10 +72,11 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False) -> 
     (6144 = 384 threads x 2 x 8 bf16), a row takes that many threads rather than the next power
     of two, whose last access would be idle on a quarter of the threads (512 x 2 x 8 > 6144)."""
     upt = _knobs(layernorm)[0]
-    launch = pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=max(upt, 8))
+    most = BWD_MAX_THREADS["layernorm" if layernorm else "rmsnorm"]
+    launch = pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=upt, max_threads=most)
     if not config.get().bwd_exact:
         return launch
-    return whole_warp_rows(launch, upt)
+    return whole_warp_rows(launch, upt, most)
 
 
 @memo

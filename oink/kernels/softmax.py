@@ -21,9 +21,11 @@ from .reduction import MAX_N, RowKernelBase, RowLaunch, add, pick_row_launch
 MODES = ("forward", "backward", "fwd_bwd")
 
 
-def softmax_launch(N: int, x_bits: int, arch: str) -> RowLaunch:
-    """Launch heuristic for the softmax family (the one place it is chosen)."""
-    return pick_row_launch(N, x_bits)
+def softmax_launch(N: int, x_bits: int, arch: str, mode: str = "forward") -> RowLaunch:
+    """Launch heuristic for the softmax family (the one place it is chosen): at most 4 units a
+    thread, wider rows over a cluster; the backward modes hold two rows' values (y and dy, or x
+    and dy), so their CTAs stop at 512 threads (128 registers a thread)."""
+    return pick_row_launch(N, x_bits, max_units_per_thread=4, max_threads=1024 if mode == "forward" else 512)
 
 
 class Softmax(RowKernelBase):
@@ -87,7 +89,7 @@ def compiled_softmax(mode: str, dtype: str, N: int, arch: str):
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the softmax kernels handle 1 <= N <= {MAX_N}")
     dt = cute_dtype(dtype)
-    launch = pick(f"softmax/{mode}/x{dt.width}", arch, softmax_launch(N, dt.width, arch))
+    launch = pick(f"softmax/{mode}/x{dt.width}", arch, softmax_launch(N, dt.width, arch, mode))
 
     def build():
         one = Int64(launch.vec)

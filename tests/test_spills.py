@@ -1,0 +1,61 @@
+"""No launch the heuristics or the table pick spills registers, at the sweep's widths up to 65536
+(vocabularies for cross-entropy), for sm_90a and sm_100a: read from the cubins' notes on the CPU.
+A spilling launch ran at 0.06-0.35 of the copy ceiling on H100 (bench/RESULTS.md). Wider rows
+are documented limits: past 65536 a backward thread holds more than a cluster of 8 can spread."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+
+from oink.arch import SUPPORTED_ARCHS  # noqa: E402
+from oink.kernels.profile import ROW_FAMILIES, cubin_resources, launch_resources  # noqa: E402
+from pytest_oink.suites import SWEEP_VOCABS  # noqa: E402
+from tests.helpers import set_knob  # noqa: E402
+
+WIDE = (12288, 14336, 18432, 28672, 65536)  # where the old heuristics spilled
+# known limits: a cluster of 8 CTAs of 256 threads leaves 8 fp32 units a LayerNorm backward thread
+LIMITS = {("layernorm_bwd", "float32", 65536)}
+
+
+@pytest.fixture
+def keep_cubin(monkeypatch):
+    set_knob(monkeypatch, "OINK_KEEP_CUBIN", "1")
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("family", ROW_FAMILIES)
+def test_chosen_launch_does_not_spill(keep_cubin, family, dtype, arch):
+    widths = [N for N in (SWEEP_VOCABS if family.startswith("ce_") else WIDE) if (family, dtype, N) not in LIMITS]
+    found = {N: launch_resources(family, dtype, N, arch) for N in widths}
+    spilled = {N: r for N, r in found.items() if r[1]["frame_bytes"]}
+    assert not spilled, f"{family} {dtype} {arch} spills at (launch, resources) {spilled}"
+    assert all(r[1]["registers"] > 0 for r in found.values())  # the notes were read
+
+
+def test_a_spilling_launch_is_seen(keep_cubin):
+    """The check can fail: 8 units a thread of bf16 LayerNorm at 1024 threads (the old heuristic's
+    65536) has 64 registers a thread and spills."""
+    from oink import config
+    from oink.kernels import launch_table
+    from oink.kernels.profile import compiled_resources
+    from oink.kernels.reduction import RowLaunch
+    from oink.kernels.rmsnorm import compiled_forward
+
+    key = ("layernorm_fwd/x16w16", "sm_90a", 65536)
+    launch_table.OVERRIDES[key] = (1024, 1024, 1)
+    config.reload()  # the memoized launches
+    try:
+        res = compiled_resources(compiled_forward("bfloat16", 65536, "sm_90a", "bfloat16", "bfloat16",
+                                                  layernorm=True))
+    finally:
+        launch_table.OVERRIDES.pop(key)
+        config.reload()
+    assert res["registers"] <= 64 and res["frame_bytes"] > 0, res
+    assert RowLaunch(N=65536, vec=8, threads_per_row=1024, num_threads=1024).iters == 8
+
+
+def test_cubin_notes_refuse_what_is_not_a_cubin():
+    with pytest.raises(ValueError, match="ELF"):
+        cubin_resources(b"not an elf file at all")
