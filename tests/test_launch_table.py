@@ -67,6 +67,11 @@ def _compile(arch: str, key: str, N: int):
         ln = family == "layernorm_fwd"
         compiled_forward(x, N, arch, w, w if ln else None, None, None, True, layernorm=ln, store_mean=ln)
         return compiled_forward(x, N, arch, w, None, w or x, w or x, False, layernorm=ln)  # with a residual
+    if family in ("rmsnorm_bwd", "layernorm_bwd"):
+        from oink.kernels.rmsnorm_bwd import compiled_backward
+
+        x, ln = x16[variant], family == "layernorm_bwd"
+        return compiled_backward(x, N, arch, x, x, None, ln, layernorm=ln)
     if family == "fp4":
         from oink.kernels.nvfp4 import compiled_add_rmsnorm_fp4, compiled_fp4
 

@@ -24,6 +24,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
+from .launch_table import pick
 from .reduction import MAX_N, RowLaunch, add, pick_row_launch, whole_warp_rows
 from .rmsnorm import RMSNormForward
 
@@ -70,13 +71,17 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False) -> 
     """Launch heuristic for the norm backward (the one place it is chosen); SM100 reuses SM90's.
     Where a whole number of warps covers a row exactly in at most ``upt`` accesses a thread
     (6144 = 384 threads x 2 x 8 bf16), a row takes that many threads rather than the next power
-    of two, whose last access would be idle on a quarter of the threads (512 x 2 x 8 > 6144)."""
+    of two, whose last access would be idle on a quarter of the threads (512 x 2 x 8 > 6144).
+    The launch table's entry for (``rmsnorm_bwd/x<bits>`` or ``layernorm_bwd/x<bits>``, N) wins
+    unless a knob (OINK_BWD_UPT, OINK_BWD_EXACT=0) asks for the heuristic's variant."""
     upt = _knobs(layernorm)[0]
-    most = BWD_MAX_THREADS["layernorm" if layernorm else "rmsnorm"]
+    family = "layernorm" if layernorm else "rmsnorm"
+    most = BWD_MAX_THREADS[family]
     launch = pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=upt, max_threads=most)
-    if not config.get().bwd_exact:
-        return launch
-    return whole_warp_rows(launch, upt, most)
+    if config.get().bwd_exact:
+        launch = whole_warp_rows(launch, upt, most)
+    knob = config.get().bwd_upt or not config.get().bwd_exact
+    return pick(f"{family}_bwd/x{x_bits}", arch, launch, knob)
 
 
 @memo
