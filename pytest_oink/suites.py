@@ -86,7 +86,7 @@ DURATION = {
     "fp8": "73 s on one H100 for its M >= 4096 rows (oink, oink-unfused, torch.compile)",
     "smoke": "about a minute on a 2-core CPU",
     "nvfp4": None,
-    "sweep": None,
+    "sweep": "7.5 min on one H100 for its 12 norm, softmax and cross-entropy ops with every peer (1663 rows)",
 }
 
 
