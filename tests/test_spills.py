@@ -37,7 +37,7 @@ def keep_cubin(monkeypatch):
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("family", ROW_FAMILIES)
+@pytest.mark.parametrize("family", list(ROW_FAMILIES))
 def test_chosen_launch_does_not_spill(keep_cubin, family, dtype, arch):
     widths = [N for N in (SWEEP_VOCABS if family.startswith("ce_") else WIDE) if (family, dtype, N) not in LIMITS]
     found = {N: launch_resources(family, dtype, N, arch) for N in widths}

@@ -8,6 +8,10 @@ from __future__ import annotations
 import struct
 
 from .compile import BLOCK_THREADS, CACHE, COMPILED
+from .cross_entropy import compiled_cross_entropy
+from .rmsnorm import compiled_forward
+from .rmsnorm_bwd import compiled_backward
+from .softmax import compiled_softmax
 
 # EIATTR codes of the cubin's .nv.info notes (format 4: a u16 size, then a u32 symbol and a u32 value)
 _EIATTR = {0x2F: "registers", 0x11: "frame_bytes"}
@@ -39,39 +43,29 @@ def cubin_resources(cubin: bytes) -> dict:
     return out
 
 
-def _row_families() -> dict:
-    """family -> compile(dtype, N, arch): the row kernels the public ops launch, with same-dtype
-    parameters (and an fp32 weight for ``rmsnorm_fwd_w32``)."""
-    from .cross_entropy import compiled_cross_entropy as ce
-    from .rmsnorm import compiled_forward as fwd
-    from .rmsnorm_bwd import compiled_backward as bwd
-    from .softmax import compiled_softmax as sm
-
-    return {
-        "rmsnorm_fwd": lambda d, N, a: fwd(d, N, a, d),
-        "rmsnorm_fwd_w32": lambda d, N, a: fwd(d, N, a, "float32"),
-        "rmsnorm_fwd_res": lambda d, N, a: fwd(d, N, a, d, None, d, d),
-        "layernorm_fwd": lambda d, N, a: fwd(d, N, a, d, d, layernorm=True),
-        "rmsnorm_bwd": lambda d, N, a: bwd(d, N, a, d, d, None, False),
-        "layernorm_bwd": lambda d, N, a: bwd(d, N, a, d, d, None, True, layernorm=True),
-        "softmax_fwd": lambda d, N, a: sm("forward", d, N, a),
-        "softmax_bwd": lambda d, N, a: sm("backward", d, N, a),
-        "softmax_fwd_bwd": lambda d, N, a: sm("fwd_bwd", d, N, a),
-        "ce_fwd": lambda d, N, a: ce("forward", d, "int64", N, a),
-        "ce_bwd": lambda d, N, a: ce("backward", d, "int64", N, a),
-        "ce_fwd_bwd": lambda d, N, a: ce("fwd_bwd", d, "int64", N, a),
-    }
-
-
-ROW_FAMILIES = ("rmsnorm_fwd", "rmsnorm_fwd_w32", "rmsnorm_fwd_res", "layernorm_fwd", "rmsnorm_bwd", "layernorm_bwd",
-                "softmax_fwd", "softmax_bwd", "softmax_fwd_bwd", "ce_fwd", "ce_bwd", "ce_fwd_bwd")
+# family -> compile(dtype, N, arch): the row kernels the public ops launch, with same-dtype
+# parameters (and an fp32 weight for ``rmsnorm_fwd_w32``)
+ROW_FAMILIES = {
+    "rmsnorm_fwd": lambda d, N, a: compiled_forward(d, N, a, d),
+    "rmsnorm_fwd_w32": lambda d, N, a: compiled_forward(d, N, a, "float32"),
+    "rmsnorm_fwd_res": lambda d, N, a: compiled_forward(d, N, a, d, None, d, d),
+    "layernorm_fwd": lambda d, N, a: compiled_forward(d, N, a, d, d, layernorm=True),
+    "rmsnorm_bwd": lambda d, N, a: compiled_backward(d, N, a, d, d, None, False),
+    "layernorm_bwd": lambda d, N, a: compiled_backward(d, N, a, d, d, None, True, layernorm=True),
+    "softmax_fwd": lambda d, N, a: compiled_softmax("forward", d, N, a),
+    "softmax_bwd": lambda d, N, a: compiled_softmax("backward", d, N, a),
+    "softmax_fwd_bwd": lambda d, N, a: compiled_softmax("fwd_bwd", d, N, a),
+    "ce_fwd": lambda d, N, a: compiled_cross_entropy("forward", d, "int64", N, a),
+    "ce_bwd": lambda d, N, a: compiled_cross_entropy("backward", d, "int64", N, a),
+    "ce_fwd_bwd": lambda d, N, a: compiled_cross_entropy("fwd_bwd", d, "int64", N, a),
+}
 
 
 def launch_resources(family: str, dtype: str, N: int, arch: str) -> tuple:
     """(launch shapes used, ``cubin_resources``) of ``family``'s kernel at (dtype, N, arch) as the
     heuristic or the launch table picks it, compiled on the spot (no GPU); needs OINK_KEEP_CUBIN=1."""
     CACHE.clear_used()
-    fn = _row_families()[family](dtype, N, arch)
+    fn = ROW_FAMILIES[family](dtype, N, arch)
     return sorted(CACHE.used_launches()), compiled_resources(fn)
 
 

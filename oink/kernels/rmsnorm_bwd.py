@@ -41,7 +41,7 @@ from .rmsnorm import RMSNormForward
 TUNING = {"rmsnorm": (2, 512, 2), "layernorm": (4, 256, 1)}
 # A backward thread holds x, dout and (RMSNorm, depth 2) the next tile's: 128-145 registers for
 # RMSNorm's 2 units, 216-255 for LayerNorm's 4, so CTAs stop where the register file allows them
-# (64K / threads); a wider row takes a cluster (scripts/spill_scan.py: none of these spill).
+# (64K / threads); a wider row takes a cluster (scripts/spill_scan.py: none spills up to N = 65536).
 BWD_MAX_THREADS = {"rmsnorm": 512, "layernorm": 256}
 
 
