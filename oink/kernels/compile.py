@@ -183,11 +183,13 @@ def compile_kernel(kernel_obj, *fake_args, arch: str):
 
 
 def dump_dir() -> str:
-    """Where ``OINK_KEEP_CUBIN=1`` compiles leave their files."""
+    """Where ``OINK_KEEP_CUBIN=1`` compiles leave their files: one directory a process, since two
+    processes compiling the same kernel (pytest-xdist workers) write files of the same name, and
+    one could read back the other's half-written cubin."""
     import os
     import tempfile
 
-    path = os.path.join(tempfile.gettempdir(), "oink-kernels")
+    path = os.path.join(tempfile.gettempdir(), f"oink-kernels-{os.getpid()}")
     os.makedirs(path, exist_ok=True)
     return path
 
