@@ -21,13 +21,17 @@ WIDE = (12288, 14336, 18432, 28672, 65536)  # where the old heuristics spilled
 LIMITS = {("layernorm_bwd", "float32", 65536)} | {("ce_fwd", "bfloat16", N) for N in (128256, 201088, 256000)}
 
 
-def _tuned(arch: str, N: int, launches) -> bool:
-    """Whether a launch used is a launch-table entry at N: the search measured it faster than the
-    heuristic's on a GPU (gated), small spill included (28672 with an fp32 weight: 16 bytes)."""
-    from oink.kernels.launch_table import table
+def _resources(family: str, dtype: str, N: int, arch: str) -> tuple:
+    """``launch_resources``, and whether a launch used is the launch table's entry for a key this
+    compile looked up: the search measured it faster than the heuristic's on a GPU (gated), small
+    spill included (28672 with an fp32 weight: 16 bytes)."""
+    from oink.kernels.launch_table import SEEN, table
 
-    entries = {tuple(by_n[N]["launch"]) for by_n in table().get(arch, {}).values() if N in by_n}
-    return any(tuple(L) in entries for L in launches)
+    SEEN.clear()  # the keys this compile looks up (the fixture's reload emptied the memoized launches)
+    launches, res = launch_resources(family, dtype, N, arch)
+    entries = table().get(arch, {})
+    tuned = {tuple(entries[key][n]["launch"]) for key, a, n in SEEN if a == arch and n in entries.get(key, {})}
+    return launches, res, any(tuple(L) in tuned for L in launches)
 
 
 @pytest.fixture
@@ -40,8 +44,8 @@ def keep_cubin(monkeypatch):
 @pytest.mark.parametrize("family", list(ROW_FAMILIES))
 def test_chosen_launch_does_not_spill(keep_cubin, family, dtype, arch):
     widths = [N for N in (SWEEP_VOCABS if family.startswith("ce_") else WIDE) if (family, dtype, N) not in LIMITS]
-    found = {N: launch_resources(family, dtype, N, arch) for N in widths}
-    spilled = {N: r for N, r in found.items() if r[1]["frame_bytes"] and not _tuned(arch, N, r[0])}
+    found = {N: _resources(family, dtype, N, arch) for N in widths}
+    spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"] and not r[2]}
     assert not spilled, f"{family} {dtype} {arch} spills at (launch, resources) {spilled}"
     assert all(r[1]["registers"] > 0 for r in found.values())  # the notes were read
 
