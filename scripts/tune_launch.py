@@ -135,16 +135,29 @@ def main(argv=None) -> int:
                     verdict = "heuristic kept"
                 print(f"# {key} N={width}: heuristic {base * 1e6:.1f} us, best {best_t * 1e6:.1f} us: {verdict}",
                       flush=True)
+            write(out, data, card, started)  # after every width: a run cut off keeps what it found
     launch_table.OVERRIDES.clear()
     config.reload()
-    data.setdefault("runs", []).append({"card": card, "date": datetime.date.today().isoformat(),
-                                        "torch": torch.__version__, "oink": getattr(oink, "__version__", "?"),
-                                        "seconds": round(time.time() - started), "command": " ".join(sys.argv)})
-    for arch in tables:
-        tables[arch] = {k: v for k, v in sorted(tables[arch].items()) if v}
-    out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"tune_launch: wrote {out} after {time.time() - started:.0f} s")
     return 0
+
+
+def write(out: Path, data: dict, card: str, started: float) -> None:
+    record = {"card": card, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "oink": getattr(oink, "__version__", "?"), "seconds": round(time.time() - started),
+              "command": " ".join(sys.argv)}
+    runs = data.setdefault("runs", [])
+    if getattr(write, "started", None) == started:
+        runs[-1] = record  # this run's record, written at the previous width
+    else:
+        runs.append(record)
+        write.started = started
+    tables = data.setdefault("tables", {})
+    for arch in tables:
+        tables[arch] = {k: v for k, v in sorted(tables[arch].items()) if v}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    tmp.replace(out)
 
 
 if __name__ == "__main__":
