@@ -207,12 +207,17 @@ def test_out_of_range_targets_raise():
         oink.cross_entropy_fwd_bwd(torch.ones(2), torch.randn(2, 5), torch.tensor([-1, 0]))
 
 
-def test_value_checks_stay_where_the_reference_serves(monkeypatch):
-    """OINK_CHECK_VALUES=0 skips the host-synced target check only where a kernel (which answers a
-    bad row with NaN) serves the call: the reference, here on the CPU, still raises."""
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_value_checks_stay_where_the_reference_serves(monkeypatch, setting):
+    """By default (and with OINK_CHECK_VALUES=0) the host-synced target check is skipped only where
+    a kernel (which answers a bad row with NaN) serves the call: the reference, here on the CPU,
+    still raises."""
     from oink import config
 
-    monkeypatch.setenv("OINK_CHECK_VALUES", "0")
+    if setting is None:
+        monkeypatch.delenv("OINK_CHECK_VALUES", raising=False)
+    else:
+        monkeypatch.setenv("OINK_CHECK_VALUES", setting)
     assert config.reload().check_values is False
     with pytest.raises(ValueError, match="outside"):
         oink.cross_entropy_forward(torch.randn(3, 5), torch.tensor([0, 7, -100]))

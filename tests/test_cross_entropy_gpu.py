@@ -86,18 +86,27 @@ def test_differentiable_cross_entropy(inplace, seed):
     close_family(got, want, "softmax", torch.bfloat16, "dlogits")
 
 
-def test_out_of_range_target_raises():
+def test_out_of_range_target_raises_with_value_checks(monkeypatch):
+    """OINK_CHECK_VALUES=1: the target range is checked on the host (one sync) and a bad one raises."""
+    from oink import config
+
+    monkeypatch.setenv("OINK_CHECK_VALUES", "1")
+    config.reload()
     logits = torch.randn(4, 64, device="cuda")
     with pytest.raises(ValueError, match="outside"):
         oink.cross_entropy_forward(logits, torch.tensor([0, 64, 1, 2], device="cuda"))
 
 
-def test_value_checks_off_give_bad_rows_nan(seed, monkeypatch):
-    """OINK_CHECK_VALUES=0: no host sync for the target range; the kernels give a bad target's row
-    a NaN loss and NaN dlogits, every other row its reference value."""
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_value_checks_off_give_bad_rows_nan(seed, monkeypatch, setting):
+    """By default (or OINK_CHECK_VALUES=0): no host sync for the target range; the kernels give a bad
+    target's row a NaN loss and NaN dlogits, every other row its reference value."""
     from oink import config
 
-    monkeypatch.setenv("OINK_CHECK_VALUES", "0")
+    if setting is None:
+        monkeypatch.delenv("OINK_CHECK_VALUES", raising=False)
+    else:
+        monkeypatch.setenv("OINK_CHECK_VALUES", setting)
     config.reload()
     logits, target, dloss = _case(256, 32000, torch.bfloat16, seed)
     target[5], target[7] = 32000, -3  # out of range, not ignored
