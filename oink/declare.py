@@ -83,12 +83,15 @@ class Op:
     def __init__(self, check: Callable, schema: str, *, kernels: str | None, fake: Callable | None,
                  route: str | None = None, fixed: dict | None = None, to_public: Callable | None = None,
                  check_values: Callable | None = None, public: bool = True, backward: tuple | None = None,
-                 autograd: bool = True):
+                 autograd: bool = True, eager_unfixed: bool = False):
         self.name = check.__name__
         self.check = check
         self.signature = inspect.signature(check)
         self.route = route or self.name
         self.fixed = fixed or {}
+        # the fixed arguments only feed the op's autograd graph (saved statistics): an eager call, which
+        # records none, runs with the public ones and gets the runner's outputs, already public
+        self.eager_unfixed = eager_unfixed
         self.to_public = to_public
         self.check_values = check_values
         parsed = torch._C.parse_schema(f"oink::{schema}")
@@ -171,6 +174,8 @@ class Op:
     # -- oink.<name>
     def __call__(self, a: dict):
         key = _eager_key(a.values(), self.differentiable)
+        if key is not False and self.eager_unfixed:  # routes apart from the op path's, whose args differ
+            return dispatch.run(self._checked_route(a, a, None if key is None else ("eager", key)), a)
         if key is not False:
             args = {**a, **self.fixed} if self.fixed else a
             out = dispatch.run(self._checked_route(a, args, key), args)

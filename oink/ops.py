@@ -175,7 +175,7 @@ def _layernorm_outputs(o, a):
 
 
 @declare("layernorm(Tensor x, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
-         kernels=NORMS, fake=_fake_layernorm, fixed={"return_rstd": True, "return_mean": True},
+         kernels=NORMS, fake=_fake_layernorm, fixed={"return_rstd": True, "return_mean": True}, eager_unfixed=True,
          backward=(_layernorm_backward, _layernorm_setup),
          to_public=_layernorm_outputs)
 def layernorm(x, weight, bias=None, eps=1e-6, return_rstd=False, return_mean=False):

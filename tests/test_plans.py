@@ -25,6 +25,7 @@ def recorder(monkeypatch):
     import oink.kernels.nvfp4 as nvfp4
     import oink.kernels.nvfp4_ops as nvfp4_ops
     import oink.kernels.rmsnorm as rmsnorm
+    import oink.kernels.rmsnorm_bwd as rmsnorm_bwd
     import oink.kernels.rmsnorm_ops as rmsnorm_ops
     import oink.kernels.softmax as softmax
     import oink.kernels.softmax_ops as softmax_ops
@@ -34,8 +35,9 @@ def recorder(monkeypatch):
     def fake_compile(kernel, *fake_args, arch):
         return lambda *args: calls.append(args)
 
-    for mod in (rmsnorm, softmax, fp8, nvfp4, cross_entropy):
+    for mod in (rmsnorm, rmsnorm_bwd, softmax, fp8, nvfp4, cross_entropy):
         monkeypatch.setattr(mod, "compile_kernel", fake_compile)
+    monkeypatch.setattr(rmsnorm_ops, "sm_count", lambda index: 132)
     for mod in (rmsnorm_ops, softmax_ops, fp8_ops, nvfp4_ops, cross_entropy_ops, compile_mod):
         monkeypatch.setattr(mod, "current_stream", lambda device: 0)
     compile_mod.CACHE.clear()
@@ -113,6 +115,20 @@ CASES = [
                                           global_scale=torch.tensor([2.0]), eps=1e-6, swizzled=False, return_y=True)),
     ("add_rmsnorm_mxfp4quant", lambda: dict(x=_x(4, 256), residual=_x(4, 256), weight=torch.randn(256), eps=1e-6,
                                             swizzled=True, return_y=False)),
+    ("rmsnorm_backward", lambda: dict(x=_x(5, 256), weight=torch.randn(256, dtype=torch.bfloat16), dout=_x(5, 256),
+                                      rstd=torch.rand(5), dresidual_out=None, has_bias=False, has_residual=False,
+                                      weight_offset=0.0)),
+    ("rmsnorm_backward", lambda: dict(x=_x(300, 512, stride=520), weight=torch.randn(512), dout=_x(300, 512),
+                                      rstd=torch.rand(300), dresidual_out=_x(300, 512, stride=528), has_bias=True,
+                                      has_residual=True, weight_offset=1.0)),
+    ("rmsnorm_backward", lambda: dict(x=_x(3, 128, torch.float16), weight=None, dout=_x(3, 128, torch.float16),
+                                      rstd=torch.rand(3), dresidual_out=None, has_bias=False, has_residual=False,
+                                      weight_offset=0.0)),
+    ("layernorm_backward", lambda: dict(dout=_x(7, 384), x=_x(7, 384), weight=torch.randn(384, dtype=torch.bfloat16),
+                                        rstd=torch.rand(7), mean=torch.randn(7), bias=None)),
+    ("layernorm_backward", lambda: dict(dout=_x(4, 256, torch.float32), x=_x(4, 256, torch.float32, stride=264),
+                                        weight=torch.randn(256), rstd=torch.rand(4), mean=torch.randn(4),
+                                        bias=torch.randn(256))),
     ("cross_entropy_forward", lambda: _ce(logits=_x(5, 1000, stride=1008))),
     ("cross_entropy_backward", lambda: _ce(dloss=torch.randn(5), logits=_x(5, 1000), lse=torch.randn(5))),
     ("cross_entropy_fwd_bwd", lambda: _ce(dloss=torch.randn(5), logits=_x(5, 1000, torch.float32),
@@ -130,9 +146,12 @@ def test_plan_launches_as_the_runner_does(recorder, op, make):
     planned = dispatch.with_plan(route, args)
     assert planned.plan is not None, f"{op}: no plan for a kernel-ready layout"
     out_runner = module.RUNNERS[op]("sm_90a", **args)
+    launches = len(recorder)  # the norm backwards launch twice (dx with partials, their sum)
+    assert launches in (1, 2)
     out_plan = dispatch.run(planned, args)
-    assert len(recorder) == 2
-    assert _tagged(recorder[1], args) == _tagged(recorder[0], args)
+    assert len(recorder) == 2 * launches
+    for i in range(launches):
+        assert _tagged(recorder[launches + i], args) == _tagged(recorder[i], args)
     assert _shape(out_plan) == _shape(out_runner)
 
 
@@ -152,3 +171,24 @@ def test_no_plan_where_a_copy_is_needed(recorder):
     assert dispatch.with_plan(route, _ce(logits=_x(4, 256), weight=torch.rand(256))).plan is None
     route = dispatch.Route("cross_entropy_fwd_bwd", "kernel", "test", "sm_90a")
     assert dispatch.with_plan(route, _ce(dloss=torch.tensor(1.0), logits=_x(4, 256))).plan is None
+
+
+def test_norm_backward_plans_leave_copies_to_the_runner(recorder):
+    """A strided row statistic, per-head weights or the torch partial sum keep the runner."""
+    route = dispatch.Route("rmsnorm_backward", "kernel", "test", "sm_90a")
+    base = dict(x=_x(4, 256), weight=torch.randn(256), dout=_x(4, 256), rstd=torch.rand(4), dresidual_out=None,
+                has_bias=False, has_residual=False, weight_offset=0.0)
+    assert dispatch.with_plan(route, base).plan is not None
+    assert dispatch.with_plan(route, {**base, "rstd": torch.rand(8)[::2]}).plan is None
+    heads = dict(base, x=_x(4, 256).view(4, 2, 128), dout=_x(4, 256).view(4, 2, 128), rstd=torch.rand(4, 2),
+                 weight=torch.randn(2, 128))
+    assert dispatch.with_plan(route, heads).plan is None
+
+
+def test_norm_backward_plan_off_with_the_torch_partial_sum(recorder, monkeypatch):
+    monkeypatch.setenv("OINK_BWD_PARTIAL_SUM", "torch")
+    config.reload()
+    route = dispatch.Route("layernorm_backward", "kernel", "test", "sm_90a")
+    args = dict(dout=_x(4, 256), x=_x(4, 256), weight=torch.randn(256), rstd=torch.rand(4), mean=torch.rand(4),
+                bias=None)
+    assert dispatch.with_plan(route, args).plan is None

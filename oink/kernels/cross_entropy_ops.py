@@ -10,7 +10,7 @@ import torch
 from .compile import CACHE, current_stream
 from ..reference.cross_entropy import per_row, safe_target, loss_from_lse, reduce_loss, row_weight
 from .cross_entropy import compiled_cross_entropy
-from .host import dtype_name, kernel_ready_rows, ld, prepare_rows, ptr, vec_for, width_reason
+from .host import allocator, dtype_name, kernel_ready_rows, ld, prepare_rows, ptr, vec_for, width_reason
 
 INT32 = torch.iinfo(torch.int32)
 
@@ -142,12 +142,13 @@ def _plan(mode: str):
         return_lse = mode == "forward" or a.get("return_lse", False)
         fn = compiled_cross_entropy(mode, dtype_name(logits), dtype_name(target), V, arch, return_lse)
         device, ldx, ignore = logits.device, ld(logits), int(a.get("ignore_index", -100))
+        new_row = allocator((M,), torch.float32, device)
 
         def run(a):
             CACHE.note(fn)
             x, dloss = a["logits"], a.get("dloss")
-            loss = torch.empty(M, device=device, dtype=torch.float32) if mode != "backward" else None
-            lse = torch.empty(M, device=device, dtype=torch.float32) if return_lse else None
+            loss = new_row() if mode != "backward" else None
+            lse = new_row() if return_lse else None
             dx = torch.empty_like(x, memory_format=torch.contiguous_format) if mode != "forward" else None
             lse_in = a["lse"] if mode == "backward" else None
             fn(x.data_ptr(), a["target"].data_ptr(), None if dloss is None else dloss.data_ptr(),

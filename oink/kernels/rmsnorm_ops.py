@@ -8,8 +8,8 @@ import torch
 
 from .. import config
 from .compile import CACHE, current_stream
-from .host import (dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr,
-                   rows_view, vec_for, width_reason)
+from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector,
+                   ptr, rows_view, vec_for, width_reason)
 from .rmsnorm import compiled_forward
 from .rmsnorm_bwd import backward_launch, compiled_backward, compiled_partial_sum, head_launch, persistent_ctas
 
@@ -229,12 +229,13 @@ def plan_forward(arch, a: dict):
                           dtype_name(res_dtype) if res is not None else None, store_rstd, False,
                           False, dtype_name(out_dtype), float(a.get("weight_offset", 0.0)), 1)
     ldx, ldres, ldres_out = ld(x2), ld(r2), (N if res is not None else 0)
+    new_rstd = allocator(lead, torch.float32, device) if store_rstd else None
 
     def run(a):
         CACHE.note(fn)
         x, w, b, res = a["x"], a["weight"], a.get("bias"), a.get("residual")
         out = torch.empty_like(x, dtype=out_dtype, memory_format=DENSE)  # cheaper than torch.empty(shape)
-        rstd = torch.empty(lead, device=device, dtype=torch.float32) if store_rstd else None
+        rstd = new_rstd() if store_rstd else None
         res_out = torch.empty_like(x, dtype=res_dtype, memory_format=DENSE) if res is not None else None
         fn(x.data_ptr(), None if w is None else w.data_ptr(), None if b is None else b.data_ptr(),
            None if res is None else res.data_ptr(), out.data_ptr(), None if res_out is None else res_out.data_ptr(),
@@ -277,14 +278,14 @@ def plan_layernorm(arch, a: dict):
     want_rstd, want_mean = a.get("return_rstd", False), a.get("return_mean", False)
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), None, None, want_rstd, True,
                           want_mean, dtype_name(x), 0.0, 1)
-    ldx = ld(x2)
+    ldx, new_stat = ld(x2), allocator(lead, torch.float32, device)
 
     def run(a):
         CACHE.note(fn)
         x, b = a["x"], a.get("bias")
         out = torch.empty_like(x, memory_format=DENSE)
-        rstd = torch.empty(lead, device=device, dtype=torch.float32) if want_rstd else None
-        mean = torch.empty(lead, device=device, dtype=torch.float32) if want_mean else None
+        rstd = new_stat() if want_rstd else None
+        mean = new_stat() if want_mean else None
         fn(x.data_ptr(), a["weight"].data_ptr(), None if b is None else b.data_ptr(), None, out.data_ptr(), None,
            None if rstd is None else rstd.data_ptr(), None if mean is None else mean.data_ptr(), M, ldx, 0, N, 0,
            eps, current_stream(device))
@@ -295,7 +296,70 @@ def plan_layernorm(arch, a: dict):
     return run
 
 
-PLANS = {"rmsnorm_forward": plan_forward, "fused_add_rmsnorm_": plan_fused_add, "layernorm": plan_layernorm}
+def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_offset, has_residual=None):
+    """The norm backward (both launches: dx with the partials, then their sum) with the compiled
+    functions, grid and partial-buffer layout fixed; None where the runner must prepare something
+    (a copy, per-head weights, a strided row statistic, the torch partial sum)."""
+    N = x.shape[-1]
+    vec = vec_for(N, x)
+    if (x.numel() == 0 or heads_of(weight, None) > 1 or config.get().bwd_partial_sum == "torch"
+            or not all(kernel_ready_rows(t, vec) for t in (x, weight, dout, dres))
+            or not all(t is None or t.is_contiguous() for t in (rstd, mean))):
+        return None
+    x2, g2, dr2 = rows_view(x), rows_view(dout), rows_view(dres) if dres is not None else None
+    M, layernorm, device = x2.shape[0], mean is not None, x.device
+    fn = compiled_backward(dtype_name(x), N, arch, dtype_name(weight), dtype_name(dout), dtype_name(dres),
+                           has_bias, layernorm, float(weight_offset), 1)
+    launch = backward_launch(N, x.element_size() * 8, arch, layernorm)
+    ctas = max(1, min(-(-M // launch.rows_per_cta), persistent_ctas(launch, sm_count(device.index), layernorm)))
+    has_dw = weight is not None
+    kinds = int(has_dw) + int(has_bias)
+    parts, Np = ctas * launch.rows_per_cta, -(-N // 4) * 4
+    wdtype = weight.dtype if has_dw else x.dtype
+    fn_sum = None
+    if kinds:
+        fn_sum = compiled_partial_sum(N, kinds, dtype_name(wdtype), arch)
+    ldx, ldg, lddr, ldpart = ld(x2), ld(g2), ld(dr2), kinds * Np if kinds else N
+    second = (kinds - 1) * Np * 4  # bytes from the dweight partials to the dbias ones (interleaved rows)
+    new_buf = allocator((parts, kinds, Np), torch.float32, device) if kinds else None
+    new_out = allocator((N,), wdtype, device)
+
+    def run(a):
+        CACHE.note(fn)
+        x, w, g, r = a["x"], a["weight"], a["dout"], a["rstd"]
+        m, dr = (a["mean"] if layernorm else None), a.get("dresidual_out")
+        dx = torch.empty_like(x, memory_format=DENSE)
+        stream = current_stream(device)
+        buf = new_buf() if kinds else None
+        bp = buf.data_ptr() if kinds else 0
+        fn(x.data_ptr(), None if w is None else w.data_ptr(), g.data_ptr(), r.data_ptr(),
+           None if m is None else m.data_ptr(), None if dr is None else dr.data_ptr(), dx.data_ptr(),
+           bp if has_dw else None, bp + second if has_bias else None, M, ldx, ldg, lddr, N, ldpart, ctas, stream)
+        outs = [new_out() for _ in range(kinds)]
+        if kinds:
+            CACHE.note(fn_sum)
+            fn_sum(bp, outs[0].data_ptr(), outs[-1].data_ptr() if kinds == 2 else None, parts, stream)
+        dw = outs[0] if has_dw else None
+        db = outs[-1] if has_bias else None
+        if has_residual is None:  # LayerNorm
+            return dx, dw, db
+        return dx, dw, db, (dx if has_residual else None)
+
+    return run
+
+
+def plan_backward(arch, a: dict):
+    return _plan_backward(arch, a["x"], a["weight"], a["dout"], a["rstd"], None, a.get("dresidual_out"),
+                          a.get("has_bias", False), a.get("weight_offset", 0.0), a.get("has_residual", False))
+
+
+def plan_layernorm_backward(arch, a: dict):
+    return _plan_backward(arch, a["x"], a["weight"], a["dout"], a["rstd"], a["mean"], None, a.get("bias") is not None,
+                          0.0)
+
+
+PLANS = {"rmsnorm_forward": plan_forward, "fused_add_rmsnorm_": plan_fused_add, "layernorm": plan_layernorm,
+         "rmsnorm_backward": plan_backward, "layernorm_backward": plan_layernorm_backward}
 
 CHECKS = {"rmsnorm_forward": check_forward, "fused_add_rmsnorm_": check_fused_add,
           "rmsnorm_backward": check_backward, "layernorm": check_layernorm, "layernorm_backward": check_layernorm}
