@@ -209,15 +209,6 @@ def _oink_ops():
     return torch.ops.oink
 
 
-def _as_vllm(call):
-    """``call()`` as vLLM's model runner makes it: under ``torch.inference_mode()``, which also takes
-    the dispatcher's autograd step out of a ``torch.ops`` call."""
-    import torch
-
-    with torch.inference_mode():
-        return call()
-
-
 def _rmsnorm_forward_reference(a):
     return (_R().rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0],)
 
@@ -349,16 +340,14 @@ SPECS = {
                                   lambda M, N, e: 2 * M * N * e + M * N // 2 + M * N // 32,
                                   gate_view=_mx_block_ratios,
                                   oink=lambda o, a: o.silu_mul_mxfp4quant(a["x"]), block=32, only_in=FP4_SUITES),
-    # vLLM's two ops as vLLM calls them (torch.ops.oink.*, through the dispatcher, in inference mode):
-    # launch cost only
+    # vLLM's two ops as vLLM calls them (torch.ops.oink.*, through the dispatcher): launch cost only
     "vllm_rmsnorm": OpSpec("rmsnorm", _norm_inputs, _rmsnorm_forward_reference, lambda M, N, e: 2 * M * N * e + N * e,
-                           oink=lambda o, a: (_as_vllm(lambda: _oink_ops().rmsnorm(a["x"], a["weight"], EPS)),),
-                           only_in=("launch",)),
+                           oink=lambda o, a: (_oink_ops().rmsnorm(a["x"], a["weight"], EPS),), only_in=("launch",)),
     "vllm_fused_add_rms_norm": OpSpec("rmsnorm", _fused_inputs, _fused_reference,
                                       lambda M, N, e: 4 * M * N * e + N * e, mutates=("x", "residual"),
-                                      oink=lambda o, a: (_as_vllm(lambda: _oink_ops().fused_add_rms_norm(
-                                          a["x"], a["residual"], a["weight"], EPS)), a["x"], a["residual"])[1:],
-                                      only_in=("launch",)),
+                                      oink=lambda o, a: (_oink_ops().fused_add_rms_norm(a["x"], a["residual"],
+                                                                                        a["weight"], EPS),
+                                                         a["x"], a["residual"])[1:], only_in=("launch",)),
     # FP8 (e4m3 codes, fp32 scales): the fp8 suite's ops (see oink/reference/fp8.py for the modes)
     # per token: read x; write codes and one fp32 scale a row
     "fp8_quantize": OpSpec(("fp8_code_step", "fp8_scale"), _fp8_inputs, lambda a: _R().fp8_quantize(a["x"]),

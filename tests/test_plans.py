@@ -40,6 +40,7 @@ def recorder(monkeypatch):
     monkeypatch.setattr(rmsnorm_ops, "sm_count", lambda index: 132)
     for mod in (rmsnorm_ops, softmax_ops, fp8_ops, nvfp4_ops, cross_entropy_ops, compile_mod):
         monkeypatch.setattr(mod, "current_stream", lambda device: 0)
+        monkeypatch.setattr(mod, "stream_of", lambda device: lambda: 0)
     compile_mod.CACHE.clear()
     yield calls
     compile_mod.CACHE.clear()

@@ -203,6 +203,14 @@ def current_stream(device):
     return raw if config.get().tvm_ffi else cuda_driver().CUstream(raw)
 
 
+def stream_of(device) -> Callable[[], int]:
+    """A function returning ``device``'s current raw stream, as a TVM-FFI launch takes it, bound once:
+    the launch plans call it every launch, with no Python frame of its own."""
+    import torch
+
+    return functools.partial(torch._C._cuda_getCurrentRawStream, device.index)
+
+
 @functools.lru_cache(maxsize=None)
 def cuda_driver():
     import cuda.bindings.driver as drv

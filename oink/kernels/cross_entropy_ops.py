@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .compile import CACHE, current_stream
+from .compile import CACHE, current_stream, stream_of
 from ..reference.cross_entropy import per_row, safe_target, loss_from_lse, reduce_loss, row_weight
 from .cross_entropy import compiled_cross_entropy
 from .host import allocator, dtype_name, kernel_ready_rows, ld, prepare_rows, ptr, vec_for, width_reason
@@ -142,6 +142,7 @@ def _plan(mode: str):
         return_lse = mode == "forward" or a.get("return_lse", False)
         fn = compiled_cross_entropy(mode, dtype_name(logits), dtype_name(target), V, arch, return_lse)
         device, ldx, ignore = logits.device, ld(logits), int(a.get("ignore_index", -100))
+        stream = stream_of(device)
         new_row = allocator((M,), torch.float32, device)
 
         def run(a):
@@ -154,7 +155,7 @@ def _plan(mode: str):
             fn(x.data_ptr(), a["target"].data_ptr(), None if dloss is None else dloss.data_ptr(),
                None if lse_in is None else lse_in.data_ptr(), None if loss is None else loss.data_ptr(),
                None if lse is None else lse.data_ptr(), None if dx is None else dx.data_ptr(), M, ldx,
-               0 if dx is None else V, ignore, current_stream(device))
+               0 if dx is None else V, ignore, stream())
             if mode == "forward":
                 return loss, lse
             if mode == "backward":

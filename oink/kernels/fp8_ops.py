@@ -6,7 +6,7 @@ import cutlass
 import torch
 
 from ..reference.fp8 import empty_scales, mode_of
-from .compile import CACHE, current_stream, runtime_ptr
+from .compile import CACHE, current_stream, runtime_ptr, stream_of
 from .fp8 import UNIT, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch
 from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr,
                    rows_view, width_reason)
@@ -123,6 +123,7 @@ def _plan(kind: str):
         M, N = x2.shape[0], x.shape[-1] // 2 if kind == "silu_mul" else x.shape[-1]
         g, cms, ue8m0 = a.get("group_size", 0), a.get("column_major_scales", False), a.get("ue8m0", False)
         mode, device, ldx, qshape = mode_of(None, g), x.device, ld(x2), (*x.shape[:-1], N)
+        stream = stream_of(device)
         if kind != "add_rmsnorm":
             fn = compiled_fp8(kind, dtype_name(x2), N, arch, mode, g, cms, ue8m0, False)
             new_q = allocator(qshape, torch.float8_e4m3fn, device)
@@ -132,7 +133,7 @@ def _plan(kind: str):
                 x = a["x"]
                 q = new_q()
                 s = empty_scales(x, M, N, None, g, cms)
-                fn(x.data_ptr(), None, None, q.data_ptr(), s.data_ptr(), M, ldx, current_stream(device))
+                fn(x.data_ptr(), None, None, q.data_ptr(), s.data_ptr(), M, ldx, stream())
                 return q, s
 
             return run
@@ -150,7 +151,7 @@ def _plan(kind: str):
             y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else None
             fn(x.data_ptr(), None if res is None else res.data_ptr(), a["weight"].data_ptr(), None, None,
                None if y is None else y.data_ptr(), q.data_ptr(), s.data_ptr(), M, ldx, ldr, ldy, eps,
-               current_stream(device))
+               stream())
             return (q, s, y) if return_y else (q, s)
 
         return run_norm

@@ -8,7 +8,7 @@ from functools import partial
 import cutlass
 import torch
 
-from .compile import CACHE, current_stream, runtime_ptr
+from .compile import CACHE, current_stream, runtime_ptr, stream_of
 from ..reference.nvfp4 import round_up
 from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr,
                    rows_view, width_reason)
@@ -121,7 +121,7 @@ def _plan(mode: str, mx: bool = False):
         x2, swizzled = rows_view(x), a.get("swizzled", False)
         M, N = x2.shape[0], x.shape[-1] // 2 if mode == "silu_mul" else x.shape[-1]
         device, ldx = x.device, ld(x2)
-        outputs = _output_allocators(M, N, device, swizzled, block)
+        outputs, stream = _output_allocators(M, N, device, swizzled, block), stream_of(device)
         if mode != "add_rmsnorm":
             fn = compiled_fp4(mode, dtype_name(x2), N, arch, swizzled, mx)
 
@@ -130,7 +130,7 @@ def _plan(mode: str, mx: bool = False):
                 gs = a.get("global_scale")
                 q, sf = outputs()
                 fn(a["x"].data_ptr(), None if gs is None else gs.data_ptr(), q.data_ptr(), sf.data_ptr(), M, ldx,
-                   current_stream(device))
+                   stream())
                 return q, sf.view(sf_dtype)
 
             return run
@@ -146,7 +146,7 @@ def _plan(mode: str, mx: bool = False):
             y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else None
             fn(x.data_ptr(), a["residual"].data_ptr(), a["weight"].data_ptr(), None if gs is None else gs.data_ptr(),
                None if y is None else y.data_ptr(), q.data_ptr(), sf.data_ptr(), M, ldx, ldr, ldy, eps,
-               current_stream(device))
+               stream())
             return (q, sf.view(sf_dtype), y) if return_y else (q, sf.view(sf_dtype))
 
         return run_norm

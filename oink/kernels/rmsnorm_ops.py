@@ -7,7 +7,7 @@ import functools
 import torch
 
 from .. import config
-from .compile import CACHE, current_stream
+from .compile import CACHE, current_stream, stream_of
 from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector,
                    ptr, rows_view, vec_for, width_reason)
 from .rmsnorm import compiled_forward
@@ -225,6 +225,7 @@ def plan_forward(arch, a: dict):
     res_dtype = a.get("residual_dtype") or (res.dtype if res is not None else None)
     store_rstd, eps = a.get("store_rstd", False), float(a.get("eps", 1e-6))
     lead, device = x.shape[:-1], x.device
+    stream = stream_of(device)
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
                           dtype_name(res_dtype) if res is not None else None, store_rstd, False,
                           False, dtype_name(out_dtype), float(a.get("weight_offset", 0.0)), 1)
@@ -240,7 +241,7 @@ def plan_forward(arch, a: dict):
         fn(x.data_ptr(), None if w is None else w.data_ptr(), None if b is None else b.data_ptr(),
            None if res is None else res.data_ptr(), out.data_ptr(), None if res_out is None else res_out.data_ptr(),
            None if rstd is None else rstd.data_ptr(), None, M, ldx, ldres, N, ldres_out, eps,
-           current_stream(device))
+           stream())
         return out, rstd, res_out
 
     return run
@@ -253,6 +254,7 @@ def plan_fused_add(arch, a: dict):
         return None
     x2, r2 = rows_view(x), rows_view(res)
     M, eps, device, wd = x2.shape[0], float(a.get("eps", 1e-6)), x.device, dtype_name(w)
+    stream = stream_of(device)
     fn = compiled_forward(dtype_name(x), N, arch, wd, None, dtype_name(res), dtype_name(res), False, False, False,
                           dtype_name(x), 0.0, 1)
     ldx, ldres = ld(x2), ld(r2)
@@ -262,7 +264,7 @@ def plan_fused_add(arch, a: dict):
         # outputs alias the inputs: each element is read before it is overwritten, by one thread
         xp, rp = a["x"].data_ptr(), a["residual"].data_ptr()
         fn(xp, a["weight"].data_ptr(), None, rp, xp, rp, None, None, M, ldx, ldres, ldx, ldres, eps,
-           current_stream(device))
+           stream())
 
     return run
 
@@ -275,6 +277,7 @@ def plan_layernorm(arch, a: dict):
         return None
     x2 = rows_view(x)
     M, eps, lead, device = x2.shape[0], float(a.get("eps", 1e-6)), x.shape[:-1], x.device
+    stream = stream_of(device)
     want_rstd, want_mean = a.get("return_rstd", False), a.get("return_mean", False)
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), None, None, want_rstd, True,
                           want_mean, dtype_name(x), 0.0, 1)
@@ -288,7 +291,7 @@ def plan_layernorm(arch, a: dict):
         mean = new_stat() if want_mean else None
         fn(x.data_ptr(), a["weight"].data_ptr(), None if b is None else b.data_ptr(), None, out.data_ptr(), None,
            None if rstd is None else rstd.data_ptr(), None if mean is None else mean.data_ptr(), M, ldx, 0, N, 0,
-           eps, current_stream(device))
+           eps, stream())
         if not (want_rstd or want_mean):
             return out
         return (out, *([rstd] if want_rstd else []), *([mean] if want_mean else []))
@@ -308,6 +311,7 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         return None
     x2, g2, dr2 = rows_view(x), rows_view(dout), rows_view(dres) if dres is not None else None
     M, layernorm, device = x2.shape[0], mean is not None, x.device
+    current = stream_of(device)
     fn = compiled_backward(dtype_name(x), N, arch, dtype_name(weight), dtype_name(dout), dtype_name(dres),
                            has_bias, layernorm, float(weight_offset), 1)
     launch = backward_launch(N, x.element_size() * 8, arch, layernorm)
@@ -329,7 +333,7 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         x, w, g, r = a["x"], a["weight"], a["dout"], a["rstd"]
         m, dr = (a["mean"] if layernorm else None), a.get("dresidual_out")
         dx = torch.empty_like(x, memory_format=DENSE)
-        stream = current_stream(device)
+        stream = current()
         buf = new_buf() if kinds else None
         bp = buf.data_ptr() if kinds else 0
         fn(x.data_ptr(), None if w is None else w.data_ptr(), g.data_ptr(), r.data_ptr(),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .compile import CACHE, current_stream
+from .compile import CACHE, current_stream, stream_of
 from .host import dtype_name, kernel_ready_rows, ld, prepare_rows, ptr, rows_view, vec_for, width_reason
 from .softmax import compiled_softmax
 
@@ -63,6 +63,7 @@ def _plan(mode: str, first: str, second: str | None):
         x2, o2 = rows_view(x), (rows_view(other) if other is not None else None)
         fn = compiled_softmax(mode, dtype_name(x), N, arch)
         M, device = x2.shape[0], x.device
+        stream = stream_of(device)
         lda, ldb = ld(x2), ld(o2 if o2 is not None else x2)
 
         def run(a):
@@ -70,7 +71,7 @@ def _plan(mode: str, first: str, second: str | None):
             x = a[first]
             pa = x.data_ptr()
             out = torch.empty_like(x, memory_format=torch.contiguous_format)  # cheaper than torch.empty(shape)
-            fn(pa, a[second].data_ptr() if second else pa, out.data_ptr(), M, lda, ldb, N, current_stream(device))
+            fn(pa, a[second].data_ptr() if second else pa, out.data_ptr(), M, lda, ldb, N, stream())
             return out
 
         return run
