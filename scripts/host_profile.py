@@ -1,4 +1,6 @@
-"""On a GPU: where the host time of an eager call goes. For each op (its bench spec's call, as the
+"""On a GPU: where the host time of an eager call goes. First issue #12's targets side by side:
+Oink's rmsnorm calls (public and torch.ops) against Quack's rmsnorm_fwd, measured in interleaved
+rounds (the shared host's slow spells fall on every call alike). Then for each op (its bench spec's call, as the
 launch suite makes it, M = 128, N = 4096 bf16): the per-call host time (400 calls, then one sync),
 then a cProfile of 1000 calls, the functions with the most own time. For rmsnorm_forward also the
 pieces: the cached launch plan alone, one output allocation, and Quack's rmsnorm_fwd.
@@ -29,6 +31,47 @@ def host_us(fn, calls=400, rounds=5):
         torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
     return best
+
+
+def interleaved_us(calls: dict, n=200, rounds=15) -> dict:
+    """Host us per call of each function, measured in alternating rounds (n calls, then one sync) so
+    that a slow spell of the shared host falls on every function alike: (min, median) over rounds."""
+    for fn in calls.values():
+        fn()
+    torch.cuda.synchronize()
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - t0) / n * 1e6)
+    return {name: (min(t), sorted(t)[len(t) // 2]) for name, t in times.items()}
+
+
+def versus_quack(M=128, N=4096):
+    """Issue #12's host targets, interleaved: Oink's public and torch.ops calls against Quack's."""
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    calls = {"oink.rmsnorm_forward": lambda: oink.rmsnorm_forward(x, w),
+             "torch.ops.oink.rmsnorm": lambda: torch.ops.oink.rmsnorm(x, w, 1e-6),
+             "oink.fused_add_rmsnorm_": lambda: oink.fused_add_rmsnorm_(x, r, w),
+             "torch.ops.oink.fused_add_rms_norm": lambda: torch.ops.oink.fused_add_rms_norm(x, r, w, 1e-6),
+             "F.rms_norm": lambda: torch.nn.functional.rms_norm(x, (N,), w, 1e-6),
+             "torch.empty_like (floor)": lambda: torch.empty_like(x)}
+    try:
+        from quack.rmsnorm import rmsnorm_fwd
+
+        calls["quack rmsnorm_fwd"] = lambda: rmsnorm_fwd(x, w, eps=1e-6)
+        calls["quack rmsnorm_fwd + residual"] = lambda: rmsnorm_fwd(x, w, residual=r, eps=1e-6)
+    except Exception as e:  # noqa: BLE001  (Quack is optional)
+        print(f"  quack: {type(e).__name__}: {e}")
+    got = interleaved_us(calls)
+    print(f"interleaved, M={M}, N={N} bf16, us per call (min / median of 15 rounds of 200 calls):")
+    for name, (lo, med) in got.items():
+        print(f"  {name}: {lo:.2f} / {med:.2f}")
 
 
 def profile(fn, calls=1000, top=14):
@@ -79,6 +122,8 @@ def main():
     ops = sys.argv[1].split(",") if len(sys.argv) > 1 else ["rmsnorm_forward", "layernorm", "rmsnorm_backward",
                                                              "fp8_quantize", "nvfp4_quantize", "cross_entropy_forward",
                                                              "add_rmsnorm_fp8quant"]
+    versus_quack(M=1)
+    versus_quack(M=128)
     print("rmsnorm_forward pieces (M=128, N=4096 bf16):")
     pieces()
     for name in ops:
