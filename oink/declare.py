@@ -174,15 +174,18 @@ class Op:
     # -- oink.<name>
     def __call__(self, a: dict):
         key = _eager_key(a.values(), self.differentiable)
-        if key is not False and self.eager_unfixed:  # routes apart from the op path's, whose args differ
-            return dispatch.run(self._checked_route(a, a, None if key is None else ("eager", key)), a)
         if key is not False:
-            args = {**a, **self.fixed} if self.fixed else a
+            if self.eager_unfixed:  # its routes kept apart from the op path's, whose arguments differ
+                args, key = a, None if key is None else ("eager", key)
+            else:
+                args = {**a, **self.fixed} if self.fixed else a
             out = dispatch.run(self._checked_route(a, args, key), args)
             if self.mutated and torch.is_grad_enabled():  # as the op's ADInplaceOrView would
                 for n in self.mutated:
                     if not a[n].is_inference():
                         torch.autograd.graph.increment_version(a[n])
+            if self.eager_unfixed:
+                return out  # the runner's outputs for the public arguments are the public ones
         else:
             out = self.op(*[a[n] for n in self.op_params])
         return self.to_public(out, a) if self.to_public is not None else out

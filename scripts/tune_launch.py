@@ -99,6 +99,9 @@ def main(argv=None) -> int:
     log = open(a.log, "a") if a.log else None
     card = torch.cuda.get_device_name()
     started = time.time()
+    record = {"card": card, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "oink": getattr(oink, "__version__", "?"), "seconds": 0, "command": " ".join(sys.argv)}
+    data.setdefault("runs", []).append(record)
     for op in a.ops.split(","):
         spec, run = SPECS[op], build(op, "oink", device)
         for N in (int(n) for n in a.widths.split(",")):
@@ -135,23 +138,18 @@ def main(argv=None) -> int:
                     verdict = "heuristic kept"
                 print(f"# {key} N={width}: heuristic {base * 1e6:.1f} us, best {best_t * 1e6:.1f} us: {verdict}",
                       flush=True)
-            write(out, data, card, started)  # after every width: a run cut off keeps what it found
+            write(out, data, record, started)  # after every width: a run cut off keeps what it found
     launch_table.OVERRIDES.clear()
     config.reload()
+    write(out, data, record, started)
     print(f"tune_launch: wrote {out} after {time.time() - started:.0f} s")
     return 0
 
 
-def write(out: Path, data: dict, card: str, started: float) -> None:
-    record = {"card": card, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "oink": getattr(oink, "__version__", "?"), "seconds": round(time.time() - started),
-              "command": " ".join(sys.argv)}
-    runs = data.setdefault("runs", [])
-    if getattr(write, "started", None) == started:
-        runs[-1] = record  # this run's record, written at the previous width
-    else:
-        runs.append(record)
-        write.started = started
+def write(out: Path, data: dict, record: dict, started: float) -> None:
+    """The table with this run's record (``record``, in ``data["runs"]``) brought up to date, written
+    whole under a temporary name and renamed."""
+    record["seconds"] = round(time.time() - started)
     tables = data.setdefault("tables", {})
     for arch in tables:
         tables[arch] = {k: v for k, v in sorted(tables[arch].items()) if v}
