@@ -1,9 +1,10 @@
 """On a GPU: where the host time of an eager call goes. First issue #12's targets side by side:
 Oink's rmsnorm calls (public and torch.ops) against Quack's rmsnorm_fwd, measured in interleaved
-rounds (the shared host's slow spells fall on every call alike). Then for each op (its bench spec's call, as the
-launch suite makes it, M = 128, N = 4096 bf16): the per-call host time (400 calls, then one sync),
-then a cProfile of 1000 calls, the functions with the most own time. For rmsnorm_forward also the
-pieces: the cached launch plan alone, one output allocation, and Quack's rmsnorm_fwd.
+rounds (the shared host's slow spells fall on every call alike). Then for rmsnorm_forward the
+pieces: the cached launch plan alone, the layout key, one output allocation, torch.ops.oink.rmsnorm
+with and without inference mode, and a profile of Quack's rmsnorm_fwd. Then for each op (its bench
+spec's call, as the launch suite makes it, M = 128, N = 4096 bf16): the per-call host time (400
+calls, then one sync), then a cProfile of 1000 calls, the functions with the most own time.
 
     python3 scripts/host_profile.py [op,op,...] > host_profile.txt
 """
@@ -103,18 +104,15 @@ def pieces(M=128, N=4096):
     print(f"  checked route (cached): {host_us(lambda: op._checked_route(a, a, key)):.2f} us")
     print(f"  torch.empty [M, N]: {host_us(lambda: torch.empty((M, N), device=x.device, dtype=x.dtype)):.2f} us")
     print(f"  torch.empty_like: {host_us(lambda: torch.empty_like(x)):.2f} us")
-    print(f"  oink.rmsnorm_forward: {host_us(lambda: oink.rmsnorm_forward(x, w)):.2f} us")
     print(f"  torch.ops.oink.rmsnorm: {host_us(lambda: torch.ops.oink.rmsnorm(x, w, 1e-6)):.2f} us")
     with torch.inference_mode():  # as vLLM calls it: no autograd step in the dispatcher
         print(f"  torch.ops.oink.rmsnorm, inference mode: {host_us(lambda: torch.ops.oink.rmsnorm(x, w, 1e-6)):.2f} us")
     try:
         from quack.rmsnorm import rmsnorm_fwd
 
-        print(f"  quack rmsnorm_fwd: {host_us(lambda: rmsnorm_fwd(x, w, eps=1e-6)):.2f} us")
         print("  quack rmsnorm_fwd profile:\n" + profile(lambda: rmsnorm_fwd(x, w, eps=1e-6)))
     except Exception as e:  # noqa: BLE001  (Quack is optional)
         print(f"  quack: {type(e).__name__}: {e}")
-    print(f"  F.rms_norm: {host_us(lambda: torch.nn.functional.rms_norm(x, (N,), w, 1e-6)):.2f} us")
 
 
 def main():

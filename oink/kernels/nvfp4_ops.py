@@ -30,15 +30,17 @@ def check_add_rmsnorm(t: dict, arch: str, block: int = BLOCK) -> str | None:
     return width_reason(t["x"].shape[-1]) or in_place_reason("residual", t["residual"], block)
 
 
+def _scale_shape(M: int, K: int, swizzled: bool) -> tuple[int, int]:
+    """The scale buffer's shape for K scales a row: the swizzled layout pads to 128 rows, 4 columns."""
+    return (round_up(M, 128), round_up(K, 4)) if swizzled else (M, K)
+
+
 def _outputs(M: int, N: int, device, swizzled: bool, block: int = BLOCK):
     """q [M, N/2] uint8 and the scale bytes (swizzled padding zeroed, as the layout promises)."""
     K = N // block
     q = torch.empty((M, N // 2), device=device, dtype=torch.uint8)
-    if swizzled:
-        Mp, Kp = round_up(M, 128), round_up(K, 4)
-        sf = (torch.zeros if (Mp, Kp) != (M, K) else torch.empty)((Mp, Kp), device=device, dtype=torch.uint8)
-    else:
-        sf = torch.empty((M, K), device=device, dtype=torch.uint8)
+    shape = _scale_shape(M, K, swizzled)
+    sf = (torch.zeros if shape != (M, K) else torch.empty)(shape, device=device, dtype=torch.uint8)
     return q, sf
 
 
@@ -47,7 +49,7 @@ def _output_allocators(M: int, N: int, device, swizzled: bool, block: int = BLOC
     swizzled scale buffer still zeroed)."""
     K = N // block
     new_q = allocator((M, N // 2), torch.uint8, device)
-    padded = (round_up(M, 128), round_up(K, 4)) if swizzled else (M, K)
+    padded = _scale_shape(M, K, swizzled)
     if padded != (M, K):
         return lambda: (new_q(), torch.zeros(padded, device=device, dtype=torch.uint8))
     new_sf = allocator((M, K), torch.uint8, device)

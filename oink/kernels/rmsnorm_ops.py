@@ -143,10 +143,7 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
     launch = backward_launch(N, x.element_size() * 8, arch, layernorm)
     if heads > 1:
         launch = head_launch(launch, heads)
-    tiles = -(-M // launch.rows_per_cta)
-    sms = sm_count(x.device.index)
-    ctas = max(1, min(tiles, persistent_ctas(launch, sms, layernorm)))
-    parts = ctas * launch.rows_per_cta
+    ctas, parts = backward_grid(launch, M, x.device, layernorm)
     buf, dw_part, db_part = partial_buffers(parts, N, weight is not None, has_bias, x.device, torch.empty)
     if M > 0:
         launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean, weight_offset, heads)
@@ -161,11 +158,22 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
     return dx.view(x.shape), dw, db
 
 
+def backward_grid(launch, M: int, device, layernorm: bool) -> tuple[int, int]:
+    """(CTAs of the backward's persistent grid, partial rows they write) for M rows."""
+    ctas = max(1, min(-(-M // launch.rows_per_cta), persistent_ctas(launch, sm_count(device.index), layernorm)))
+    return ctas, ctas * launch.rows_per_cta
+
+
+def partial_width(N: int) -> int:
+    """A partial row's length: N rounded up to 16 bytes of fp32, so each kind's rows stay aligned."""
+    return -(-N // 4) * 4
+
+
 def partial_buffers(parts: int, N: int, has_dw: bool, has_db: bool, device, alloc):
-    """One fp32 buffer [parts, k, Np] holding the k (0-2) partial kinds interleaved by row (Np = N
-    rounded up to 16 bytes, so each kind's rows stay aligned), which one reduction sums:
+    """One fp32 buffer [parts, k, partial_width(N)] holding the k (0-2) partial kinds interleaved by
+    row, which one reduction sums:
     -> (buffer, dweight partials [parts, N] view or None, dbias partials view or None)."""
-    buf = alloc((parts, int(has_dw) + int(has_db), -(-N // 4) * 4), device=device, dtype=torch.float32)
+    buf = alloc((parts, int(has_dw) + int(has_db), partial_width(N)), device=device, dtype=torch.float32)
     return buf, (buf[:, 0, :N] if has_dw else None), (buf[:, -1, :N] if has_db else None)
 
 
@@ -315,10 +323,10 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
     fn = compiled_backward(dtype_name(x), N, arch, dtype_name(weight), dtype_name(dout), dtype_name(dres),
                            has_bias, layernorm, float(weight_offset), 1)
     launch = backward_launch(N, x.element_size() * 8, arch, layernorm)
-    ctas = max(1, min(-(-M // launch.rows_per_cta), persistent_ctas(launch, sm_count(device.index), layernorm)))
+    ctas, parts = backward_grid(launch, M, device, layernorm)
     has_dw = weight is not None
     kinds = int(has_dw) + int(has_bias)
-    parts, Np = ctas * launch.rows_per_cta, -(-N // 4) * 4
+    Np = partial_width(N)
     wdtype = weight.dtype if has_dw else x.dtype
     fn_sum = None
     if kinds:
