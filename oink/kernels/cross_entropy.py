@@ -86,7 +86,7 @@ class CrossEntropy(RowKernelBase):
             if row < M:
                 lse = mLseIn[row]
         else:
-            m, _, s = self.row_exp_sum(x, buf, mbar)
+            m, s = self.row_max_sum(x, buf, mbar)
             lse = m + cute.math.log(s, fastmath=False)
             # the row's leader (column 0, first CTA of the cluster) writes the row's loss and lse
             leader = tXcX[0][1] == 0

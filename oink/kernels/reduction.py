@@ -271,6 +271,34 @@ class RowKernelBase:
         return m, e, self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
 
     @cute.jit
+    def row_max_sum(self, x, buf, mbar):
+        """(row max m, the row's sum of exp(x - m)) in one reduction round (slots 0 and 1), where
+        ``row_exp_sum`` takes two, one after the other: each thread's (max, sum of exp(x - its max))
+        pairs merge by rescaling both sums to the larger max (online softmax). For the
+        cross-entropy forward, which needs the lse only."""
+        L = self.launch
+        m = x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
+        shift = m
+        if m == Float32(-math.inf):  # only padding (-inf) here: exp2(-inf) sums to 0, never NaN
+            shift = Float32(0.0)
+        e = cute.math.exp2((x - shift) * LOG2E, fastmath=True)
+        s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        group = min(L.threads_per_row, WARP)
+        for i in cutlass.range_constexpr(int(math.log2(group))):
+            m, s = _merge_max_sum(m, s, *_bfly_pair(m, s, group >> (i + 1)))
+        width = const_expr(L.warps_per_row * L.cluster_n)
+        if const_expr(width > 1):
+            buf_m, buf_s, row, lane = self._publish(m, s, buf, mbar, 0, 1, 0)
+            m, s = Float32(-math.inf), Float32(0.0)
+            for i in cutlass.range_constexpr(cute.ceil_div(width, WARP)):
+                idx = lane + i * WARP
+                if idx < width:
+                    m, s = _merge_max_sum(m, s, buf_m[row, idx], buf_s[row, idx])
+            for i in cutlass.range_constexpr(5):
+                m, s = _merge_max_sum(m, s, *_bfly_pair(m, s, WARP >> (i + 1)))
+        return m, s
+
+    @cute.jit
     def row_allreduce_pair(self, a: Float32, b, op: cutlass.Constexpr, init: Float32, buf, mbar, slot_a,
                            slot_b, phase=0):
         """``row_allreduce`` of two independent values (b may be None) sharing one barrier round,
@@ -282,38 +310,48 @@ class RowKernelBase:
             b = cute.arch.warp_reduction(b, op, threads_in_group=group)
         width = const_expr(L.warps_per_row * L.cluster_n)
         if const_expr(width > 1):
-            lane = cute.arch.lane_idx()
-            warp = cute.arch.warp_idx()
-            row = warp // L.warps_per_row
-            col = warp % L.warps_per_row
-            buf_a = buf[None, None, slot_a]
-            buf_b = buf[None, None, slot_b] if const_expr(b is not None) else None
-            if const_expr(L.cluster_n == 1):
-                if lane == 0:
-                    buf_a[row, col] = a
-                    if const_expr(b is not None):
-                        buf_b[row, col] = b
-                cute.arch.barrier()
-            else:
-                rank = cute.arch.block_idx_in_cluster()
-                nbytes = L.rows_per_cta * width * 4
-                if warp == 0:
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + slot_a, nbytes)
-                        if const_expr(b is not None):
-                            cute.arch.mbarrier_arrive_and_expect_tx(mbar + slot_b, nbytes)
-                if lane < L.cluster_n:
-                    at = cute.crd2idx((row, col + rank * L.warps_per_row), buf_a.layout)
-                    _store_remote_f32(a, buf_a.iterator + at, mbar + slot_a, lane)
-                    if const_expr(b is not None):
-                        _store_remote_f32(b, buf_b.iterator + at, mbar + slot_b, lane)
-                cute.arch.mbarrier_wait(mbar + slot_a, phase=phase)
-                if const_expr(b is not None):
-                    cute.arch.mbarrier_wait(mbar + slot_b, phase=phase)
+            buf_a, buf_b, row, lane = self._publish(a, b, buf, mbar, slot_a, slot_b, phase)
             a = self._combine(buf_a, row, lane, width, op, init)
             if const_expr(b is not None):
                 b = self._combine(buf_b, row, lane, width, op, init)
         return a, b
+
+    @cute.jit
+    def _publish(self, a: Float32, b, buf, mbar, slot_a, slot_b, phase):
+        """Each warp's partial of its row (lane 0's ``a``, and ``b`` unless None) into the row's
+        shared buffer of every CTA of the cluster (slots ``slot_a``, ``slot_b``), waiting until all
+        have arrived. -> (buffer a, buffer b, row in the CTA, lane) to read them back."""
+        L = self.launch
+        width = const_expr(L.warps_per_row * L.cluster_n)
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        row = warp // L.warps_per_row
+        col = warp % L.warps_per_row
+        buf_a = buf[None, None, slot_a]
+        buf_b = buf[None, None, slot_b] if const_expr(b is not None) else None
+        if const_expr(L.cluster_n == 1):
+            if lane == 0:
+                buf_a[row, col] = a
+                if const_expr(b is not None):
+                    buf_b[row, col] = b
+            cute.arch.barrier()
+        else:
+            rank = cute.arch.block_idx_in_cluster()
+            nbytes = L.rows_per_cta * width * 4
+            if warp == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + slot_a, nbytes)
+                    if const_expr(b is not None):
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + slot_b, nbytes)
+            if lane < L.cluster_n:
+                at = cute.crd2idx((row, col + rank * L.warps_per_row), buf_a.layout)
+                _store_remote_f32(a, buf_a.iterator + at, mbar + slot_a, lane)
+                if const_expr(b is not None):
+                    _store_remote_f32(b, buf_b.iterator + at, mbar + slot_b, lane)
+            cute.arch.mbarrier_wait(mbar + slot_a, phase=phase)
+            if const_expr(b is not None):
+                cute.arch.mbarrier_wait(mbar + slot_b, phase=phase)
+        return buf_a, buf_b, row, lane
 
     @cute.jit
     def _combine(self, sbuf, row, lane, width: cutlass.Constexpr, op: cutlass.Constexpr, init: Float32) -> Float32:
@@ -344,6 +382,25 @@ def _store_remote_f32(val, smem_ptr, mbar_ptr, peer, *, loc=None, ip=None):
 
 
 add = operator.add
+
+
+@cute.jit
+def _bfly_pair(m: Float32, s: Float32, offset: cutlass.Constexpr):
+    """The (max, sum) pair of the lane ``offset`` away (butterfly)."""
+    return (cute.arch.shuffle_sync_bfly(m, offset=offset, mask=-1, mask_and_clamp=31),
+            cute.arch.shuffle_sync_bfly(s, offset=offset, mask=-1, mask_and_clamp=31))
+
+
+@cute.jit
+def _merge_max_sum(m1: Float32, s1: Float32, m2: Float32, s2: Float32):
+    """Two (max, sum of exp(x - max)) partials as one, at the larger max. Two all-padding partials
+    (max -inf, sum 0) stay (-inf, 0), where exp2(-inf - -inf) would make the sum NaN."""
+    m = cute.arch.fmax(m1, m2)
+    s = s1 + s2
+    if m != Float32(-math.inf):
+        s = s1 * cute.math.exp2((m1 - m) * LOG2E, fastmath=True) + s2 * cute.math.exp2((m2 - m) * LOG2E,
+                                                                                       fastmath=True)
+    return m, s
 
 
 @cute.jit
