@@ -16,7 +16,8 @@ BIG = 1 << 20  # addresses are above this; M, strides and flags below
 
 @pytest.fixture
 def recorder(monkeypatch):
-    """Every compiled function is a recorder of its calls; streams are 0."""
+    """Every compiled function is a recorder of its calls; streams are 0. The disk cache is off: a
+    kernel compiled by an earlier GPU session would be loaded from it, not recorded."""
     import oink.kernels.compile as compile_mod
     import oink.kernels.cross_entropy as cross_entropy
     import oink.kernels.cross_entropy_ops as cross_entropy_ops
@@ -41,8 +42,12 @@ def recorder(monkeypatch):
     for mod in (rmsnorm_ops, softmax_ops, fp8_ops, nvfp4_ops, cross_entropy_ops, compile_mod):
         monkeypatch.setattr(mod, "current_stream", lambda device: 0)
         monkeypatch.setattr(mod, "stream_of", lambda device: lambda: 0)
+    monkeypatch.setenv("OINK_CACHE_DIR", "0")
+    config.reload()
     compile_mod.CACHE.clear()
     yield calls
+    monkeypatch.undo()
+    config.reload()
     compile_mod.CACHE.clear()
 
 
