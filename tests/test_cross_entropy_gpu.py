@@ -55,6 +55,32 @@ def test_cross_entropy_kernels(mode, dtype, N, M, seed):
         assert torch.all(dx[target == IGNORE] == 0)
 
 
+@pytest.mark.parametrize("ld_pad", [0, 2, 7])
+@pytest.mark.parametrize("N", [4097, 32001, 50257, 100277])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shifted_rows_read_only_their_row(dtype, N, ld_pad, seed):
+    """The forward reads rows that start off a 16-byte boundary through aligned windows holding
+    the ends of the rows beside them: a large logit at the first and last column of every third
+    row would raise its neighbours' lse if their windows let it in. Rows ``ld_pad`` elements apart
+    beyond N (a view of a wider buffer)."""
+    from oink.kernels.cross_entropy_ops import launch
+
+    M = 301
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    buf = (torch.randn(M, N + ld_pad, device="cuda", generator=g) * 4).to(dtype)
+    buf[::3, 0] = 60.0
+    buf[::3, N - 1] = 60.0
+    buf[:, N:] = 60.0  # the padding of a wider buffer is not the row's either
+    logits = buf[:, :N]
+    target = torch.randint(0, N, (M,), device="cuda", generator=g)
+    loss_ref, lse_ref = R.cross_entropy_forward(logits, target, IGNORE)
+    loss = torch.full((M,), float("nan"), device="cuda")
+    lse = torch.full((M,), float("nan"), device="cuda")
+    launch("forward", cuda_arch(), logits, target, IGNORE, loss=loss, lse_out=lse)
+    close_family(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
+    close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("target_dtype", [torch.int32, torch.int64], ids=str)
 def test_public_api_routes_to_kernel(reduction, target_dtype, seed):

@@ -195,9 +195,10 @@ def test_softmax_compiles(arch, dtype, mode):
 from oink.kernels.cross_entropy import MODES as CE_MODES  # noqa: E402
 from oink.kernels.cross_entropy import compiled_cross_entropy  # noqa: E402
 
-# vocabularies: one warp, odd (scalar loads), GPT-2's odd 50257 (a cluster of 8 scalar loads),
-# Llama-3's 128256 (cluster of 2) and the widest (cluster of 4 in 16-bit dtypes, 8 in fp32)
-CE_WIDTHS = [64, 1000, 3072, 50257, 65536, 128256, 262144]
+# vocabularies: tiny and odd (scalar loads), one warp, Llama-2's 32000 (forward: 2 CTAs of 256),
+# GPT-2's odd 50257 and cl100k's odd 100277 (forward: shifted rows, an aligned window; dlogits
+# modes: a cluster of 8 scalar loads), Llama-3's 128256 (forward: 8 CTAs) and the widest
+CE_WIDTHS = [7, 64, 1000, 3072, 32000, 50257, 65536, 100277, 128256, 262144]
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)

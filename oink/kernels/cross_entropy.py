@@ -5,7 +5,10 @@ One pass over the logits each; a row stays in registers between its load and its
 - backward: dx = dloss[row] * (exp(x - lse) - onehot(target)) (0 on ignored rows); no reduction
 - fused: the forward's two reductions, then the backward from the lse just computed (no lse
   round trip through memory); writes loss and dx.
-Columns past N load as -inf (exp gives 0). x[target] for the loss is one scalar load by the
+Columns past N load as -inf (exp gives 0). Rows whose starts are not 16-byte aligned (N not a
+multiple of the 128-bit vector: GPT-2's 50257) are read by the forward as an aligned window of
+vectors around the row, its columns outside the row set to -inf ("shifted" rows), instead of
+one element an access; the modes that write dlogits keep element accesses. x[target] for the loss is one scalar load by the
 row's leader thread: the row was just read, so it hits cache. A target outside [0, N) that is
 not ignore_index (the host check is skipped under CUDA-graph capture) gives a NaN loss and
 NaN dlogits for its row, never an out-of-bounds read. ``dx`` may alias ``x`` (in-place
@@ -30,23 +33,36 @@ MODES = ("forward", "backward", "fwd_bwd")
 
 def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward") -> RowLaunch:
     """Launch heuristic for the cross-entropy family (the one place it is chosen). The forward only
-    reads, and a larger cluster costs it more than a small spill (512 x 151936 bf16 on H100: 83 us
-    over 4 CTAs, 133 us over 8; 128256 at 8 units a thread, spilling 48 bytes, 65 us against 72 us
-    over twice the CTAs): up to 8 units a thread. The modes that write dlogits lose more to a spill:
-    5 units a thread, then a larger cluster (128256: 129 -> 97 us over 4 CTAs instead of 2)."""
+    reads: a row wider than one CTA of 256 threads at 8 units a thread goes to CTAs of 256 threads
+    over a cluster of up to 8, where more, smaller CTAs a SM keep more rows loading while others
+    reduce (4096 x 32000 bf16 on H100: 86 us over 2 CTAs of 256 against 112 us on one of 1024;
+    128256: 349 us over 8 CTAs of 256 against 427 over 4 of 1024). Past 8 CTAs of 256 (131072 bf16)
+    it takes CTAs of up to 1024 threads, spilling a little: a larger cluster cost it more
+    (512 x 151936: 83 us over 4 CTAs, 133 us over 8). The modes that write dlogits lose more to a
+    spill: 5 units a thread, then a larger cluster (128256: 129 -> 97 us over 4 CTAs instead of 2)."""
+    if mode == "forward":
+        small = pick_row_launch(N, x_bits, units_per_thread=8, max_units_per_thread=8, max_threads=256)
+        units = N // small.vec
+        if 256 * 8 < units <= small.threads_per_row * small.cluster_n * 8:
+            return small
     return pick_row_launch(N, x_bits, max_units_per_thread=8 if mode == "forward" else 5)
 
 
 class CrossEntropy(RowKernelBase):
     """Loss and lse (forward), dlogits (backward), or both in one pass (fwd_bwd)."""
 
-    def __init__(self, launch: RowLaunch, dtype, target_dtype, mode: str):
+    def __init__(self, launch: RowLaunch, dtype, target_dtype, mode: str, n: int | None = None):
+        """``n``: the row's width where ``launch.N`` is the window of a shifted-rows forward."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
         super().__init__(launch, num_reductions=0 if mode == "backward" else 2)
         self.x_dtype = dtype
         self.mode = mode
         self.target_dtype = target_dtype
+        self.n = launch.N if n is None else n
+        self.shifted = self.n != launch.N
+        if self.shifted and (mode != "forward" or launch.rows_per_cta != 1 or launch.N < self.n + launch.vec - 1):
+            raise ValueError(f"shifted rows: the forward only, one row a CTA, a window of >= n + vec - 1; got {launch}")
 
     @cute.jit
     def __call__(self, px: cute.Pointer, ptarget: cute.Pointer, pdloss: Optional[cute.Pointer],
@@ -54,7 +70,10 @@ class CrossEntropy(RowKernelBase):
                  pdx: Optional[cute.Pointer], M: Int32, ldx: Int64, lddx: Int64, ignore_index: Int32,
                  stream: cuda.CUstream):
         vector = lambda p: cute.make_tensor(p, cute.make_layout((M,))) if const_expr(p is not None) else None  # noqa: E731
-        mX = self.matrix(px, M, ldx)
+        if const_expr(self.shifted):  # rows start anywhere: only scalar reads through this view
+            mX = cute.make_tensor(px, cute.make_layout((M, self.n), stride=(ldx, 1)))
+        else:
+            mX = self.matrix(px, M, ldx)
         mDx = self.matrix(pdx, M, lddx) if const_expr(pdx is not None) else None
         self.kernel(mX, vector(ptarget), vector(pdloss), vector(plse_in), vector(ploss), vector(plse_out), mDx,
                     ignore_index, self.tiled_copy(self.x_dtype)).launch(
@@ -67,17 +86,26 @@ class CrossEntropy(RowKernelBase):
         L = self.launch
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
         M = cute.size(mX, mode=[0])
-        tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
-        row = tXcX[0][0]
-        tXgX = part(mX, bidx)
+        if const_expr(self.shifted):
+            tXcX, tXgX, shift = self.row_window(mX, bidx, M, part)
+            row = bidx
+        else:
+            tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
+            row = tXcX[0][0]
+            tXgX = part(mX, bidx)
         rX = cute.make_rmem_tensor_like(tXgX)
         rX.fill(-math.inf)
         target = Int32(0)
         if row < M:
             self.copy_row(tXgX, rX, tXcX, self.x_dtype)
             target = Int32(mTarget[row])
+            if const_expr(self.shifted):  # the window's columns outside the row: the rows beside it
+                for i in cutlass.range_constexpr(cute.size(rX)):
+                    col = tXcX[i][1]
+                    if col < shift or col >= shift + self.n:
+                        rX[i] = rX.element_type(-math.inf)
         valid = target != ignore_index
-        bad = valid and (target < 0 or target >= L.N)
+        bad = valid and (target < 0 or target >= self.n)
         self.wait_cluster()
         x = rX.load().to(Float32)
 
@@ -118,6 +146,29 @@ class CrossEntropy(RowKernelBase):
             if row < M:
                 self.copy_row(rO, part(mDx, bidx), tXcX, self.x_dtype)
 
+    @cute.jit
+    def row_window(self, mX: cute.Tensor, row, M, part):
+        """A shifted row's aligned window: (column coordinates in the window, this thread's slice of
+        it, the row's first column in it). The window starts at the 16-byte boundary at or before
+        the row (the base is 16-byte aligned) and every one of its vectors holds a column of the
+        row, so no read leaves the memory the tensor's rows lie in."""
+        L = self.launch
+        start = Int64(0)
+        if row < M:
+            start = cute.crd2idx((row, 0), mX.layout)
+        shift = Int32(start % L.vec)
+        base = cute.make_ptr(self.x_dtype, (mX.iterator + (start - shift)).toint(), cute.AddressSpace.gmem,
+                             assumed_align=16)
+        window = cute.make_tensor(base, cute.make_layout((1, L.N), stride=(L.N, 1)))
+        return part(cute.make_identity_tensor(window.shape), 0), part(window, 0), shift
+
+
+def shifted_window(N: int, x_bits: int) -> int | None:
+    """The window width of a shifted-rows forward at width N (N plus up to a vector less one of
+    lead, whole vectors), or None where rows start aligned."""
+    vec = 128 // x_bits
+    return None if N % vec == 0 else -(-(N + vec - 1) // vec) * vec
+
 
 @memo
 def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arch: str, store_lse: bool = True):
@@ -126,7 +177,11 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the cross-entropy kernels handle 1 <= N <= {MAX_N}")
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
-    launch = pick(f"cross_entropy/{mode}/x{dt.width}", arch, cross_entropy_launch(N, dt.width, arch, mode))
+    window = shifted_window(N, dt.width) if mode == "forward" else None
+    if window and cross_entropy_launch(window, dt.width, arch, mode).rows_per_cta == 1:
+        launch = pick(f"cross_entropy/forward_shifted/x{dt.width}", arch, cross_entropy_launch(window, dt.width, arch, mode))
+    else:
+        launch = pick(f"cross_entropy/{mode}/x{dt.width}", arch, cross_entropy_launch(N, dt.width, arch, mode))
     store_lse = store_lse and mode != "backward"
 
     def build():
@@ -134,7 +189,7 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
         f32 = gmem_ptr(Float32, 4)
         fwd, bwd = mode != "backward", mode != "forward"
         return compile_kernel(
-            CrossEntropy(launch, dt, tt, mode), gmem_ptr(dt), gmem_ptr(tt, tt.width // 8),
+            CrossEntropy(launch, dt, tt, mode, N), gmem_ptr(dt), gmem_ptr(tt, tt.width // 8),
             f32 if bwd else None, f32 if mode == "backward" else None, f32 if fwd else None,
             f32 if store_lse else None, gmem_ptr(dt) if bwd else None, Int32(1), one, one, Int32(-100),
             fake_stream(), arch=arch)
