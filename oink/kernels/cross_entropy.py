@@ -31,7 +31,7 @@ from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, pick_row_launch
 MODES = ("forward", "backward", "fwd_bwd")
 
 
-def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward") -> RowLaunch:
+def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", shifted: bool = False) -> RowLaunch:
     """Launch heuristic for the cross-entropy family (the one place it is chosen). The forward only
     reads: a row wider than one CTA of 256 threads at 8 units a thread goes to CTAs of 256 threads
     over a cluster of up to 8, where more, smaller CTAs a SM keep more rows loading while others
@@ -39,8 +39,10 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward") 
     128256: 349 us over 8 CTAs of 256 against 427 over 4 of 1024). Past 8 CTAs of 256 (131072 bf16)
     it takes CTAs of up to 1024 threads, spilling a little: a larger cluster cost it more
     (512 x 151936: 83 us over 4 CTAs, 133 us over 8). The modes that write dlogits lose more to a
-    spill: 5 units a thread, then a larger cluster (128256: 129 -> 97 us over 4 CTAs instead of 2)."""
-    if mode == "forward":
+    spill: 5 units a thread, then a larger cluster (128256: 129 -> 97 us over 4 CTAs instead of 2).
+    A ``shifted`` forward (rows off 16-byte boundaries; N is its window) keeps one CTA of up to 1024
+    threads as long as it can (4096 x 50257: 167 us on one CTA of 1024, 351 us over 4 of 256)."""
+    if mode == "forward" and not shifted:
         small = pick_row_launch(N, x_bits, units_per_thread=8, max_units_per_thread=8, max_threads=256)
         units = N // small.vec
         if 256 * 8 < units <= small.threads_per_row * small.cluster_n * 8:
@@ -106,6 +108,15 @@ class CrossEntropy(RowKernelBase):
                         rX[i] = rX.element_type(-math.inf)
         valid = target != ignore_index
         bad = valid and (target < 0 or target >= self.n)
+        # the row's leader (column 0, first CTA of the cluster) writes the row's loss and lse; it
+        # loads the target's logit now, so the load's latency hides behind the row's reduction
+        leader = tXcX[0][1] == 0
+        if const_expr(L.cluster_n > 1):
+            leader = leader and cy == 0
+        x_target = Float32(0.0)
+        if const_expr(self.mode != "backward"):
+            if leader and row < M and valid and not bad:
+                x_target = Float32(mX[row, target])
         self.wait_cluster()
         x = rX.load().to(Float32)
 
@@ -116,16 +127,12 @@ class CrossEntropy(RowKernelBase):
         else:
             m, s = self.row_max_sum(x, buf, mbar)
             lse = m + cute.math.log(s, fastmath=False)
-            # the row's leader (column 0, first CTA of the cluster) writes the row's loss and lse
-            leader = tXcX[0][1] == 0
-            if const_expr(L.cluster_n > 1):
-                leader = leader and cy == 0
             if leader and row < M:
                 loss = Float32(0.0)
                 if bad:
                     loss = Float32(math.nan)
                 elif valid:
-                    loss = lse - Float32(mX[row, target])
+                    loss = lse - x_target
                 mLoss[row] = loss
                 if const_expr(mLseOut is not None):
                     mLseOut[row] = lse
@@ -178,8 +185,9 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
         raise ValueError(f"N={N}: the cross-entropy kernels handle 1 <= N <= {MAX_N}")
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
     window = shifted_window(N, dt.width) if mode == "forward" else None
-    if window and cross_entropy_launch(window, dt.width, arch, mode).rows_per_cta == 1:
-        launch = pick(f"cross_entropy/forward_shifted/x{dt.width}", arch, cross_entropy_launch(window, dt.width, arch, mode))
+    if window and cross_entropy_launch(window, dt.width, arch, mode, True).rows_per_cta == 1:
+        launch = pick(f"cross_entropy/forward_shifted/x{dt.width}", arch,
+                      cross_entropy_launch(window, dt.width, arch, mode, True))
     else:
         launch = pick(f"cross_entropy/{mode}/x{dt.width}", arch, cross_entropy_launch(N, dt.width, arch, mode))
     store_lse = store_lse and mode != "backward"
