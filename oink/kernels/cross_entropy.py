@@ -16,6 +16,7 @@ backward): every element is read before it is written, by the same thread.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -37,8 +38,10 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", 
     over a cluster of up to 8, where more, smaller CTAs a SM keep more rows loading while others
     reduce (4096 x 32000 bf16 on H100: 86 us over 2 CTAs of 256 against 112 us on one of 1024;
     128256: 349 us over 8 CTAs of 256 against 427 over 4 of 1024). Past 8 CTAs of 256 (131072 bf16)
-    it takes CTAs of up to 1024 threads, spilling a little: a larger cluster cost it more
-    (512 x 151936: 83 us over 4 CTAs, 133 us over 8). The modes that write dlogits lose more to a
+    a 16-bit sm_90a forward takes a cluster of 16 (a non-portable size, as Quack's; 4096 x 201088: 787
+    us against 903 over 4 CTAs of 1024, 256000: 772 against 976); elsewhere CTAs of up to 1024
+    threads, spilling a little: a cluster of 8 cost it more (512 x 151936: 83 us over 4 CTAs, 133
+    us over 8; the table has better for 151936). The modes that write dlogits lose more to a
     spill: 5 units a thread, then a larger cluster (128256: 129 -> 97 us over 4 CTAs instead of 2).
     A ``shifted`` forward (rows off 16-byte boundaries; N is its window) keeps one CTA of up to 1024
     threads as long as it can (4096 x 50257: 167 us on one CTA of 1024, 351 us over 4 of 256)."""
@@ -47,6 +50,8 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", 
         units = N // small.vec
         if 256 * 8 < units <= small.threads_per_row * small.cluster_n * 8:
             return small
+        if arch == "sm_90a" and x_bits == 16 and 256 * 8 * 8 < units <= 256 * 16 * 8:
+            return dataclasses.replace(small, cluster_n=16)
     return pick_row_launch(N, x_bits, max_units_per_thread=8 if mode == "forward" else 5)
 
 
@@ -108,15 +113,6 @@ class CrossEntropy(RowKernelBase):
                         rX[i] = rX.element_type(-math.inf)
         valid = target != ignore_index
         bad = valid and (target < 0 or target >= self.n)
-        # the row's leader (column 0, first CTA of the cluster) writes the row's loss and lse; it
-        # loads the target's logit now, so the load's latency hides behind the row's reduction
-        leader = tXcX[0][1] == 0
-        if const_expr(L.cluster_n > 1):
-            leader = leader and cy == 0
-        x_target = Float32(0.0)
-        if const_expr(self.mode != "backward"):
-            if leader and row < M and valid and not bad:
-                x_target = Float32(mX[row, target])
         self.wait_cluster()
         x = rX.load().to(Float32)
 
@@ -127,12 +123,17 @@ class CrossEntropy(RowKernelBase):
         else:
             m, s = self.row_max_sum(x, buf, mbar)
             lse = m + cute.math.log(s, fastmath=False)
+            # the row's leader (column 0, first CTA of the cluster) writes the row's loss and lse; it
+            # loads the target's logit only now (loaded before the reduction, 1-6% slower on H100)
+            leader = tXcX[0][1] == 0
+            if const_expr(L.cluster_n > 1):
+                leader = leader and cy == 0
             if leader and row < M:
                 loss = Float32(0.0)
                 if bad:
                     loss = Float32(math.nan)
                 elif valid:
-                    loss = lse - x_target
+                    loss = lse - Float32(mX[row, target])
                 mLoss[row] = loss
                 if const_expr(mLseOut is not None):
                     mLseOut[row] = lse
