@@ -42,7 +42,10 @@ class Config:
     bwd_tpsm: int | None
     bwd_depth: int | None
     bwd_partial_sum: str  # OINK_BWD_PARTIAL_SUM: "kernel" or "torch" (A/B)
-    bwd_pdl: bool  # OINK_BWD_PDL=0: no programmatic dependent launch (A/B)
+    # OINK_PDL=0: no programmatic dependent launch. On (SM90+): a row kernel may be launched while the
+    # kernel before it in the stream finishes, and waits (griddepcontrol.wait) before its first read;
+    # it lets the next one launch once its stores are issued (as FlashInfer's norms do by default)
+    pdl: bool
     bwd_exact: bool  # OINK_BWD_EXACT=0: power-of-two threads per row only (A/B)
     tvm_ffi: bool  # OINK_TVM_FFI=0: launch through CuTeDSL's generic executor (default: TVM-FFI if installed)
     cache_dir: str | None  # OINK_CACHE_DIR: compiled kernels kept on disk there (see _cache_dir)
@@ -58,7 +61,7 @@ def _from_env() -> Config:
         force_reference=truthy(env("OINK_FORCE_REFERENCE")), arch=env("OINK_ARCH") or None,
         keep_cubin=truthy(env("OINK_KEEP_CUBIN")), fwd_upt=_int("OINK_FWD_UPT"), fp4_upt=_int("OINK_FP4_UPT"),
         bwd_upt=_int("OINK_BWD_UPT"), bwd_tpsm=_int("OINK_BWD_TPSM"), bwd_depth=_int("OINK_BWD_DEPTH"),
-        bwd_partial_sum=env("OINK_BWD_PARTIAL_SUM", "kernel"), bwd_pdl=env("OINK_BWD_PDL", "1") != "0",
+        bwd_partial_sum=env("OINK_BWD_PARTIAL_SUM", "kernel"), pdl=env("OINK_PDL", "1") != "0",
         bwd_exact=env("OINK_BWD_EXACT", "1") != "0",
         tvm_ffi=env("OINK_TVM_FFI", "1") != "0" and importlib.util.find_spec("tvm_ffi") is not None,
         cache_dir=_cache_dir(), check_values=truthy(env("OINK_CHECK_VALUES")))

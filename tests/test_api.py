@@ -357,4 +357,4 @@ def test_knobs_are_read_once_and_reloaded(monkeypatch):
     monkeypatch.setenv("OINK_BWD_DEPTH", "3")
     assert config.get() is before  # the hot path does not read the environment
     set_knob(monkeypatch, "OINK_BWD_DEPTH", "3")
-    assert config.get().bwd_depth == 3 and config.get().bwd_pdl and config.get().bwd_partial_sum == "kernel"
+    assert config.get().bwd_depth == 3 and config.get().pdl and config.get().bwd_partial_sum == "kernel"

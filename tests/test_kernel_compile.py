@@ -147,8 +147,22 @@ def test_backward_whole_warp_rows_compile(arch, layernorm, N):
     assert callable(compiled_backward("bfloat16", N, arch, "bfloat16", "bfloat16", None, layernorm, layernorm))
 
 
+def test_pdl_setting_is_part_of_the_compile_key(monkeypatch):
+    """A kernel compiled with programmatic dependent launch is not served to a process that turned it
+    off (OINK_PDL=0), nor the reverse: the launch and the kernel's first instructions differ."""
+    from oink.kernels.rmsnorm import compiled_forward
+
+    args = ("bfloat16", 4096, "sm_90a", "bfloat16", None, None, None, False)
+    with_pdl = compiled_forward(*args)
+    set_knob(monkeypatch, "OINK_PDL", "0")
+    without = compiled_forward(*args)
+    assert without is not with_pdl and callable(without)
+    set_knob(monkeypatch, "OINK_PDL", "1")
+    assert compiled_forward(*args) is with_pdl
+
+
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
-@pytest.mark.parametrize("knob", ["OINK_BWD_DEPTH=1", "OINK_BWD_DEPTH=3", "OINK_BWD_PDL=0"])
+@pytest.mark.parametrize("knob", ["OINK_BWD_DEPTH=1", "OINK_BWD_DEPTH=3", "OINK_PDL=0"])
 def test_backward_ab_variants_compile(arch, knob, monkeypatch):
     """The A/B settings the sweeps use still compile (RMSNorm's moved-register pipeline, a deeper
     rotation, the partials' sum without PDL)."""

@@ -76,7 +76,7 @@ class CompileCache:
 
     def get(self, key: Hashable, build: Callable[[], Callable]) -> Callable:
         cfg = config.get()
-        key = (key, cfg.tvm_ffi)  # a function is called the way it was compiled
+        key = (key, cfg.tvm_ffi, cfg.pdl)  # a function is called the way it was compiled
         if cfg.keep_cubin:  # and one compiled without its cubin can't be profiled
             key += ("cubin",)
         fn = self._fns.get(key)

@@ -84,7 +84,8 @@ class CrossEntropy(RowKernelBase):
         mDx = self.matrix(pdx, M, lddx) if const_expr(pdx is not None) else None
         self.kernel(mX, vector(ptarget), vector(pdloss), vector(plse_in), vector(ploss), vector(plse_out), mDx,
                     ignore_index, self.tiled_copy(self.x_dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mDloss: Optional[cute.Tensor],
@@ -153,6 +154,7 @@ class CrossEntropy(RowKernelBase):
             rO.store(rD.load().to(self.x_dtype))
             if row < M:
                 self.copy_row(rO, part(mDx, bidx), tXcX, self.x_dtype)
+        self.launch_dependents()
 
     @cute.jit
     def row_window(self, mX: cute.Tensor, row, M, part):

@@ -160,7 +160,8 @@ class Fp8Quantize(Fp8Epilogue, RowKernelBase):
         mQ = cute.make_tensor(pq, cute.make_layout((M, N // 4), stride=(N // 4, 1)))
         mScale, mUb, mS = _scale_tensors(self, pscale, pub, ps, M)
         self.kernel(mX, mUp, mScale, mUb, mQ, mS, self.tiled_copy(self.dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mUp: Optional[cute.Tensor], mScale: Optional[cute.Tensor],
@@ -172,6 +173,7 @@ class Fp8Quantize(Fp8Epilogue, RowKernelBase):
         rV, _ = self.load_values(mX, mUp, self.dtype, bidx, part, tXcX, row, M)
         self.wait_cluster()  # the per-token amax may cross the CTAs of a cluster
         self.quantize_store(rV, tXcX, row, M, cy, mScale, mUb, mQ, mS, buf, mbar)
+        self.launch_dependents()
 
 
 class RMSNormFp8(Fp8Epilogue, RMSNormForward):
@@ -201,7 +203,8 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         mScale, mUb, mS = _scale_tensors(self, pscale, pub, ps, M)
         self.kernel(mX, mRes, self.broadcast_rows(pw), mScale, mUb, mY, mQ, mS, eps,
                     self.tiled_copy(self.x_dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mRes: Optional[cute.Tensor], mW: cute.Tensor, mScale: Optional[cute.Tensor],
@@ -221,6 +224,7 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         rV = cute.make_rmem_tensor_like(rX, Float32)
         rV.store(rY.load().to(Float32))
         self.quantize_store(rV, tXcX, row, M, cy, mScale, mUb, mQ, mS, buf, mbar)
+        self.launch_dependents()
 
 
 def _check_width(N: int, group_size: int) -> None:

@@ -253,7 +253,8 @@ class Fp4Quantize(Fp4Epilogue, RowKernelBase):
         mQ, mSF = self.fp4_tensors(pq, psf, M)
         mGS = cute.make_tensor(pgs, cute.make_layout((1,))) if const_expr(pgs is not None) else None
         self.kernel(mX, mUp, mGS, mQ, mSF, self.tiled_copy(self.dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mUp: Optional[cute.Tensor], mGS: Optional[cute.Tensor], mQ: cute.Tensor,
@@ -265,6 +266,7 @@ class Fp4Quantize(Fp4Epilogue, RowKernelBase):
         rV, _ = self.load_values(mX, mUp, self.dtype, bidx, part, tXcX, row, M)
         gs = mGS[0] if const_expr(mGS is not None) else None
         self.quantize_store(rV, tXcX, row, M, gs, mQ, mSF)
+        self.launch_dependents()
 
 
 class AddRMSNormFp4(Fp4Epilogue, RMSNormForward):
@@ -287,7 +289,8 @@ class AddRMSNormFp4(Fp4Epilogue, RMSNormForward):
         mQ, mSF = self.fp4_tensors(pq, psf, M)
         mGS = cute.make_tensor(pgs, cute.make_layout((1,))) if const_expr(pgs is not None) else None
         self.kernel(mX, mRes, self.broadcast_rows(pw), mGS, mY, mQ, mSF, eps, self.tiled_copy(self.x_dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mW: cute.Tensor, mGS: Optional[cute.Tensor],
@@ -308,6 +311,7 @@ class AddRMSNormFp4(Fp4Epilogue, RMSNormForward):
         rV = cute.make_rmem_tensor_like(rX, Float32)
         rV.store(v)
         self.quantize_store(rV, tXcX, row, M, gs, mQ, mSF)
+        self.launch_dependents()
 
 
 def _check_width(N: int, mx: bool) -> int:

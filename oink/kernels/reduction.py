@@ -17,6 +17,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from .. import config
+
 WARP = 32
 MAX_CLUSTER = 8  # the portable cluster size on SM90 and SM100
 MAX_N = 262144  # the widest row the row kernels take (wider rows use the reference)
@@ -109,6 +111,7 @@ class RowKernelBase:
     def __init__(self, launch: RowLaunch, num_reductions: int = 1):
         self.launch = launch
         self.num_reductions = num_reductions  # independent reduction slots (e.g. mean, var)
+        self.pdl = config.get().pdl  # programmatic dependent launch (the compile cache keys on it)
 
     # ---- host-side helpers -------------------------------------------------------------
     def tiler(self):
@@ -172,6 +175,8 @@ class RowKernelBase:
         """Per-CTA prologue, traced inline into each kernel: the block index (row tile) and the
         cluster rank (y), the reduction buffer and cluster barriers, and ``part(tensor, tile)``
         giving this thread's slice of a row tile."""
+        if const_expr(self.pdl):  # launched early (PDL): no read before the kernel ahead has ended
+            cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, cy, _ = cute.arch.block_idx()
         if const_expr(self.launch.cluster_n == 1):
@@ -186,6 +191,13 @@ class RowKernelBase:
             return thr.partition_S(cute.local_tile(t, tiler, (tile, cy)))
 
         return bidx, cy, buf, mbar, part
+
+    @cute.jit
+    def launch_dependents(self):
+        """After this CTA's last store is issued: the next kernel (launched with PDL) may launch; it
+        waits for this grid's end before it reads."""
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
 
     def alloc_reduction(self, smem):
         """Shared buffer [slot][row][warp-in-row x cluster rank] plus one mbarrier per slot."""

@@ -106,7 +106,8 @@ class RMSNormForward(RowKernelBase):
         mRstd = cute.make_tensor(prstd, cute.make_layout((M,))) if const_expr(prstd is not None) else None
         mMean = cute.make_tensor(pmean, cute.make_layout((M,))) if const_expr(pmean is not None) else None
         self.kernel(mX, mW, mB, mRes, mO, mResO, mRstd, mMean, eps, self.tiled_copy(self.x_dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mB: Optional[cute.Tensor],
@@ -132,6 +133,7 @@ class RMSNormForward(RowKernelBase):
                     mRstd[row] = rstd
                 if const_expr(mMean is not None):
                     mMean[row] = mean
+        self.launch_dependents()
 
     @cute.jit
     def normalize(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mB: Optional[cute.Tensor],

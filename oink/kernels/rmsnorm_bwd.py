@@ -35,8 +35,7 @@ from .rmsnorm import RMSNormForward
 # tile is loaded into a second register set that is moved into place after each tile; depth D >= 2:
 # D register sets in rotation (the loop body unrolled D times), D - 1 tiles ahead. RMSNorm gains
 # from the rotation at depth 2 (depth 3 spills at 8192); LayerNorm, near 255 registers, loses.
-# OINK_BWD_UPT / OINK_BWD_TPSM / OINK_BWD_DEPTH override; A/B switches: OINK_BWD_PDL=0 launches
-# the partials' sum without programmatic dependent launch, OINK_BWD_EXACT=0 keeps power-of-two
+# OINK_BWD_UPT / OINK_BWD_TPSM / OINK_BWD_DEPTH override; A/B switch: OINK_BWD_EXACT=0 keeps power-of-two
 # threads per row.
 TUNING = {"rmsnorm": (2, 512, 2), "layernorm": (4, 256, 1)}
 # A backward thread holds x, dout and (RMSNorm, depth 2) the next tile's: 128-145 registers for
@@ -53,7 +52,7 @@ def _knobs(layernorm: bool) -> tuple[int, int, int]:
 
 def use_pdl() -> bool:
     """Whether the partials' sum overlaps its launch with the backward's tail (PDL, SM90+)."""
-    return config.get().bwd_pdl
+    return config.get().pdl
 
 
 @memo
@@ -169,7 +168,8 @@ class RMSNormBackward(RMSNormForward):
         mDw = cute.make_tensor(pdw, row_major) if const_expr(pdw is not None) else None
         mDb = cute.make_tensor(pdb, row_major) if const_expr(pdb is not None) else None
         self.kernel(mX, mW, mDout, mRstd, mMean, mDres, mDx, mDw, mDb, self.tiled_copy(self.x_dtype)).launch(
-            grid=[num_ctas, L.cluster_n, 1], block=[L.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+            grid=[num_ctas, L.cluster_n, 1], block=[L.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mDout: cute.Tensor, mRstd: cute.Tensor,
@@ -243,9 +243,8 @@ class RMSNormBackward(RMSNormForward):
                         self.tile_step(rXs[s], rGs[s], rStat[s, 0], rStat[s, 1], rW, rDres, rDx, acc_dw, acc_db,
                                        mDres, mDx, tile, it, buf, mbar, part, ident, M)
                         it += 1
-        if const_expr(self.pdl):
-            # the partials' sum (launched with PDL) may start launching; it waits for this grid's end
-            cute.arch.griddepcontrol_launch_dependents()
+        # the partials' sum (launched with PDL) may start launching; it waits for this grid's end
+        self.launch_dependents()
 
         # One partial row per (CTA, row slot): row index bidx * rows_per_cta + this thread's row.
         pc = part(ident, bidx)  # coordinates with the row tile of this CTA's own partial rows

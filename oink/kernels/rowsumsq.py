@@ -23,8 +23,8 @@ class RowSumSquares(RowKernelBase):
         mO = cute.make_tensor(pout, cute.make_layout((M,)))
         tc = self.tiled_copy(self.dtype)
         self.kernel(mX, mO, tc).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream
-        )
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mO: cute.Tensor, tc: cute.TiledCopy):
@@ -53,6 +53,7 @@ class RowSumSquares(RowKernelBase):
             is_leader = is_leader and cy == 0
         if is_leader and row < M:
             mO[row] = s
+        self.launch_dependents()
 
 
 @memo

@@ -46,7 +46,8 @@ class Softmax(RowKernelBase):
         mB = self.matrix(pb, M, ldb)
         mO = self.matrix(pout, M, ldout)
         self.kernel(mA, mB, mO, self.tiled_copy(self.x_dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream)
+            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mO: cute.Tensor, tc: cute.TiledCopy):
@@ -81,6 +82,7 @@ class Softmax(RowKernelBase):
         rO.store(out.to(self.x_dtype))
         if row < M:
             self.copy_row(rO, tXgO, tXcX, self.x_dtype)
+        self.launch_dependents()
 
 
 @memo
