@@ -8,10 +8,10 @@ One pass over the logits each; a row stays in registers between its load and its
 Columns past N load as -inf (exp gives 0). Rows whose starts are not 16-byte aligned (N not a
 multiple of the 128-bit vector: GPT-2's 50257) are read by the forward as an aligned window of
 vectors around the row, its columns outside the row set to -inf ("shifted" rows), instead of
-one element an access; the modes that write dlogits keep element accesses. x[target] for the loss is one scalar load by the
-row's leader thread: the row was just read, so it hits cache. A target outside [0, N) that is
-not ignore_index (the host check is skipped under CUDA-graph capture) gives a NaN loss and
-NaN dlogits for its row, never an out-of-bounds read. ``dx`` may alias ``x`` (in-place
+one element an access; the modes that write dlogits keep element accesses. x[target] for the
+loss is one scalar load by the row's leader thread: the row was just read, so it hits cache. A
+target outside [0, N) that is not ignore_index (the host check is skipped under CUDA-graph
+capture) gives a NaN loss and NaN dlogits for its row, never an out-of-bounds read. ``dx`` may alias ``x`` (in-place
 backward): every element is read before it is written, by the same thread.
 """
 from __future__ import annotations

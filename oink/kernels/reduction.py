@@ -274,8 +274,8 @@ class RowKernelBase:
 
     @cute.jit
     def row_exp_sum(self, x, buf, mbar):
-        """(row max m, exp(x - m), the row's sum of it): reduction slots 0 and 1 (softmax and
-        cross-entropy)."""
+        """(row max m, exp(x - m), the row's sum of it): reduction slots 0 and 1 (softmax, which needs
+        exp(x - m) itself; the cross-entropy forward takes ``row_max_sum``)."""
         m = x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
         m = self.row_allreduce(m, fmax, Float32(-math.inf), buf, mbar, 0)
         e = cute.math.exp2((x - m) * LOG2E, fastmath=True)

@@ -95,7 +95,7 @@ class RMSNormBackward(RMSNormForward):
     loop (slots 0/1: the dot product; LayerNorm adds 2/3: the sum of wdy)."""
 
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, dout_dtype, dres_dtype, has_dw: bool, has_db: bool,
-                 layernorm: bool = False, pdl: bool = False, depth: int = 1, weight_offset: float = 0.0,
+                 layernorm: bool = False, depth: int = 1, weight_offset: float = 0.0,
                  heads: int = 1):
         RMSNormForward.__init__(self, launch, x_dtype, w_dtype, None, None, x_dtype, None, False, layernorm,
                                 weight_offset, heads)
@@ -104,7 +104,7 @@ class RMSNormBackward(RMSNormForward):
         self.num_reductions = 4 if layernorm else 2
         self.dout_dtype, self.dres_dtype = dout_dtype, dres_dtype
         self.has_dw, self.has_db = has_dw, has_db
-        self.pdl, self.depth = pdl, depth
+        self.depth = depth  # self.pdl: from the config (RowKernelBase)
 
     @cute.jit
     def load_tile(self, mX: cute.Tensor, mDout: cute.Tensor, mRstd: cute.Tensor, mMean: Optional[cute.Tensor],
@@ -308,15 +308,15 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
         launch = head_launch(launch, heads)
         if launch is None:
             raise ValueError(f"N={N} with {heads} heads: no backward launch has a whole number of heads a CTA")
-    pdl, depth = use_pdl(), _knobs(layernorm)[2]
+    depth = _knobs(layernorm)[2]
     key = ("layernorm_bwd" if layernorm else "rmsnorm_bwd", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N,
-           arch, launch, pdl, depth, float(weight_offset), heads)
+           arch, launch, depth, float(weight_offset), heads)
 
     def build():
         wd = None if w_dtype is None else cute_dtype(w_dtype)
         gd = cute_dtype(dout_dtype)
         rd = None if dres_dtype is None else cute_dtype(dres_dtype)
-        kernel = RMSNormBackward(launch, xd, wd, gd, rd, w_dtype is not None, has_db, layernorm, pdl, depth,
+        kernel = RMSNormBackward(launch, xd, wd, gd, rd, w_dtype is not None, has_db, layernorm, depth,
                                  float(weight_offset), heads)
         one = Int64(launch.vec)
         return compile_kernel(
@@ -406,4 +406,4 @@ def compiled_partial_sum(N: int, kinds: int, out_dtype: str, arch: str):
         return compile_kernel(PartialSum(N, kinds, od, pdl), gmem_ptr(Float32), gmem_ptr(od, 2),
                               gmem_ptr(od, 2) if kinds == 2 else None, Int32(1), fake_stream(), arch=arch)
 
-    return CACHE.get(("partial_sum", N, kinds, out_dtype, arch, pdl), build)
+    return CACHE.get(("partial_sum", N, kinds, out_dtype, arch), build)  # the cache keys on the PDL setting
