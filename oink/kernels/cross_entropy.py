@@ -188,9 +188,9 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
         raise ValueError(f"N={N}: the cross-entropy kernels handle 1 <= N <= {MAX_N}")
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
     window = shifted_window(N, dt.width) if mode == "forward" else None
-    if window and cross_entropy_launch(window, dt.width, arch, mode, True).rows_per_cta == 1:
-        launch = pick(f"cross_entropy/forward_shifted/x{dt.width}", arch,
-                      cross_entropy_launch(window, dt.width, arch, mode, True))
+    shifted = cross_entropy_launch(window, dt.width, arch, mode, True) if window else None
+    if shifted is not None and shifted.rows_per_cta == 1:  # a window needs one row a CTA
+        launch = pick(f"cross_entropy/forward_shifted/x{dt.width}", arch, shifted)
     else:
         launch = pick(f"cross_entropy/{mode}/x{dt.width}", arch, cross_entropy_launch(N, dt.width, arch, mode))
     store_lse = store_lse and mode != "backward"

@@ -35,8 +35,8 @@ from .rmsnorm import RMSNormForward
 # tile is loaded into a second register set that is moved into place after each tile; depth D >= 2:
 # D register sets in rotation (the loop body unrolled D times), D - 1 tiles ahead. RMSNorm gains
 # from the rotation at depth 2 (depth 3 spills at 8192); LayerNorm, near 255 registers, loses.
-# OINK_BWD_UPT / OINK_BWD_TPSM / OINK_BWD_DEPTH override; A/B switch: OINK_BWD_EXACT=0 keeps power-of-two
-# threads per row.
+# OINK_BWD_UPT / OINK_BWD_TPSM / OINK_BWD_DEPTH override; A/B switch: OINK_BWD_EXACT=0 keeps
+# power-of-two threads per row.
 TUNING = {"rmsnorm": (2, 512, 2), "layernorm": (4, 256, 1)}
 # A backward thread holds x, dout and (RMSNorm, depth 2) the next tile's: 128-145 registers for
 # RMSNorm's 2 units, 216-255 for LayerNorm's 4, so CTAs stop where the register file allows them
@@ -48,11 +48,6 @@ def _knobs(layernorm: bool) -> tuple[int, int, int]:
     upt, tpsm, depth = TUNING["layernorm" if layernorm else "rmsnorm"]
     c = config.get()
     return c.bwd_upt or upt, c.bwd_tpsm or tpsm, c.bwd_depth or depth
-
-
-def use_pdl() -> bool:
-    """Whether the partials' sum overlaps its launch with the backward's tail (PDL, SM90+)."""
-    return config.get().pdl
 
 
 @memo
@@ -400,10 +395,9 @@ class PartialSum:
 def compiled_partial_sum(N: int, kinds: int, out_dtype: str, arch: str):
     """Compile (or fetch) the partials' sum for (N, kinds, dtype, arch); the partial row count is runtime."""
     od = cute_dtype(out_dtype)
-    pdl = use_pdl()
 
     def build():
-        return compile_kernel(PartialSum(N, kinds, od, pdl), gmem_ptr(Float32), gmem_ptr(od, 2),
+        return compile_kernel(PartialSum(N, kinds, od, config.get().pdl), gmem_ptr(Float32), gmem_ptr(od, 2),
                               gmem_ptr(od, 2) if kinds == 2 else None, Int32(1), fake_stream(), arch=arch)
 
     return CACHE.get(("partial_sum", N, kinds, out_dtype, arch), build)  # the cache keys on the PDL setting
