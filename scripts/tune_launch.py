@@ -6,7 +6,8 @@ the op against its reference (the benchmark gate: 3 seeds, at the timed row coun
 one that leaves a partial CTA) and time it (CUDA-graph replay, inputs cycled past L2). A shape
 that fails the gate or raises is never chosen; a table entry is written only where the fastest
 passing shape beats the heuristic's by more than ``--min-gain``. Entries for other keys, widths
-and arches in the table are kept.
+and arches in the table are kept. Row counts of at most ``launch_table.FEW_ROWS`` tune the ops'
+"/few" keys (the launches calls of so few rows take), larger ones the keys themselves.
 
     python3 scripts/tune_launch.py --ops rmsnorm_fp8quant,silu_mul_fp8quant --widths 7168,18432 \
         --rows 4096,16384 [--dtype bfloat16] [--max-iters 4] [--out oink/kernels/launch_table.json]
@@ -34,6 +35,7 @@ from pytest_oink.suites import Case
 from pytest_oink.timing import Rotation, copies_for_cold_cache, median, time_cuda_graph
 
 ODD_ROWS = 37  # a partial last CTA for every rows-per-CTA the candidates use
+ODD_FEW_ROWS = 29  # the same within launch_table.FEW_ROWS (the "/few" keys)
 
 
 def time_op(spec, run, case, dtype, device) -> float:
@@ -43,12 +45,13 @@ def time_op(spec, run, case, dtype, device) -> float:
     return median(time_cuda_graph(run, rot).samples)
 
 
-def keys_of(spec, run, N, dtype, device) -> dict:
-    """{(key, arch, width): heuristic RowLaunch} that one call of the op at width N looks up."""
+def keys_of(spec, run, M, N, dtype, device) -> dict:
+    """{(key, arch, width): heuristic RowLaunch} that one call of the op at M x N looks up (a call of
+    ``launch_table.few_rows`` rows looks up the "/few" keys)."""
     launch_table.OVERRIDES.clear()
     config.reload()
     launch_table.SEEN.clear()
-    run(_inputs(spec, Case("tune", "", 8, N, str(dtype).split(".")[-1]), dtype, device, 0))
+    run(_inputs(spec, Case("tune", "", M, N, str(dtype).split(".")[-1]), dtype, device, 0))
     torch.cuda.synchronize()
     return dict(launch_table.SEEN)
 
@@ -61,7 +64,7 @@ def try_shape(spec, run, op, N, rows, dtype, device, key, shape) -> tuple[bool, 
     config.reload()
     name = str(dtype).split(".")[-1]
     times = []
-    for M in sorted({ODD_ROWS, *rows}):
+    for M in sorted({ODD_FEW_ROWS if launch_table.few_rows(rows[0]) else ODD_ROWS, *rows}):
         case = Case("tune", op, M, N, name)
         CACHE.clear_used()
         g = gate(spec, run, case, dtype, device)
@@ -92,6 +95,8 @@ def main(argv=None) -> int:
         return 2
     device, dtype = torch.device("cuda"), getattr(torch, a.dtype)
     rows = [int(r) for r in a.rows.split(",")]
+    if len({launch_table.few_rows(M) for M in rows}) > 1:
+        ap.error(f"--rows: all at most {launch_table.FEW_ROWS} (the \"/few\" keys) or all above")
     clusters = tuple(int(c) for c in a.clusters.split(","))
     out = Path(a.out)
     data = json.loads(out.read_text()) if out.exists() else {}
@@ -105,7 +110,7 @@ def main(argv=None) -> int:
     for op in a.ops.split(","):
         spec, run = SPECS[op], build(op, "oink", device)
         for N in (int(n) for n in a.widths.split(",")):
-            for (key, arch, width), default in keys_of(spec, run, N, dtype, device).items():
+            for (key, arch, width), default in keys_of(spec, run, rows[0], N, dtype, device).items():
                 # the FP8 kernels keep a 128-wide group on aligned lanes: try only such shapes
                 lanes = 128 // FP8_UNIT if key.startswith("fp8/") and key.endswith("/group") else 1
                 trials = []

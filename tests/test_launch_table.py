@@ -33,6 +33,23 @@ def test_pick_prefers_override_then_table_then_heuristic(override, monkeypatch):
     assert launch_table.SEEN[("test/k", "sm_90a", 18432)] == default
 
 
+def test_few_rows_take_their_own_entry_else_the_keys_choice(override, monkeypatch):
+    default = pick_row_launch(131072, 16)
+    assert launch_table.few_rows(launch_table.FEW_ROWS) and not launch_table.few_rows(launch_table.FEW_ROWS + 1)
+    monkeypatch.setattr(launch_table, "table", lambda: {"sm_90a": {"test/k": {131072: {"launch": [1024, 1024, 4]}}}})
+    launch_table.SEEN.clear()
+    tuned = launch_table.pick("test/k", "sm_90a", default, few=True)  # no "/few" entry: the key's own
+    assert (tuned.threads_per_row, tuned.cluster_n) == (1024, 4)
+    assert list(launch_table.SEEN) == [("test/k/few", "sm_90a", 131072)]  # the search tunes the few key
+    assert launch_table.SEEN[("test/k/few", "sm_90a", 131072)] == tuned  # against the key's choice
+    monkeypatch.setattr(launch_table, "table", lambda: {"sm_90a": {"test/k": {131072: {"launch": [1024, 1024, 4]}},
+                                                                   "test/k/few": {131072: {"launch": [256, 256, 16]}}}})
+    few = launch_table.pick("test/k", "sm_90a", default, few=True)
+    assert (few.threads_per_row, few.num_threads, few.cluster_n) == (256, 256, 16)
+    assert launch_table.pick("test/k", "sm_90a", default).cluster_n == 4  # more rows: the key's entry
+    assert launch_table.pick("test/k", "sm_100a", default, few=True) == default
+
+
 @pytest.mark.parametrize("N,bits", [(64, 16), (4096, 8), (7168, 8), (18432, 8), (131072, 16), (1000, 16)])
 def test_candidates_are_valid_and_hold_the_heuristic(N, bits):
     default = pick_row_launch(N, bits)
@@ -65,7 +82,8 @@ def _width(key: str, N: int) -> int:
 def _compile(arch: str, key: str, N: int):
     """Compile the kernels ``key`` names at width N for ``arch``, with the table active: one dtype
     per key (bf16 where the key does not fix it) and the flag variants that change the kernel most."""
-    family, *rest = key.split("/")
+    few = key.endswith("/few")  # the launch for calls of launch_table.few_rows rows
+    family, *rest = key.removesuffix("/few").split("/")
     op, variant = rest if len(rest) == 2 else (None, rest[0])  # the norms' keys have no op part
     x16 = {"x16": "bfloat16", "x32": "float32"}
     if family in ("rmsnorm_fwd", "layernorm_fwd"):
@@ -73,13 +91,13 @@ def _compile(arch: str, key: str, N: int):
 
         x, w = x16[variant[:3]], {"w0": None, "w16": "bfloat16", "w32": "float32"}[variant[3:]]
         ln = family == "layernorm_fwd"
-        compiled_forward(x, N, arch, w, w if ln else None, None, None, True, layernorm=ln, store_mean=ln)
-        return compiled_forward(x, N, arch, w, None, w or x, w or x, False, layernorm=ln)  # with a residual
+        compiled_forward(x, N, arch, w, w if ln else None, None, None, True, layernorm=ln, store_mean=ln, few=few)
+        return compiled_forward(x, N, arch, w, None, w or x, w or x, False, layernorm=ln, few=few)  # a residual
     if family in ("rmsnorm_bwd", "layernorm_bwd"):
         from oink.kernels.rmsnorm_bwd import compiled_backward
 
         x, ln = x16[variant], family == "layernorm_bwd"
-        return compiled_backward(x, N, arch, x, x, None, ln, layernorm=ln)
+        return compiled_backward(x, N, arch, x, x, None, ln, layernorm=ln, few=few)
     if family == "fp4":
         from oink.kernels.nvfp4 import compiled_add_rmsnorm_fp4, compiled_fp4
 
@@ -98,7 +116,7 @@ def _compile(arch: str, key: str, N: int):
     if family == "softmax":
         from oink.kernels.softmax import compiled_softmax
 
-        return compiled_softmax(op, x16[variant], N, arch)
+        return compiled_softmax(op, x16[variant], N, arch, few)
     if family == "cross_entropy":
         from oink.kernels.cross_entropy import compiled_cross_entropy
 
@@ -121,11 +139,12 @@ def test_entry_compiles_for_its_arch(arch, key, N, entry):
 @pytest.mark.sm(90, exact=True)
 @pytest.mark.parametrize("arch,key,N,entry", [e for e in ENTRIES if e[0] == "sm_90a"],
                          ids=[i for i, e in zip(IDS, ENTRIES) if e[0] == "sm_90a"])
-@pytest.mark.parametrize("M", [1, 37, 4099])
+@pytest.mark.parametrize("rows", ["one", "odd", "most"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_entry_runs_correctly(arch, key, N, entry, M, dtype):
+def test_entry_runs_correctly(arch, key, N, entry, rows, dtype):
     """A tuned shape is a code path of its own (for every x dtype its key serves, though tuned on one):
-    its op, through the public call, against the reference."""
+    its op, through the public call, against the reference; a "/few" entry at row counts that take it,
+    the others at row counts that do not."""
     import re
 
     import torch
@@ -139,6 +158,10 @@ def test_entry_runs_correctly(arch, key, N, entry, M, dtype):
     from pytest_oink.providers import SPECS, build
     from pytest_oink.suites import Case
 
+    few = key.endswith("/few")
+    M = {"one": 1 if few else launch_table.FEW_ROWS + 1, "odd": 29 if few else 37,
+         "most": launch_table.FEW_ROWS if few else 4099}[rows]
+    assert launch_table.few_rows(M) == few
     spec, device = SPECS[entry["op"]], torch.device("cuda")
     CACHE.clear_used()
     result = gate(spec, build(entry["op"], "oink", device), Case("test", entry["op"], M, _width(key, N), dtype),

@@ -36,11 +36,28 @@ def table() -> dict:
             for arch, keys in data.get("tables", {}).items()}
 
 
-def pick(key: str, arch: str, default: RowLaunch, knob: int | None = None) -> RowLaunch:
+# A call of at most this many rows looks up its key's "/few" entry first: a few rows fill the GPU
+# only when each row's CTAs are many and short (32 x 131072 bf16 RMSNorm on H100: Quack's 16 CTAs of
+# 256 a row against the 4 of 1024 tuned at 4096 rows); without one it takes the key's own choice.
+FEW_ROWS = 32
+
+
+def few_rows(M: int) -> bool:
+    return M <= FEW_ROWS
+
+
+def pick(key: str, arch: str, default: RowLaunch, knob: int | None = None, few: bool = False) -> RowLaunch:
     """The launch for ``key`` at ``default.N``: a trial override, the table's entry, or ``default``
-    (also where a sweep knob such as OINK_FP4_UPT is set: ``knob``, which ``default`` obeys)."""
+    (also where a sweep knob such as OINK_FP4_UPT is set: ``knob``, which ``default`` obeys). With
+    ``few`` (``few_rows(M)``) the key is ``key + "/few"``, whose default is ``key``'s choice."""
+    if few:
+        default, key = _resolved(key, arch, default, knob), f"{key}/few"
+    SEEN[(key, arch, default.N)] = default
+    return _resolved(key, arch, default, knob)
+
+
+def _resolved(key: str, arch: str, default: RowLaunch, knob) -> RowLaunch:
     N = default.N
-    SEEN[(key, arch, N)] = default
     shape = OVERRIDES.get((key, arch, N))
     if shape is None and not knob:
         entry = table().get(arch, {}).get(key, {}).get(N)

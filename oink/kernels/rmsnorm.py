@@ -218,16 +218,17 @@ def _cute(name):
 def compiled_forward(x_dtype: str, N: int, arch: str, w_dtype: str | None = None, b_dtype: str | None = None,
                      res_dtype: str | None = None, res_out_dtype: str | None = None, store_rstd: bool = False,
                      layernorm: bool = False, store_mean: bool = False, out_dtype: str | None = None,
-                     weight_offset: float = 0.0, heads: int = 1):
+                     weight_offset: float = 0.0, heads: int = 1, few: bool = False):
     """Compile (or fetch) the forward for (dtypes, N, flags, arch). M, strides and eps are runtime;
-    ``out_dtype`` defaults to x's, ``weight_offset`` and ``heads`` (per-head parameters) are compiled in."""
+    ``out_dtype`` defaults to x's, ``weight_offset`` and ``heads`` (per-head parameters) are compiled in;
+    ``few``: for calls of ``launch_table.few_rows`` rows (their own launch where the table has one)."""
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the RMSNorm kernel handles 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
     out_dtype = out_dtype or x_dtype
     wide = max([cute_dtype(d).width for d in (w_dtype, res_dtype, res_out_dtype) if d is not None], default=0)
     launch = pick(f"{'layernorm' if layernorm else 'rmsnorm'}_fwd/x{xd.width}w{wide}", arch,
-                  forward_launch(N, xd.width, arch, wide, layernorm), config.get().fwd_upt)
+                  forward_launch(N, xd.width, arch, wide, layernorm), config.get().fwd_upt, few)
     key = ("layernorm_fwd" if layernorm else "rmsnorm_fwd", x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype,
            out_dtype, store_rstd, store_mean, float(weight_offset), heads, N, arch, launch)
 

@@ -61,13 +61,14 @@ def head_launch(launch: RowLaunch, heads: int) -> RowLaunch | None:
 
 
 @memo
-def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False) -> RowLaunch:
+def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few: bool = False) -> RowLaunch:
     """Launch heuristic for the norm backward (the one place it is chosen); SM100 reuses SM90's.
     Where a whole number of warps covers a row exactly in at most ``upt`` accesses a thread
     (6144 = 384 threads x 2 x 8 bf16), a row takes that many threads rather than the next power
     of two, whose last access would be idle on a quarter of the threads (512 x 2 x 8 > 6144).
     The launch table's entry for (``rmsnorm_bwd/x<bits>`` or ``layernorm_bwd/x<bits>``, N) wins
-    unless a knob (OINK_BWD_UPT, OINK_BWD_EXACT=0) asks for the heuristic's variant."""
+    unless a knob (OINK_BWD_UPT, OINK_BWD_EXACT=0) asks for the heuristic's variant; ``few``: for
+    calls of ``launch_table.few_rows`` rows (the key's "/few" entry where there is one)."""
     upt = _knobs(layernorm)[0]
     family = "layernorm" if layernorm else "rmsnorm"
     most = BWD_MAX_THREADS[family]
@@ -75,7 +76,7 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False) -> 
     if config.get().bwd_exact:
         launch = whole_warp_rows(launch, upt, most)
     knob = config.get().bwd_upt or not config.get().bwd_exact
-    return pick(f"{family}_bwd/x{x_bits}", arch, launch, knob)
+    return pick(f"{family}_bwd/x{x_bits}", arch, launch, knob, few)
 
 
 @memo
@@ -291,14 +292,14 @@ class RMSNormBackward(RMSNormForward):
 @memo
 def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout_dtype: str,
                       dres_dtype: str | None, has_db: bool, layernorm: bool = False, weight_offset: float = 0.0,
-                      heads: int = 1):
+                      heads: int = 1, few: bool = False):
     """Compile (or fetch) the RMSNorm (or, with ``layernorm``, LayerNorm) backward; M is runtime,
     ``weight_offset`` (dx's weight is w + offset; dw is unchanged) and ``heads`` (per-head weights,
     rows_per_cta a multiple of them: ``head_launch``) compiled in."""
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the norm kernels handle 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
-    launch = backward_launch(N, xd.width, arch, layernorm)
+    launch = backward_launch(N, xd.width, arch, layernorm, few)
     if heads > 1:
         launch = head_launch(launch, heads)
         if launch is None:

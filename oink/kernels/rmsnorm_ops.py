@@ -10,6 +10,7 @@ from .. import config
 from .compile import CACHE, current_stream, stream_of
 from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector,
                    ptr, rows_view, vec_for, width_reason)
+from .launch_table import few_rows
 from .rmsnorm import compiled_forward
 from .rmsnorm_bwd import backward_launch, compiled_backward, compiled_partial_sum, head_launch, persistent_ctas
 
@@ -102,7 +103,7 @@ def _launch(arch, x, w, b, res, out, res_out, rstd, eps, mean=None, layernorm=Fa
     M, N = x.shape
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
                           dtype_name(res_out), rstd is not None, layernorm, mean is not None, dtype_name(out),
-                          float(weight_offset), heads)
+                          float(weight_offset), heads, few_rows(M))
     fn(ptr(x), ptr(w), ptr(b), ptr(res), ptr(out), ptr(res_out), ptr(rstd, 4), ptr(mean, 4), M, ld(x), ld(res),
        ld(out), ld(res_out), float(eps), current_stream(x.device))
 
@@ -140,7 +141,7 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
     M = x2.shape[0]
     dx = torch.empty((M, N), device=x.device, dtype=x.dtype)
     layernorm = mean is not None
-    launch = backward_launch(N, x.element_size() * 8, arch, layernorm)
+    launch = backward_launch(N, x.element_size() * 8, arch, layernorm, few_rows(M))
     if heads > 1:
         launch = head_launch(launch, heads)
     ctas, parts = backward_grid(launch, M, x.device, layernorm)
@@ -203,7 +204,7 @@ def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean
     both with the same row stride). With ``mean`` (per-row fp32) it is the LayerNorm backward."""
     M, N = x2.shape
     fn = compiled_backward(dtype_name(x2), N, arch, dtype_name(w), dtype_name(g2), dtype_name(dr2),
-                           db_part is not None, mean is not None, float(weight_offset), heads)
+                           db_part is not None, mean is not None, float(weight_offset), heads, few_rows(M))
     # per-row statistics as flat fp32 (a copy only if strided), held here until the launch is enqueued
     rstd = None if rstd is None else rstd.reshape(-1).contiguous()
     mean = None if mean is None else mean.reshape(-1).contiguous()
@@ -236,7 +237,7 @@ def plan_forward(arch, a: dict):
     stream = stream_of(device)
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
                           dtype_name(res_dtype) if res is not None else None, store_rstd, False,
-                          False, dtype_name(out_dtype), float(a.get("weight_offset", 0.0)), 1)
+                          False, dtype_name(out_dtype), float(a.get("weight_offset", 0.0)), 1, few_rows(M))
     ldx, ldres, ldres_out = ld(x2), ld(r2), (N if res is not None else 0)
     new_rstd = allocator(lead, torch.float32, device) if store_rstd else None
 
@@ -264,7 +265,7 @@ def plan_fused_add(arch, a: dict):
     M, eps, device, wd = x2.shape[0], float(a.get("eps", 1e-6)), x.device, dtype_name(w)
     stream = stream_of(device)
     fn = compiled_forward(dtype_name(x), N, arch, wd, None, dtype_name(res), dtype_name(res), False, False, False,
-                          dtype_name(x), 0.0, 1)
+                          dtype_name(x), 0.0, 1, few_rows(M))
     ldx, ldres = ld(x2), ld(r2)
 
     def run(a):
@@ -288,7 +289,7 @@ def plan_layernorm(arch, a: dict):
     stream = stream_of(device)
     want_rstd, want_mean = a.get("return_rstd", False), a.get("return_mean", False)
     fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), None, None, want_rstd, True,
-                          want_mean, dtype_name(x), 0.0, 1)
+                          want_mean, dtype_name(x), 0.0, 1, few_rows(M))
     ldx, new_stat = ld(x2), allocator(lead, torch.float32, device)
 
     def run(a):
@@ -321,8 +322,8 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
     M, layernorm, device = x2.shape[0], mean is not None, x.device
     current = stream_of(device)
     fn = compiled_backward(dtype_name(x), N, arch, dtype_name(weight), dtype_name(dout), dtype_name(dres),
-                           has_bias, layernorm, float(weight_offset), 1)
-    launch = backward_launch(N, x.element_size() * 8, arch, layernorm)
+                           has_bias, layernorm, float(weight_offset), 1, few_rows(M))
+    launch = backward_launch(N, x.element_size() * 8, arch, layernorm, few_rows(M))
     ctas, parts = backward_grid(launch, M, device, layernorm)
     has_dw = weight is not None
     kinds = int(has_dw) + int(has_bias)

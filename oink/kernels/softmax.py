@@ -86,12 +86,13 @@ class Softmax(RowKernelBase):
 
 
 @memo
-def compiled_softmax(mode: str, dtype: str, N: int, arch: str):
-    """Compile (or fetch) one softmax kernel for (mode, dtype, N, arch); M and strides are runtime."""
+def compiled_softmax(mode: str, dtype: str, N: int, arch: str, few: bool = False):
+    """Compile (or fetch) one softmax kernel for (mode, dtype, N, arch); M and strides are runtime;
+    ``few``: for calls of ``launch_table.few_rows`` rows (their own launch where the table has one)."""
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the softmax kernels handle 1 <= N <= {MAX_N}")
     dt = cute_dtype(dtype)
-    launch = pick(f"softmax/{mode}/x{dt.width}", arch, softmax_launch(N, dt.width, arch, mode))
+    launch = pick(f"softmax/{mode}/x{dt.width}", arch, softmax_launch(N, dt.width, arch, mode), None, few)
 
     def build():
         one = Int64(launch.vec)

@@ -5,6 +5,7 @@ import torch
 
 from .compile import CACHE, current_stream, stream_of
 from .host import dtype_name, kernel_ready_rows, ld, prepare_rows, ptr, rows_view, vec_for, width_reason
+from .launch_table import few_rows
 from .softmax import compiled_softmax
 
 
@@ -24,7 +25,7 @@ def launch(mode, arch, a, b, out):
     M, N = a.shape
     if M == 0:
         return out
-    fn = compiled_softmax(mode, dtype_name(a), N, arch)
+    fn = compiled_softmax(mode, dtype_name(a), N, arch, few_rows(M))
     fn(ptr(a), ptr(b), ptr(out), M, ld(a), ld(b), ld(out), current_stream(a.device))
     return out
 
@@ -61,8 +62,8 @@ def _plan(mode: str, first: str, second: str | None):
         if not (kernel_ready_rows(x, vec) and kernel_ready_rows(other, vec)):
             return None
         x2, o2 = rows_view(x), (rows_view(other) if other is not None else None)
-        fn = compiled_softmax(mode, dtype_name(x), N, arch)
         M, device = x2.shape[0], x.device
+        fn = compiled_softmax(mode, dtype_name(x), N, arch, few_rows(M))
         stream = stream_of(device)
         lda, ldb = ld(x2), ld(o2 if o2 is not None else x2)
 
