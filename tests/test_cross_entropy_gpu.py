@@ -81,6 +81,43 @@ def test_shifted_rows_read_only_their_row(dtype, N, ld_pad, seed):
     close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
 
 
+@pytest.mark.parametrize("dx_rows", ["like_logits", "dense"])
+@pytest.mark.parametrize("ld_pad", [0, 7])
+@pytest.mark.parametrize("N", [4097, 32001, 50257, 100277])
+@pytest.mark.parametrize("mode", ["backward", "fwd_bwd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shifted_rows_write_only_their_row(dtype, mode, N, ld_pad, dx_rows, seed):
+    """dlogits of rows off 16-byte boundaries: stored through the logits' aligned windows where
+    dx's rows lie at the same offsets (whole vectors inside the row, the two edge vectors a column
+    at a time, as neighbouring rows' CTAs write the rest of them), scalar stores where they do not
+    (dense dx under padded logits). Large logits at the rows' ends and in the padding; the padding
+    of dx's buffer must keep its poison and every row must match the reference."""
+    from oink.kernels.cross_entropy_ops import launch
+
+    M = 301
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    buf = (torch.randn(M, N + ld_pad, device="cuda", generator=g) * 4).to(dtype)
+    buf[::3, 0] = 60.0
+    buf[::3, N - 1] = 60.0
+    buf[:, N:] = 60.0
+    logits = buf[:, :N]
+    target = torch.randint(0, N, (M,), device="cuda", generator=g)
+    target[::5] = N - 1  # the target in an edge vector
+    target[1::5] = 0
+    dloss = torch.randn(M, device="cuda", generator=g)
+    loss_ref, lse_ref = R.cross_entropy_forward(logits, target, IGNORE)
+    dx_buf = torch.full((M, N + (ld_pad if dx_rows == "like_logits" else 0)), float("nan"), device="cuda", dtype=dtype)
+    dx = dx_buf[:, :N]
+    loss = torch.full((M,), float("nan"), device="cuda")
+    if mode == "backward":
+        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, lse_in=lse_ref, dx=dx)
+    else:
+        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, loss=loss, dx=dx)
+        close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
+    close_family(dx, R.cross_entropy_backward(dloss, logits, target, lse_ref, IGNORE), "softmax", dtype, "dlogits")
+    assert torch.isnan(dx_buf[:, N:]).all(), "a store left its row"
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("target_dtype", [torch.int32, torch.int64], ids=str)
 def test_public_api_routes_to_kernel(reduction, target_dtype, seed):

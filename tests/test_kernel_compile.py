@@ -210,8 +210,9 @@ from oink.kernels.cross_entropy import MODES as CE_MODES  # noqa: E402
 from oink.kernels.cross_entropy import compiled_cross_entropy  # noqa: E402
 
 # vocabularies: tiny and odd (scalar loads), one warp, Llama-2's 32000 (forward: 2 CTAs of 256),
-# GPT-2's odd 50257 and cl100k's odd 100277 (forward: shifted rows, an aligned window; dlogits
-# modes: a cluster of 8 scalar loads), Llama-3's 128256 (forward: 8 CTAs) and the widest
+# GPT-2's odd 50257 and cl100k's odd 100277 (shifted rows: an aligned window, the dlogits stored
+# through it; scalar accesses where dlogits' rows lie elsewhere), Llama-3's 128256 (forward: 8 CTAs)
+# and the widest
 CE_WIDTHS = [7, 64, 1000, 3072, 32000, 50257, 65536, 100277, 128256, 262144]
 
 
@@ -222,6 +223,7 @@ def test_cross_entropy_compiles(arch, dtype, mode):
     for N in CE_WIDTHS:
         assert callable(compiled_cross_entropy(mode, dtype, "int64", N, arch))
     assert callable(compiled_cross_entropy(mode, dtype, "int32", 4096, arch))
+    assert callable(compiled_cross_entropy(mode, dtype, "int64", 50257, arch, window=False))
 
 
 def test_cross_entropy_launch_covers_clusters():

@@ -74,7 +74,7 @@ def test_table_file_is_well_formed():
 def _width(key: str, N: int) -> int:
     """The row width an entry's op is called at: a shifted-rows cross-entropy key holds windows
     (the width plus a vector less one, whole vectors), whose width is the window less vec - 1."""
-    if "/forward_shifted/" in key:
+    if "_shifted/" in key:
         return N - (128 // int(key.rsplit("/x", 1)[1]) - 1)
     return N
 

@@ -43,8 +43,9 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", 
     threads, spilling a little: a cluster of 8 cost it more (512 x 151936: 83 us over 4 CTAs, 133
     us over 8; the table has better for 151936). The modes that write dlogits lose more to a
     spill: 5 units a thread, then a larger cluster (128256: 129 -> 97 us over 4 CTAs instead of 2).
-    A ``shifted`` forward (rows off 16-byte boundaries; N is its window) keeps one CTA of up to 1024
-    threads as long as it can (4096 x 50257: 167 us on one CTA of 1024, 351 us over 4 of 256)."""
+    A ``shifted`` launch (rows off 16-byte boundaries; N is its window) keeps the forward on one CTA
+    of up to 1024 threads as long as it can (4096 x 50257: 167 us on one CTA of 1024, 351 us over 4
+    of 256); the dlogits modes' is their usual one."""
     if mode == "forward" and not shifted:
         small = pick_row_launch(N, x_bits, units_per_thread=8, max_units_per_thread=8, max_threads=256)
         units = N // small.vec
@@ -68,8 +69,8 @@ class CrossEntropy(RowKernelBase):
         self.target_dtype = target_dtype
         self.n = launch.N if n is None else n
         self.shifted = self.n != launch.N
-        if self.shifted and (mode != "forward" or launch.rows_per_cta != 1 or launch.N < self.n + launch.vec - 1):
-            raise ValueError(f"shifted rows: the forward only, one row a CTA, a window of >= n + vec - 1; got {launch}")
+        if self.shifted and (launch.rows_per_cta != 1 or launch.N < self.n + launch.vec - 1):
+            raise ValueError(f"shifted rows: one row a CTA, a window of >= n + vec - 1; got {launch}")
 
     @cute.jit
     def __call__(self, px: cute.Pointer, ptarget: cute.Pointer, pdloss: Optional[cute.Pointer],
@@ -77,11 +78,13 @@ class CrossEntropy(RowKernelBase):
                  pdx: Optional[cute.Pointer], M: Int32, ldx: Int64, lddx: Int64, ignore_index: Int32,
                  stream: cuda.CUstream):
         vector = lambda p: cute.make_tensor(p, cute.make_layout((M,))) if const_expr(p is not None) else None  # noqa: E731
-        if const_expr(self.shifted):  # rows start anywhere: only scalar reads through this view
+        if const_expr(self.shifted):  # rows start anywhere: only scalar accesses through these views
             mX = cute.make_tensor(px, cute.make_layout((M, self.n), stride=(ldx, 1)))
+            mDx = cute.make_tensor(pdx, cute.make_layout((M, self.n), stride=(lddx, 1))) if const_expr(
+                pdx is not None) else None
         else:
             mX = self.matrix(px, M, ldx)
-        mDx = self.matrix(pdx, M, lddx) if const_expr(pdx is not None) else None
+            mDx = self.matrix(pdx, M, lddx) if const_expr(pdx is not None) else None
         self.kernel(mX, vector(ptarget), vector(pdloss), vector(plse_in), vector(ploss), vector(plse_out), mDx,
                     ignore_index, self.tiled_copy(self.x_dtype)).launch(
             grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
@@ -101,6 +104,7 @@ class CrossEntropy(RowKernelBase):
             tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
             row = tXcX[0][0]
             tXgX = part(mX, bidx)
+            shift = 0  # the row's first column in the thread's coordinates
         rX = cute.make_rmem_tensor_like(tXgX)
         rX.fill(-math.inf)
         target = Int32(0)
@@ -148,12 +152,15 @@ class CrossEntropy(RowKernelBase):
             rD = cute.make_rmem_tensor_like(rX, Float32)
             rD.store(cute.math.exp2((x - lse) * LOG2E, fastmath=True) * scale)
             for i in cutlass.range_constexpr(cute.size(rD)):
-                if tXcX[i][1] == target:  # ignored rows have scale 0, so no column needs the guard
+                if tXcX[i][1] == target + shift:  # ignored rows have scale 0, so no column needs the guard
                     rD[i] = rD[i] - scale
             rO = cute.make_rmem_tensor_like(rX, self.x_dtype)
             rO.store(rD.load().to(self.x_dtype))
             if row < M:
-                self.copy_row(rO, part(mDx, bidx), tXcX, self.x_dtype)
+                if const_expr(self.shifted):  # dx's rows lie at x's offsets (the host's condition)
+                    self.store_window(rO, self.row_window(mDx, bidx, M, part)[1], tXcX, shift)
+                else:
+                    self.copy_row(rO, part(mDx, bidx), tXcX, self.x_dtype)
         self.launch_dependents()
 
     @cute.jit
@@ -173,6 +180,24 @@ class CrossEntropy(RowKernelBase):
         return part(cute.make_identity_tensor(window.shape), 0), part(window, 0), shift
 
 
+    @cute.jit
+    def store_window(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, shift):
+        """Store a shifted row through its aligned window: whole vectors inside the row, the row's
+        columns of its two edge vectors one at a time (their other columns are the rows beside it,
+        which other CTAs write), nothing past the window."""
+        L = self.launch
+        atom = self.atom(self.x_dtype)
+        for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
+            first = tXcX[(0, 0), 0, i][1]
+            if first >= shift and first + L.vec <= shift + self.n:
+                cute.copy(atom, src[None, None, i], dst[None, None, i])
+            elif first < L.N:
+                s_i, d_i, c_i = src[None, None, i], dst[None, None, i], tXcX[None, None, i]
+                for j in cutlass.range_constexpr(cute.size(s_i)):
+                    if c_i[j][1] >= shift and c_i[j][1] < shift + self.n:
+                        d_i[j] = s_i[j]
+
+
 def shifted_window(N: int, x_bits: int) -> int | None:
     """The window width of a shifted-rows forward at width N (N plus up to a vector less one of
     lead, whole vectors), or None where rows start aligned."""
@@ -181,16 +206,18 @@ def shifted_window(N: int, x_bits: int) -> int | None:
 
 
 @memo
-def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arch: str, store_lse: bool = True):
+def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arch: str, store_lse: bool = True,
+                           window: bool = True):
     """Compile (or fetch) one kernel for (mode, dtypes, N, flags, arch); M, strides and
-    ignore_index are runtime."""
+    ignore_index are runtime. ``window=False``: dlogits rows do not lie at the logits' offsets
+    (another row stride), so rows off 16-byte boundaries are not moved as aligned windows."""
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the cross-entropy kernels handle 1 <= N <= {MAX_N}")
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
-    window = shifted_window(N, dt.width) if mode == "forward" else None
-    shifted = cross_entropy_launch(window, dt.width, arch, mode, True) if window else None
+    width = shifted_window(N, dt.width) if window or mode == "forward" else None
+    shifted = cross_entropy_launch(width, dt.width, arch, mode, True) if width else None
     if shifted is not None and shifted.rows_per_cta == 1:  # a window needs one row a CTA
-        launch = pick(f"cross_entropy/forward_shifted/x{dt.width}", arch, shifted)
+        launch = pick(f"cross_entropy/{mode}_shifted/x{dt.width}", arch, shifted)
     else:
         launch = pick(f"cross_entropy/{mode}/x{dt.width}", arch, cross_entropy_launch(N, dt.width, arch, mode))
     store_lse = store_lse and mode != "backward"

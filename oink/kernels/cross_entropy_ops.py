@@ -50,7 +50,8 @@ def launch(mode, arch, x2, target, ignore_index, dloss=None, lse_in=None, loss=N
     M, V = x2.shape
     if M == 0:
         return
-    fn = compiled_cross_entropy(mode, dtype_name(x2), dtype_name(target), V, arch, lse_out is not None)
+    fn = compiled_cross_entropy(mode, dtype_name(x2), dtype_name(target), V, arch, lse_out is not None,
+                                dx is None or ld(dx) == ld(x2))
     fn(ptr(x2), ptr(target, target.element_size()), ptr(dloss, 4), ptr(lse_in, 4), ptr(loss, 4), ptr(lse_out, 4),
        ptr(dx), M, ld(x2), ld(dx), int(ignore_index), current_stream(x2.device))
 
@@ -140,8 +141,10 @@ def _plan(mode: str):
                 or any(n in a and not _plain_rows(a[n], M) for n in ("dloss", "lse"))):
             return None
         return_lse = mode == "forward" or a.get("return_lse", False)
-        fn = compiled_cross_entropy(mode, dtype_name(logits), dtype_name(target), V, arch, return_lse)
         device, ldx, ignore = logits.device, ld(logits), int(a.get("ignore_index", -100))
+        # dx is dense: its rows lie at the logits' offsets only where the logits' are dense too
+        fn = compiled_cross_entropy(mode, dtype_name(logits), dtype_name(target), V, arch, return_lse,
+                                    mode == "forward" or ldx == V)
         stream = stream_of(device)
         new_row = allocator((M,), torch.float32, device)
 
