@@ -125,6 +125,7 @@ def main(argv=None) -> int:
                     print(json.dumps(line), flush=True)
                     if log:
                         log.write(json.dumps(line) + "\n")
+                        log.flush()  # a search cut off by a timeout keeps its trials
                 best, base, best_t = launch_table.choose(trials, default, a.min_gain)
                 if base is None:
                     print(f"# {key} N={width}: the heuristic's shape failed its gate: no entry", flush=True)
