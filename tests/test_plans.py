@@ -198,3 +198,35 @@ def test_norm_backward_plan_off_with_the_torch_partial_sum(recorder, monkeypatch
     args = dict(dout=_x(4, 256), x=_x(4, 256), weight=torch.randn(256), rstd=torch.rand(4), mean=torch.rand(4),
                 bias=None)
     assert dispatch.with_plan(route, args).plan is None
+
+
+@pytest.mark.parametrize("M,few", [(32, True), (33, False)])
+@pytest.mark.parametrize("op", ["rmsnorm_forward", "softmax_forward", "rmsnorm_backward"])
+def test_plan_and_runner_take_the_same_few_rows_launch(recorder, op, M, few):
+    """At most ``launch_table.FEW_ROWS`` rows take the key's "/few" entry, in the runner and in the
+    plan alike (a plan is made for one shape); one row more, the key's own entry."""
+    from oink.kernels import launch_table
+    from oink.kernels.compile import CACHE
+
+    N = 131072
+    entries = launch_table.table().get("sm_90a", {})
+    key = {"rmsnorm_forward": "rmsnorm_fwd/x16w16", "softmax_forward": "softmax/forward/x16",
+           "rmsnorm_backward": "rmsnorm_bwd/x16"}[op]
+    entry = entries.get(f"{key}/few" if few else key, {}).get(N)
+    if entry is None:  # the key's own choice: the heuristic's, where the table has no entry
+        pytest.skip(f"no {key} entry at {N} for {M} rows in the table")
+    x = _x(M, N)
+    args = {"rmsnorm_forward": dict(x=x, weight=torch.randn(N, dtype=torch.bfloat16), eps=1e-6),
+            "softmax_forward": dict(x=x),
+            "rmsnorm_backward": dict(x=x, weight=torch.randn(N, dtype=torch.bfloat16), dout=_x(M, N),
+                                     rstd=torch.rand(M), dresidual_out=None, has_bias=False, has_residual=False,
+                                     weight_offset=0.0)}[op]
+    module = dispatch._kernel_module(op)
+    CACHE.clear_used()
+    module.RUNNERS[op]("sm_90a", **args)
+    by_runner = CACHE.used_launches()
+    planned = dispatch.with_plan(dispatch.Route(op, "kernel", "test", "sm_90a"), args)
+    CACHE.clear_used()
+    dispatch.run(planned, args)
+    assert tuple(entry["launch"]) in by_runner
+    assert CACHE.used_launches() == by_runner
