@@ -55,6 +55,17 @@ def test_cross_entropy_kernels(mode, dtype, N, M, seed):
         assert torch.all(dx[target == IGNORE] == 0)
 
 
+def _edge_logits(M, N, ld_pad, dtype, g):
+    """Logits rows ``ld_pad`` elements apart beyond N (a view of a wider buffer), with a large
+    logit at the first and last column of every third row and in the padding (not the row's
+    either): what a window reaching past its row would take in."""
+    buf = (torch.randn(M, N + ld_pad, device="cuda", generator=g) * 4).to(dtype)
+    buf[::3, 0] = 60.0
+    buf[::3, N - 1] = 60.0
+    buf[:, N:] = 60.0
+    return buf[:, :N]
+
+
 @pytest.mark.parametrize("ld_pad", [0, 2, 7])
 @pytest.mark.parametrize("N", [4097, 32001, 50257, 100277])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -67,11 +78,7 @@ def test_shifted_rows_read_only_their_row(dtype, N, ld_pad, seed):
 
     M = 301
     g = torch.Generator(device="cuda").manual_seed(seed)
-    buf = (torch.randn(M, N + ld_pad, device="cuda", generator=g) * 4).to(dtype)
-    buf[::3, 0] = 60.0
-    buf[::3, N - 1] = 60.0
-    buf[:, N:] = 60.0  # the padding of a wider buffer is not the row's either
-    logits = buf[:, :N]
+    logits = _edge_logits(M, N, ld_pad, dtype, g)
     target = torch.randint(0, N, (M,), device="cuda", generator=g)
     loss_ref, lse_ref = R.cross_entropy_forward(logits, target, IGNORE)
     loss = torch.full((M,), float("nan"), device="cuda")
@@ -96,11 +103,7 @@ def test_shifted_rows_write_only_their_row(dtype, mode, N, ld_pad, dx_rows, seed
 
     M = 301
     g = torch.Generator(device="cuda").manual_seed(seed)
-    buf = (torch.randn(M, N + ld_pad, device="cuda", generator=g) * 4).to(dtype)
-    buf[::3, 0] = 60.0
-    buf[::3, N - 1] = 60.0
-    buf[:, N:] = 60.0
-    logits = buf[:, :N]
+    logits = _edge_logits(M, N, ld_pad, dtype, g)
     target = torch.randint(0, N, (M,), device="cuda", generator=g)
     target[::5] = N - 1  # the target in an edge vector
     target[1::5] = 0

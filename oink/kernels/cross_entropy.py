@@ -6,9 +6,10 @@ One pass over the logits each; a row stays in registers between its load and its
 - fused: the forward's two reductions, then the backward from the lse just computed (no lse
   round trip through memory); writes loss and dx.
 Columns past N load as -inf (exp gives 0). Rows whose starts are not 16-byte aligned (N not a
-multiple of the 128-bit vector: GPT-2's 50257) are read by the forward as an aligned window of
-vectors around the row, its columns outside the row set to -inf ("shifted" rows), instead of
-one element an access; the modes that write dlogits keep element accesses. x[target] for the
+multiple of the 128-bit vector: GPT-2's 50257) are read as an aligned window of vectors around
+the row, its columns outside the row set to -inf ("shifted" rows), instead of one element an
+access; dlogits are stored through the same window where dx's rows lie at the logits' offsets
+(element accesses where they do not). x[target] for the
 loss is one scalar load by the row's leader thread: the row was just read, so it hits cache. A
 target outside [0, N) that is not ignore_index (the host check is skipped under CUDA-graph
 capture) gives a NaN loss and NaN dlogits for its row, never an out-of-bounds read. ``dx`` may alias ``x`` (in-place
@@ -85,10 +86,8 @@ class CrossEntropy(RowKernelBase):
         else:
             mX = self.matrix(px, M, ldx)
             mDx = self.matrix(pdx, M, lddx) if const_expr(pdx is not None) else None
-        self.kernel(mX, vector(ptarget), vector(pdloss), vector(plse_in), vector(ploss), vector(plse_out), mDx,
-                    ignore_index, self.tiled_copy(self.x_dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
-            use_pdl=self.pdl)
+        self.launch_rows(self.kernel(mX, vector(ptarget), vector(pdloss), vector(plse_in), vector(ploss),
+                                     vector(plse_out), mDx, ignore_index, self.tiled_copy(self.x_dtype)), M, stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mDloss: Optional[cute.Tensor],
@@ -178,7 +177,6 @@ class CrossEntropy(RowKernelBase):
                              assumed_align=16)
         window = cute.make_tensor(base, cute.make_layout((1, L.N), stride=(L.N, 1)))
         return part(cute.make_identity_tensor(window.shape), 0), part(window, 0), shift
-
 
     @cute.jit
     def store_window(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, shift):

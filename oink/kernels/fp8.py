@@ -159,9 +159,7 @@ class Fp8Quantize(Fp8Epilogue, RowKernelBase):
         mUp = self.matrix(px + N, M, ldx) if const_expr(self.kind == "silu_mul") else None
         mQ = cute.make_tensor(pq, cute.make_layout((M, N // 4), stride=(N // 4, 1)))
         mScale, mUb, mS = _scale_tensors(self, pscale, pub, ps, M)
-        self.kernel(mX, mUp, mScale, mUb, mQ, mS, self.tiled_copy(self.dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
-            use_pdl=self.pdl)
+        self.launch_rows(self.kernel(mX, mUp, mScale, mUb, mQ, mS, self.tiled_copy(self.dtype)), M, stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mUp: Optional[cute.Tensor], mScale: Optional[cute.Tensor],
@@ -201,10 +199,8 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         mY = self.matrix(py, M, ldy) if const_expr(py is not None) else None
         mQ = cute.make_tensor(pq, cute.make_layout((M, N // 4), stride=(N // 4, 1)))
         mScale, mUb, mS = _scale_tensors(self, pscale, pub, ps, M)
-        self.kernel(mX, mRes, self.broadcast_rows(pw), mScale, mUb, mY, mQ, mS, eps,
-                    self.tiled_copy(self.x_dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
-            use_pdl=self.pdl)
+        self.launch_rows(self.kernel(mX, mRes, self.broadcast_rows(pw), mScale, mUb, mY, mQ, mS, eps,
+                                     self.tiled_copy(self.x_dtype)), M, stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mRes: Optional[cute.Tensor], mW: cute.Tensor, mScale: Optional[cute.Tensor],

@@ -252,9 +252,7 @@ class Fp4Quantize(Fp4Epilogue, RowKernelBase):
         mUp = self.matrix(px + self.launch.N, M, ldx) if const_expr(self.mode == "silu_mul") else None
         mQ, mSF = self.fp4_tensors(pq, psf, M)
         mGS = cute.make_tensor(pgs, cute.make_layout((1,))) if const_expr(pgs is not None) else None
-        self.kernel(mX, mUp, mGS, mQ, mSF, self.tiled_copy(self.dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
-            use_pdl=self.pdl)
+        self.launch_rows(self.kernel(mX, mUp, mGS, mQ, mSF, self.tiled_copy(self.dtype)), M, stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mUp: Optional[cute.Tensor], mGS: Optional[cute.Tensor], mQ: cute.Tensor,
@@ -288,9 +286,8 @@ class AddRMSNormFp4(Fp4Epilogue, RMSNormForward):
         mY = self.matrix(py, M, ldy) if const_expr(py is not None) else None
         mQ, mSF = self.fp4_tensors(pq, psf, M)
         mGS = cute.make_tensor(pgs, cute.make_layout((1,))) if const_expr(pgs is not None) else None
-        self.kernel(mX, mRes, self.broadcast_rows(pw), mGS, mY, mQ, mSF, eps, self.tiled_copy(self.x_dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
-            use_pdl=self.pdl)
+        self.launch_rows(self.kernel(mX, mRes, self.broadcast_rows(pw), mGS, mY, mQ, mSF, eps,
+                                     self.tiled_copy(self.x_dtype)), M, stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mW: cute.Tensor, mGS: Optional[cute.Tensor],

@@ -140,6 +140,12 @@ class RowKernelBase:
     def cluster(self):
         return [1, self.launch.cluster_n, 1] if self.launch.cluster_n > 1 else None
 
+    def launch_rows(self, kernel, M, stream, grid=None):
+        """Launch a traced ``self.kernel(...)`` over M rows (or over ``grid``) with the launch's CTA
+        and cluster shape, programmatic dependent launch as configured."""
+        kernel.launch(grid=self.grid(M) if grid is None else grid, block=[self.launch.num_threads, 1, 1],
+                      cluster=self.cluster(), stream=stream, use_pdl=self.pdl)
+
     # ---- device-side helpers -------------------------------------------------------------
     @cute.jit
     def copy_row(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, dtype: cutlass.Constexpr):

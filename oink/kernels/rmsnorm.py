@@ -105,9 +105,8 @@ class RMSNormForward(RowKernelBase):
         mB = self.broadcast_rows(pb) if const_expr(pb is not None) else None
         mRstd = cute.make_tensor(prstd, cute.make_layout((M,))) if const_expr(prstd is not None) else None
         mMean = cute.make_tensor(pmean, cute.make_layout((M,))) if const_expr(pmean is not None) else None
-        self.kernel(mX, mW, mB, mRes, mO, mResO, mRstd, mMean, eps, self.tiled_copy(self.x_dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
-            use_pdl=self.pdl)
+        self.launch_rows(self.kernel(mX, mW, mB, mRes, mO, mResO, mRstd, mMean, eps, self.tiled_copy(self.x_dtype)),
+                         M, stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mB: Optional[cute.Tensor],

@@ -163,9 +163,8 @@ class RMSNormBackward(RMSNormForward):
         row_major = cute.make_layout((parts, L.N), stride=(cute.assume(ldpart, divby=L.vec), 1))
         mDw = cute.make_tensor(pdw, row_major) if const_expr(pdw is not None) else None
         mDb = cute.make_tensor(pdb, row_major) if const_expr(pdb is not None) else None
-        self.kernel(mX, mW, mDout, mRstd, mMean, mDres, mDx, mDw, mDb, self.tiled_copy(self.x_dtype)).launch(
-            grid=[num_ctas, L.cluster_n, 1], block=[L.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
-            use_pdl=self.pdl)
+        self.launch_rows(self.kernel(mX, mW, mDout, mRstd, mMean, mDres, mDx, mDw, mDb, self.tiled_copy(self.x_dtype)),
+                         M, stream, grid=[num_ctas, L.cluster_n, 1])
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mDout: cute.Tensor, mRstd: cute.Tensor,

@@ -22,9 +22,7 @@ class RowSumSquares(RowKernelBase):
         mX = self.matrix(px, M, ldx)
         mO = cute.make_tensor(pout, cute.make_layout((M,)))
         tc = self.tiled_copy(self.dtype)
-        self.kernel(mX, mO, tc).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
-            use_pdl=self.pdl)
+        self.launch_rows(self.kernel(mX, mO, tc), M, stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mO: cute.Tensor, tc: cute.TiledCopy):

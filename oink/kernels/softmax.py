@@ -45,9 +45,7 @@ class Softmax(RowKernelBase):
         mA = self.matrix(pa, M, lda)
         mB = self.matrix(pb, M, ldb)
         mO = self.matrix(pout, M, ldout)
-        self.kernel(mA, mB, mO, self.tiled_copy(self.x_dtype)).launch(
-            grid=self.grid(M), block=[self.launch.num_threads, 1, 1], cluster=self.cluster(), stream=stream,
-            use_pdl=self.pdl)
+        self.launch_rows(self.kernel(mA, mB, mO, self.tiled_copy(self.x_dtype)), M, stream)
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mO: cute.Tensor, tc: cute.TiledCopy):
