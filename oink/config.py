@@ -31,16 +31,24 @@ def _int(name: str) -> int | None:
     return int(value) if value else None
 
 
+def _flag(name: str) -> bool | None:
+    """An A/B switch: None where unset (the heuristic decides), else whether it is not "0"."""
+    value = os.environ.get(name, "").strip()
+    return None if not value else value != "0"
+
+
 @dataclass(frozen=True)
 class Config:
     force_reference: bool  # OINK_FORCE_REFERENCE: the reference everywhere
     arch: str | None  # OINK_ARCH: compile target override
     keep_cubin: bool  # OINK_KEEP_CUBIN: keep cubins on compiled functions (kernel profiles)
     fwd_upt: int | None  # OINK_FWD_UPT: norm forward units a thread (sweeps)
+    fwd_late: bool | None  # OINK_FWD_LATE=0/1: norm forward loads weight/bias after the reduction (A/B)
     fp4_upt: int | None  # OINK_FP4_UPT: FP4 scale blocks a thread (sweeps)
     bwd_upt: int | None  # OINK_BWD_UPT / _TPSM / _DEPTH: norm backward knobs (sweeps)
     bwd_tpsm: int | None
     bwd_depth: int | None
+    bwd_split: bool | None  # OINK_BWD_SPLIT=0/1: the norm backward's split kernels off/on (A/B)
     bwd_partial_sum: str  # OINK_BWD_PARTIAL_SUM: "kernel" or "torch" (A/B)
     # OINK_PDL=0: no programmatic dependent launch. On (SM90+): a row kernel may be launched while the
     # kernel before it in the stream finishes, and waits (griddepcontrol.wait) before its first read;
@@ -59,8 +67,10 @@ def _from_env() -> Config:
     env = os.environ.get
     return Config(
         force_reference=truthy(env("OINK_FORCE_REFERENCE")), arch=env("OINK_ARCH") or None,
-        keep_cubin=truthy(env("OINK_KEEP_CUBIN")), fwd_upt=_int("OINK_FWD_UPT"), fp4_upt=_int("OINK_FP4_UPT"),
+        keep_cubin=truthy(env("OINK_KEEP_CUBIN")), fwd_upt=_int("OINK_FWD_UPT"),
+        fwd_late=_flag("OINK_FWD_LATE"), fp4_upt=_int("OINK_FP4_UPT"),
         bwd_upt=_int("OINK_BWD_UPT"), bwd_tpsm=_int("OINK_BWD_TPSM"), bwd_depth=_int("OINK_BWD_DEPTH"),
+        bwd_split=_flag("OINK_BWD_SPLIT"),
         bwd_partial_sum=env("OINK_BWD_PARTIAL_SUM", "kernel"), pdl=env("OINK_PDL", "1") != "0",
         bwd_exact=env("OINK_BWD_EXACT", "1") != "0",
         tvm_ffi=env("OINK_TVM_FFI", "1") != "0" and importlib.util.find_spec("tvm_ffi") is not None,

@@ -59,8 +59,7 @@ def keys_of(spec, run, M, N, dtype, device) -> dict:
 def try_shape(spec, run, op, N, rows, dtype, device, key, shape) -> tuple[bool, list, str]:
     """(passed, [seconds per row count], why) with ``shape`` forced for ``key``."""
     launch_table.OVERRIDES.clear()
-    if shape is not None:
-        launch_table.OVERRIDES[key] = shape
+    launch_table.OVERRIDES[key] = shape
     config.reload()
     name = str(dtype).split(".")[-1]
     times = []
@@ -71,7 +70,7 @@ def try_shape(spec, run, op, N, rows, dtype, device, key, shape) -> tuple[bool, 
         if not g["passed"]:
             return False, [], g.get("report", "gate failed")[:200]
         ran = CACHE.used_launches()
-        if not ran or (shape is not None and shape not in ran):
+        if shape not in ran:
             return False, [], "the shape did not run (the op took another path)"
         if M in rows:
             times.append(time_op(spec, run, case, dtype, device))
@@ -116,8 +115,8 @@ def main(argv=None) -> int:
                 trials = []
                 for L in launch_table.candidates(default, a.max_iters, lanes, clusters):
                     shape = (L.threads_per_row, L.num_threads, L.cluster_n)
-                    ok, times, why = try_shape(spec, run, op, N, rows, dtype, device, (key, arch, width),
-                                               None if L == default else shape)
+                    # the heuristic's own shape is forced too: unforced, the op would take the table's entry
+                    ok, times, why = try_shape(spec, run, op, N, rows, dtype, device, (key, arch, width), shape)
                     geo = math.exp(sum(map(math.log, times)) / len(times)) if ok else None
                     trials.append((L, geo))
                     line = {"op": op, "N": N, "key": key, "arch": arch, "launch": list(shape), "iters": L.iters,

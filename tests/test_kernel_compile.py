@@ -393,3 +393,60 @@ def test_fp8_groups_stay_on_aligned_lanes():
                 assert L.vec == 16 and L.threads_per_row % (G // 16) == 0
     with pytest.raises(ValueError, match="multiple of 16"):
         compiled_fp8("quantize", "bfloat16", 24, "sm_90a", "token", 0, False, False, False)
+
+
+def test_forward_loads_parameters_late_where_registers_limit_it():
+    """``late_params``: the LayerNorm forward from 12288 columns, a wider weight in CTAs of 1024 threads
+    or at few rows of >= 131072 columns; never at few rows below 65536 or for a plain RMSNorm."""
+    from oink.kernels.reduction import RowLaunch
+    from oink.kernels.rmsnorm import late_params
+
+    def launch(N, threads=512):
+        return RowLaunch(N=N, vec=8, threads_per_row=threads, num_threads=threads)
+
+    assert late_params(launch(16384), True, False, False)
+    assert not late_params(launch(8192), True, False, False)
+    assert not late_params(launch(16384), True, False, True)
+    assert late_params(launch(65536), True, False, True)
+    assert late_params(launch(16384, 1024), False, True, False)
+    assert not late_params(launch(18432, 576), False, True, False)
+    assert late_params(launch(262144), False, True, True)
+    assert not late_params(launch(65536), False, True, True)
+    assert not late_params(launch(16384, 1024), False, False, False)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("late", ["0", "1"])
+def test_forward_parameter_load_variants_compile(arch, late, monkeypatch):
+    """Both placements of the forward's weight and bias loads, forced (OINK_FWD_LATE), for LayerNorm,
+    RMSNorm with a residual and a wider weight, and per-head parameters, at even and uneven widths."""
+    set_knob(monkeypatch, "OINK_FWD_LATE", late)
+    for N in (1000, 16384, 131072):
+        assert callable(compiled_forward("bfloat16", N, arch, "bfloat16", "bfloat16", None, None, True,
+                                         layernorm=True, store_mean=True))
+        assert callable(compiled_forward("float16", N, arch, "float32", None, "float16", "float32", False))
+    assert callable(compiled_forward("bfloat16", 128, arch, "bfloat16", None, None, None, False, heads=4))
+
+
+from oink.kernels.rmsnorm_bwd import compiled_split_backward, split_rows  # noqa: E402
+
+
+def test_split_backward_takes_few_rows_of_wide_rows(monkeypatch):
+    assert split_rows(32, 131072) and split_rows(1, 262144)
+    assert not split_rows(33, 131072) and not split_rows(32, 65536)
+    set_knob(monkeypatch, "OINK_BWD_SPLIT", "0")
+    assert not split_rows(32, 262144)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("layernorm", [False, True])
+def test_split_backward_compiles(arch, dtype, layernorm):
+    """Both split kernels, at the widths that take them (200000: a partial last chunk), with the
+    weight of x's dtype and no dbias, or an fp32 weight with dbias (RMSNorm: and dresidual_out)."""
+    for N in (131072, 200000, 262144):
+        for w, has_db, dres in ((dtype, False, None), ("float32", True, None if layernorm else dtype)):
+            fn_a, fn_b, chunks = compiled_split_backward(dtype, N, arch, w, dtype, dres, has_db, layernorm)
+            assert callable(fn_a) and callable(fn_b) and chunks > 1
+        if not layernorm:
+            assert callable(compiled_split_backward(dtype, N, arch, None, dtype, None, False)[1])

@@ -33,3 +33,76 @@ def test_wide_row_launch_runs_correctly(op, N, dtype, M):
     result = gate(SPECS[op], build(op, "oink", device), Case("test", op, M, N, dtype), getattr(torch, dtype), device)
     assert result["passed"], result.get("report")
     assert CACHE.used_launches(), "no row kernel ran (the call took the reference)"
+
+
+SPLIT_CASES = [(op, N) for op in ("rmsnorm_backward", "layernorm_backward") for N in (131072, 200000, 262144)]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm(90, exact=True)
+@pytest.mark.parametrize("M", [1, 5, 32])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("op,N", SPLIT_CASES, ids=[f"{op}-{N}" for op, N in SPLIT_CASES])
+def test_split_backward_runs_correctly(op, N, dtype, M):
+    """The norm backward's split kernels (few rows of >= 131072 columns: a row over independent CTAs,
+    dx from re-read rows): dx, dweight and dbias against the float64 reference, at 1 row, at a
+    partial group of rows (5) and at the most rows they take; 200000 leaves a partial last chunk."""
+    import torch
+
+    from oink.kernels.compile import CACHE
+    from oink.kernels.rmsnorm_bwd import split_launches, split_rows
+    from pytest_oink.bench_runner import gate
+    from pytest_oink.providers import SPECS, build
+
+    assert split_rows(M, N)
+    device = torch.device("cuda")
+    CACHE.clear_used()
+    result = gate(SPECS[op], build(op, "oink", device), Case("test", op, M, N, dtype), getattr(torch, dtype), device)
+    assert result["passed"], result.get("report")
+    la, lb = split_launches(N, getattr(torch, dtype).itemsize * 8)
+    ran = CACHE.used_launches()
+    assert {(la.threads_per_row, la.num_threads, la.cluster_n), (lb.threads_per_row, lb.num_threads, lb.cluster_n)} <= ran, ran
+
+
+@pytest.mark.gpu
+@pytest.mark.sm(90, exact=True)
+@pytest.mark.parametrize("layernorm", [False, True], ids=["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("weight", ["none", "bfloat16", "float32"])
+def test_split_backward_all_inputs_with_correlated_dout(weight, layernorm):
+    """The split backward's other inputs (RMSNorm: dresidual_out added to dx, dbias, a weight offset,
+    no weight; LayerNorm: a bias, a wider weight) against the float64 reference. dout is made
+    close to xhat * weight so that the row's sums (the shares kernel A writes and kernel B adds) carry
+    most of dx: with independent random dout they are O(1/sqrt(N)) of it and a wrong sum could pass."""
+    import torch
+
+    import oink
+    from oink.reference import norms
+
+    if layernorm and weight == "none":
+        pytest.skip("the LayerNorm backward takes a weight")
+    torch.manual_seed(7)
+    M, N, dev = 7, 131072 + 64, "cuda"  # 7 rows: one full group of 4 and a partial one; a partial chunk
+    x = torch.randn(M, N, device=dev, dtype=torch.bfloat16) * 2 + 0.5
+    w = None if weight == "none" else torch.randn(N, device=dev, dtype=getattr(torch, weight)) + 1
+    xf = x.double()
+    mean = xf.mean(-1) if layernorm else torch.zeros(M, device=dev, dtype=torch.float64)
+    rstd = ((xf - mean[:, None]).pow(2).mean(-1) + 1e-6).rsqrt()
+    xhat = (xf - mean[:, None]) * rstd[:, None]
+    dout = (xhat * (1 if w is None else w.double()) + 0.05 * torch.randn_like(xhat)).to(x.dtype)
+    rstd, mean = rstd.float(), mean.float()
+    if layernorm:
+        b = torch.randn(N, device=dev, dtype=w.dtype)
+        got = oink.layernorm_backward(dout, x, w, rstd, mean, b)
+        want = norms.layernorm_backward(dout.double(), xf, w.double(), rstd.double(), mean.double(), b.double())
+        names = ("dx", "dw", "db")
+    else:
+        dres = torch.randn_like(x)
+        got = oink.rmsnorm_backward(x, w, dout, rstd, dres, has_bias=True, has_residual=True, weight_offset=1.0)
+        want = norms.rmsnorm_backward(xf, None if w is None else w.double(), dout.double(), rstd.double(),
+                                      dres.double(), has_bias=True, has_residual=True, weight_offset=1.0)
+        names = ("dx", "dw", "db", "dresidual")
+    for g, r, name in zip(got, want, names):
+        assert (g is None) == (r is None), name
+        if g is not None:
+            assert torch.isfinite(g).all(), name
+            torch.testing.assert_close(g.double(), r.double(), rtol=2e-2, atol=2e-2 * r.abs().max().item(), msg=name)

@@ -55,13 +55,29 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     return pick_row_launch(N, x_bits, max_units_per_thread=FWD_MAX_UNITS)
 
 
+def late_params(launch: RowLaunch, layernorm: bool, wide_weight: bool, few: bool) -> bool:
+    """Whether the forward loads weight and bias after the reduction (``RMSNormForward.late_params``):
+    it frees their registers (and x's fp32 copy) across the reduction's barriers, so more CTAs fit a SM,
+    but exposes the parameters' load latency. It pays where registers limit the CTAs a SM holds: the
+    LayerNorm forward from 12288 columns (H100, 4096 rows: 16384 125 -> 94 us, 65536 605 -> 417), and a
+    weight wider than x in CTAs of 1024 threads (16384: 102 -> 93 us) or at 32 rows of 131072 columns and
+    more (262144: 20.3 -> 17.9 us). At 32 rows or fewer the latency wins below 65536 columns (LayerNorm
+    28672: 4.0 -> 5.8 us), as it does at decode sizes everywhere and for RMSNorm without a wider weight."""
+    if few and launch.N < 65536:
+        return False
+    if layernorm:
+        return launch.N >= 12288
+    return wide_weight and (launch.num_threads == 1024 or (few and launch.N >= 131072))
+
+
 class RMSNormForward(RowKernelBase):
     """RMSNorm forward; with ``layernorm`` it subtracts the row mean first (LayerNorm), in two
     reduction rounds: the mean, then the sum of the centred values (a correction to the mean) with
     the sum of their squares."""
 
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, b_dtype, res_dtype, out_dtype, res_out_dtype,
-                 store_rstd: bool, layernorm: bool = False, weight_offset: float = 0.0, heads: int = 1):
+                 store_rstd: bool, layernorm: bool = False, weight_offset: float = 0.0, heads: int = 1,
+                 late_params: bool = False):
         super().__init__(launch, num_reductions=3 if layernorm else 1)
         self.x_dtype, self.w_dtype, self.b_dtype = x_dtype, w_dtype, b_dtype
         self.res_dtype, self.out_dtype, self.res_out_dtype = res_dtype, out_dtype, res_out_dtype
@@ -69,6 +85,9 @@ class RMSNormForward(RowKernelBase):
         self.layernorm = layernorm
         self.weight_offset = weight_offset  # y = x_hat * (w + offset): Gemma's (1 + w) is 1.0
         self.heads = heads  # per-head weight/bias [H, D]: row r (of [..., H, D] rows) takes head r % H
+        # weight and bias loaded after the reduction, and x converted to fp32 again where it is used,
+        # so that neither is held in registers across the reduction's barriers
+        self.late_params = late_params
 
     @cute.jit
     def weight_values(self, rW: cute.Tensor):
@@ -155,22 +174,17 @@ class RMSNormForward(RowKernelBase):
             self.copy_row(tXgX, rX, tXcX, self.x_dtype)
             if const_expr(mRes is not None):
                 self.copy_row(tXgRes, rRes, tXcX, self.res_dtype)
-        rW, rB = None, None
-        if const_expr(mW is not None):
-            tXgW = part(self.head_rows(mW, row), 0)
-            rW = cute.make_rmem_tensor_like(tXgW)
-            self.copy_row(tXgW, rW, tXcX, self.w_dtype)
-        if const_expr(mB is not None):
-            tXgB = part(self.head_rows(mB, row), 0)
-            rB = cute.make_rmem_tensor_like(tXgB)
-            self.copy_row(tXgB, rB, tXcX, self.b_dtype)
+        if const_expr(not self.late_params):
+            rW, rB = self.load_params(mW, mB, part, tXcX, row)
 
+        src = rX  # the registers the normalized values are computed from
         h = rX.load().to(Float32)
         if const_expr(mRes is not None):
             h = h + rRes.load().to(Float32)
             # The stored sum is rounded to its dtype; the norm is of that rounded value.
             rResO = cute.make_rmem_tensor_like(rRes, self.res_out_dtype)
             rResO.store(h.to(self.res_out_dtype))
+            src = rResO
             h = rResO.load().to(Float32)
             if const_expr(mResO is not None):
                 tXgResO = part(mResO, bidx)
@@ -182,6 +196,8 @@ class RMSNormForward(RowKernelBase):
         if const_expr(self.layernorm):
             total = h.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
             mean = self.row_allreduce(total, add, Float32(0.0), buf, mbar, 0) / L.N
+            if const_expr(self.late_params):
+                h = src.load().to(Float32)  # converted again rather than held in fp32 across the round
             h = h - mean
             if const_expr(not L.even_n):
                 # padding columns hold 0 - mean after centring: zero them before the squares (subtracting
@@ -194,19 +210,41 @@ class RMSNormForward(RowKernelBase):
             dsum, ss = self.row_allreduce_pair(dsum, ss, add, Float32(0.0), buf, mbar, 1, 2)
             corr = dsum / L.N
             mean = mean + corr
-            h = h - corr
+            if const_expr(self.late_params):
+                h = src.load().to(Float32) - mean  # padding columns are not stored
+            else:
+                h = h - corr
             var = cute.arch.fmax(ss / L.N - corr * corr, Float32(0.0))
         else:
             ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
             var = self.row_allreduce(ss, add, Float32(0.0), buf, mbar, 0) / L.N
         rstd = cute.math.rsqrt(var + eps, fastmath=False)
 
+        if const_expr(self.late_params):
+            rW, rB = self.load_params(mW, mB, part, tXcX, row)
+            if const_expr(not self.layernorm):
+                h = src.load().to(Float32)
         y = h * rstd
         if const_expr(mW is not None):
             y = y * self.weight_values(rW)
         if const_expr(mB is not None):
             y = y + rB.load().to(Float32)
         return y, rX, rstd, mean
+
+
+    @cute.jit
+    def load_params(self, mW: Optional[cute.Tensor], mB: Optional[cute.Tensor], part, tXcX: cute.Tensor, row):
+        """This thread's slice of the weight and bias (row's head) in registers (None where absent)."""
+        rW, rB = None, None
+        if const_expr(mW is not None):
+            tXgW = part(self.head_rows(mW, row), 0)
+            rW = cute.make_rmem_tensor_like(tXgW)
+            self.copy_row(tXgW, rW, tXcX, self.w_dtype)
+        if const_expr(mB is not None):
+            tXgB = part(self.head_rows(mB, row), 0)
+            rB = cute.make_rmem_tensor_like(tXgB)
+            self.copy_row(tXgB, rB, tXcX, self.b_dtype)
+        return rW, rB
 
 
 def _cute(name):
@@ -228,13 +266,16 @@ def compiled_forward(x_dtype: str, N: int, arch: str, w_dtype: str | None = None
     wide = max([cute_dtype(d).width for d in (w_dtype, res_dtype, res_out_dtype) if d is not None], default=0)
     launch = pick(f"{'layernorm' if layernorm else 'rmsnorm'}_fwd/x{xd.width}w{wide}", arch,
                   forward_launch(N, xd.width, arch, wide, layernorm), config.get().fwd_upt, few)
+    late = config.get().fwd_late
+    if late is None:
+        late = late_params(launch, layernorm, wide > xd.width, few)
     key = ("layernorm_fwd" if layernorm else "rmsnorm_fwd", x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype,
-           out_dtype, store_rstd, store_mean, float(weight_offset), heads, N, arch, launch)
+           out_dtype, store_rstd, store_mean, float(weight_offset), heads, N, arch, launch, late)
 
     def build():
         dts = [_cute(d) for d in (w_dtype, b_dtype, res_dtype, res_out_dtype, out_dtype)]
         kernel = RMSNormForward(launch, xd, *dts[:3], dts[4], dts[3], store_rstd, layernorm, float(weight_offset),
-                                heads)
+                                heads, late)
         ptr = lambda dt: None if dt is None else gmem_ptr(dt)  # noqa: E731
         one = Int64(launch.vec)
         return compile_kernel(

@@ -24,8 +24,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
-from .launch_table import pick
-from .reduction import MAX_N, RowLaunch, add, pick_row_launch, whole_warp_rows
+from .launch_table import few_rows, pick
+from .reduction import MAX_N, WARP, RowLaunch, add, pick_row_launch, whole_warp_rows
 from .rmsnorm import RMSNormForward
 
 # Tuning knobs per family: (128-bit units per thread, resident threads per SM the persistent grid
@@ -322,6 +322,266 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
             Int32(1), one, one, one, one, one, Int32(1), fake_stream(), arch=arch)
 
     return CACHE.get(key, build)
+
+
+# ---- few rows of a very wide row: the row split over CTAs in two kernels -------------------------
+# A row of 131072-262144 columns needs more registers than a cluster of 16 CTAs holds (x, dout and the
+# dweight sums), so with few rows the backward spills. Split instead: ``SplitRowDots`` gives each
+# (row, column chunk) CTA its chunk's share of the row's sums (dot, and LayerNorm's sum of wdy);
+# ``SplitDx`` then re-reads x and dout (from L2, mostly), adds a row's shares in a fixed order, and
+# writes dx, each CTA keeping its columns' dweight sums over its rows as one partial row.
+SPLIT_DOTS_THREADS, SPLIT_DOTS_UNITS = 256, 4  # kernel A: a CTA covers 256 x 4 vectors of a row
+SPLIT_DX_THREADS, SPLIT_DX_UNITS = 128, 2  # kernel B: narrower chunks, so more CTAs share the rows
+SPLIT_ROW_GROUPS, SPLIT_DEPTH = 4, 4  # B: CTAs along the rows (partial rows), rows loaded ahead
+
+
+def split_rows(M: int, N: int) -> bool:
+    """Whether the backward of M x N takes the split kernels: few rows of at least 131072 columns
+    (OINK_BWD_SPLIT=0/1 forces it off/on, for A/B runs)."""
+    forced = config.get().bwd_split
+    if forced is not None:
+        return forced
+    return few_rows(M) and N >= 131072
+
+
+def split_groups(M: int) -> int:
+    """CTAs along the rows of the split backward's kernel B (its partial rows)."""
+    return max(1, min(SPLIT_ROW_GROUPS, -(-M // SPLIT_DEPTH)))
+
+
+@memo
+def split_launches(N: int, x_bits: int) -> tuple[RowLaunch, RowLaunch]:
+    """(kernel A's, kernel B's) launch: one row a CTA, its chunks as the launch's "cluster" (CTAs along
+    y that are not a hardware cluster); the chunk count of A is the width of its shares buffer."""
+    vec = math.gcd(N, 128 // x_bits)
+    out = []
+    for tpr, upt in ((SPLIT_DOTS_THREADS, SPLIT_DOTS_UNITS), (SPLIT_DX_THREADS, SPLIT_DX_UNITS)):
+        chunks = -(-(N // vec) // (tpr * upt))
+        out.append(RowLaunch(N=N, vec=vec, threads_per_row=tpr, num_threads=tpr, cluster_n=chunks))
+    return tuple(out)
+
+
+class _SplitBase(RMSNormBackward):
+    """No reduction slots and no hardware cluster: the chunks of a row are independent CTAs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_reductions = 0
+
+    def cluster(self):
+        return None
+
+    @cute.jit
+    def load_row(self, mX: cute.Tensor, mDout: cute.Tensor, rX: cute.Tensor, rG: cute.Tensor, part,
+                 ident: cute.Tensor, row: Int32, M: Int32):
+        """This thread's x and dout of ``row``'s chunk (zeros past N or M)."""
+        rX.fill(0)
+        rG.fill(0)
+        if row < M:
+            tXcX = part(ident, row)
+            self.copy_row(part(mX, row), rX, tXcX, self.x_dtype)
+            self.copy_row(part(mDout, row), rG, tXcX, self.dout_dtype)
+
+    @cute.jit
+    def row_terms(self, rX: cute.Tensor, rG: cute.Tensor, rW, rstd: Float32, mean: Float32):
+        """(xhat, dout, wdy) in fp32; padding columns have dout = 0, so wdy = 0 there."""
+        if const_expr(self.layernorm):
+            xhat = (rX.load().to(Float32) - mean) * rstd
+        else:
+            xhat = rX.load().to(Float32) * rstd
+        g = rG.load().to(Float32)
+        wdy = g * self.weight_values(rW) if const_expr(rW is not None) else g
+        return xhat, g, wdy
+
+    @cute.jit
+    def load_weight(self, mW: Optional[cute.Tensor], part, ident: cute.Tensor):
+        rW = None
+        if const_expr(mW is not None):
+            tXgW = part(mW, 0)
+            rW = cute.make_rmem_tensor_like(tXgW)
+            rW.fill(0)
+            self.copy_row(tXgW, rW, part(ident, 0), self.w_dtype)
+        return rW
+
+
+class SplitRowDots(_SplitBase):
+    """Kernel A: shares[row, chunk] = (sum of xhat * wdy, sum of wdy) over the chunk's columns."""
+
+    @cute.jit
+    def __call__(self, px: cute.Pointer, pw: Optional[cute.Pointer], pdout: cute.Pointer, prstd: cute.Pointer,
+                 pmean: Optional[cute.Pointer], pshares: cute.Pointer, M: Int32, ldx: Int64, lddout: Int64,
+                 stream: cuda.CUstream):
+        L = self.launch
+        mShares = cute.make_tensor(pshares, cute.make_layout((M, L.cluster_n, 2), stride=(L.cluster_n * 2, 2, 1)))
+        mW = self.broadcast_rows(pw) if const_expr(pw is not None) else None
+        mMean = cute.make_tensor(pmean, cute.make_layout((M,))) if const_expr(pmean is not None) else None
+        self.launch_rows(self.kernel(self.matrix(px, M, ldx), mW, self.matrix(pdout, M, lddout),
+                                     cute.make_tensor(prstd, cute.make_layout((M,))), mMean, mShares,
+                                     self.tiled_copy(self.x_dtype)), M, stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mDout: cute.Tensor, mRstd: cute.Tensor,
+               mMean: Optional[cute.Tensor], mShares: cute.Tensor, tc: cute.TiledCopy):
+        L = self.launch
+        bidx, cy, _, _, part = self.cta_setup(tc)
+        M = cute.size(mX, mode=[0])
+        ident = cute.make_identity_tensor(mX.shape)
+        rW = self.load_weight(mW, part, ident)
+        rX = cute.make_rmem_tensor_like(part(mX, 0))
+        rG = cute.make_rmem_tensor_like(part(mDout, 0), self.dout_dtype)
+        self.load_row(mX, mDout, rX, rG, part, ident, bidx, M)
+        mean = mMean[bidx] if const_expr(mMean is not None) else Float32(0.0)
+        xhat, g, wdy = self.row_terms(rX, rG, rW, mRstd[bidx], mean)
+        dot = (xhat * wdy).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        total = wdy.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        dot = cute.arch.warp_reduction(dot, add)
+        total = cute.arch.warp_reduction(total, add)
+        warps = const_expr(L.num_threads // WARP)
+        smem = cutlass.memory.SmemAllocator()
+        sbuf = smem.allocate_tensor(Float32, cute.make_layout((warps, 2), stride=(2, 1)), byte_alignment=16)
+        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+        if lane == 0:
+            sbuf[warp, 0] = dot
+            sbuf[warp, 1] = total
+        cute.arch.barrier()
+        if cute.arch.thread_idx()[0] == 0:
+            dot, total = sbuf[0, 0], sbuf[0, 1]
+            for w in cutlass.range_constexpr(1, warps):  # a fixed order: the same sums every run
+                dot = dot + sbuf[w, 0]
+                total = total + sbuf[w, 1]
+            mShares[bidx, cy, 0] = dot
+            mShares[bidx, cy, 1] = total
+        self.launch_dependents()
+
+
+class SplitDx(_SplitBase):
+    """Kernel B: dx of its rows' chunk from the rows' shares; CTA (g, chunk) takes the groups of
+    ``depth`` rows g, g + G, ... (G CTAs along x), loading a group's rows before it uses them, and
+    writes its columns' dweight (and dbias) sums as partial row g."""
+
+    def __init__(self, launch: RowLaunch, chunks_a: int, *args, **kwargs):
+        super().__init__(launch, *args, **kwargs)
+        self.chunks_a = chunks_a  # the shares' width (kernel A's chunks)
+
+    @cute.jit
+    def __call__(self, px: cute.Pointer, pw: Optional[cute.Pointer], pdout: cute.Pointer, prstd: cute.Pointer,
+                 pmean: Optional[cute.Pointer], pshares: cute.Pointer, pdres: Optional[cute.Pointer],
+                 pdx: cute.Pointer, pdw: Optional[cute.Pointer], pdb: Optional[cute.Pointer], M: Int32, ldx: Int64,
+                 lddout: Int64, lddres: Int64, lddx: Int64, ldpart: Int64, groups: Int32, stream: cuda.CUstream):
+        L = self.launch
+        A = self.chunks_a
+        mShares = cute.make_tensor(pshares, cute.make_layout((M, A, 2), stride=(A * 2, 2, 1)))
+        mW = self.broadcast_rows(pw) if const_expr(pw is not None) else None
+        mMean = cute.make_tensor(pmean, cute.make_layout((M,))) if const_expr(pmean is not None) else None
+        mDres = self.matrix(pdres, M, lddres) if const_expr(pdres is not None) else None
+        row_major = cute.make_layout((groups, L.N), stride=(cute.assume(ldpart, divby=L.vec), 1))
+        mDw = cute.make_tensor(pdw, row_major) if const_expr(pdw is not None) else None
+        mDb = cute.make_tensor(pdb, row_major) if const_expr(pdb is not None) else None
+        self.launch_rows(self.kernel(self.matrix(px, M, ldx), mW, self.matrix(pdout, M, lddout),
+                                     cute.make_tensor(prstd, cute.make_layout((M,))), mMean, mShares, mDres,
+                                     self.matrix(pdx, M, lddx), mDw, mDb, self.tiled_copy(self.x_dtype)),
+                         M, stream, grid=[groups, L.cluster_n, 1])
+
+    @cute.jit
+    def row_sums(self, mShares: cute.Tensor, row: Int32, M: Int32):
+        """(dot, total) of ``row``: its chunks' shares added by each warp's lanes, in a fixed order."""
+        lane = cute.arch.lane_idx()
+        dot, total = Float32(0.0), Float32(0.0)
+        if row < M:
+            for i in cutlass.range_constexpr(cute.ceil_div(self.chunks_a, WARP)):
+                c = lane + i * WARP
+                if c < self.chunks_a:
+                    dot = dot + mShares[row, c, 0]
+                    total = total + mShares[row, c, 1]
+        return cute.arch.warp_reduction(dot, add), cute.arch.warp_reduction(total, add)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mDout: cute.Tensor, mRstd: cute.Tensor,
+               mMean: Optional[cute.Tensor], mShares: cute.Tensor, mDres: Optional[cute.Tensor], mDx: cute.Tensor,
+               mDw: Optional[cute.Tensor], mDb: Optional[cute.Tensor], tc: cute.TiledCopy):
+        L = self.launch
+        D = self.depth
+        bidx, cy, _, _, part = self.cta_setup(tc)
+        groups, _, _ = cute.arch.grid_dim()
+        M = cute.size(mX, mode=[0])
+        ident = cute.make_identity_tensor(mX.shape)
+        rW = self.load_weight(mW, part, ident)
+        proto = part(mX, 0)
+        acc_dw = cute.make_rmem_tensor_like(proto, Float32)
+        acc_dw.fill(0.0)
+        acc_db = cute.make_rmem_tensor_like(proto, Float32)
+        acc_db.fill(0.0)
+        rXs = [cute.make_rmem_tensor_like(proto) for _ in range(D)]
+        rGs = [cute.make_rmem_tensor_like(proto, self.dout_dtype) for _ in range(D)]
+        rDx = cute.make_rmem_tensor_like(proto, self.x_dtype)
+        rDres = cute.make_rmem_tensor_like(proto, self.dres_dtype) if const_expr(mDres is not None) else None
+        for base in cutlass.range(bidx * D, M, groups * D, unroll=1):
+            for d in cutlass.range_constexpr(D):  # the group's loads first, all in flight together
+                self.load_row(mX, mDout, rXs[d], rGs[d], part, ident, base + d, M)
+            for d in cutlass.range_constexpr(D):
+                row = base + d
+                rstd, mean = Float32(0.0), Float32(0.0)
+                if row < M:
+                    rstd = mRstd[row]
+                    if const_expr(mMean is not None):
+                        mean = mMean[row]
+                dot, total = self.row_sums(mShares, row, M)
+                xhat, g, wdy = self.row_terms(rXs[d], rGs[d], rW, rstd, mean)
+                if const_expr(self.layernorm):
+                    dx = (wdy - xhat * (dot / L.N) - total / L.N) * rstd
+                else:
+                    dx = (wdy - xhat * (dot / L.N)) * rstd
+                tXcX = part(ident, row)
+                if const_expr(mDres is not None):
+                    rDres.fill(0)
+                    if row < M:
+                        self.copy_row(part(mDres, row), rDres, tXcX, self.dres_dtype)
+                    dx = dx + rDres.load().to(Float32)
+                rDx.store(dx.to(self.x_dtype))
+                if row < M:
+                    self.copy_row(rDx, part(mDx, row), tXcX, self.x_dtype)
+                if const_expr(self.has_dw):
+                    acc_dw.store(acc_dw.load() + g * xhat)  # rows past M have g = 0
+                if const_expr(self.has_db):
+                    acc_db.store(acc_db.load() + g)
+        self.launch_dependents()
+        pc = part(ident, bidx)  # this CTA's partial row: row bidx of the partial buffers
+        if const_expr(self.has_dw):
+            self.copy_row(acc_dw, part(mDw, bidx), pc, Float32)
+        if const_expr(self.has_db):
+            self.copy_row(acc_db, part(mDb, bidx), pc, Float32)
+
+
+@memo
+def compiled_split_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout_dtype: str,
+                            dres_dtype: str | None, has_db: bool, layernorm: bool = False,
+                            weight_offset: float = 0.0):
+    """Compile (or fetch) the split backward's two kernels (``split_rows``): -> (A, B, A's chunks)."""
+    if not 1 <= N <= MAX_N:
+        raise ValueError(f"N={N}: the norm kernels handle 1 <= N <= {MAX_N}")
+    xd, gd = cute_dtype(x_dtype), cute_dtype(dout_dtype)
+    wd = None if w_dtype is None else cute_dtype(w_dtype)
+    rd = None if dres_dtype is None else cute_dtype(dres_dtype)
+    la, lb = split_launches(N, xd.width)
+    common = (xd, wd, gd, rd, w_dtype is not None, has_db, layernorm, SPLIT_DEPTH, float(weight_offset))
+    key = ("norm_bwd_split", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N, arch, layernorm,
+           float(weight_offset), SPLIT_DEPTH)
+    one = Int64(la.vec)
+    w_ptr = None if wd is None else gmem_ptr(wd)
+    mean_ptr = gmem_ptr(Float32, 4) if layernorm else None
+
+    def build_a():
+        return compile_kernel(SplitRowDots(la, *common), gmem_ptr(xd), w_ptr, gmem_ptr(gd), gmem_ptr(Float32, 4),
+                              mean_ptr, gmem_ptr(Float32, 8), Int32(1), one, one, fake_stream(), arch=arch)
+
+    def build_b():
+        return compile_kernel(
+            SplitDx(lb, la.cluster_n, *common), gmem_ptr(xd), w_ptr, gmem_ptr(gd), gmem_ptr(Float32, 4), mean_ptr,
+            gmem_ptr(Float32, 8), None if rd is None else gmem_ptr(rd), gmem_ptr(xd),
+            gmem_ptr(Float32) if w_dtype is not None else None, gmem_ptr(Float32) if has_db else None,
+            Int32(1), one, one, one, one, one, Int32(1), fake_stream(), arch=arch)
+
+    return CACHE.get(key + (la,), build_a), CACHE.get(key + (la, lb), build_b), la.cluster_n  # B reads A's chunks
 
 
 class PartialSum:

@@ -12,7 +12,8 @@ from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld
                    ptr, rows_view, vec_for, width_reason)
 from .launch_table import few_rows
 from .rmsnorm import compiled_forward
-from .rmsnorm_bwd import backward_launch, compiled_backward, compiled_partial_sum, head_launch, persistent_ctas
+from .rmsnorm_bwd import (backward_launch, compiled_backward, compiled_partial_sum, compiled_split_backward,
+                          head_launch, persistent_ctas, split_groups, split_rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,12 +142,18 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
     M = x2.shape[0]
     dx = torch.empty((M, N), device=x.device, dtype=x.dtype)
     layernorm = mean is not None
-    launch = backward_launch(N, x.element_size() * 8, arch, layernorm, few_rows(M))
-    if heads > 1:
-        launch = head_launch(launch, heads)
-    ctas, parts = backward_grid(launch, M, x.device, layernorm)
+    split = heads == 1 and M > 0 and split_rows(M, N)
+    if split:
+        parts = split_groups(M)
+    else:
+        launch = backward_launch(N, x.element_size() * 8, arch, layernorm, few_rows(M))
+        if heads > 1:
+            launch = head_launch(launch, heads)
+        ctas, parts = backward_grid(launch, M, x.device, layernorm)
     buf, dw_part, db_part = partial_buffers(parts, N, weight is not None, has_bias, x.device, torch.empty)
-    if M > 0:
+    if split:
+        launch_split_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, mean, weight_offset)
+    elif M > 0:
         launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean, weight_offset, heads)
     else:
         buf.zero_()
@@ -212,6 +219,24 @@ def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean
     ldpart = part.stride(0) if part is not None else N
     fn(ptr(x2), ptr(w), ptr(g2), ptr(rstd, 4), ptr(mean, 4), ptr(dr2), ptr(dx), ptr(dw_part),
        ptr(db_part), M, ld(x2), ld(g2), ld(dr2), ld(dx), ldpart, ctas, current_stream(x2.device))
+
+
+def launch_split_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, mean=None, weight_offset=0.0):
+    """The split backward (``rmsnorm_bwd.split_rows``): kernel A into a shares buffer, then kernel B
+    into dx and ``split_groups(M)`` partial rows."""
+    M, N = x2.shape
+    fn_a, fn_b, chunks = compiled_split_backward(dtype_name(x2), N, arch, dtype_name(w), dtype_name(g2),
+                                                 dtype_name(dr2), db_part is not None, mean is not None,
+                                                 float(weight_offset))
+    rstd = rstd.reshape(-1).contiguous()
+    mean = None if mean is None else mean.reshape(-1).contiguous()
+    shares = torch.empty((M, chunks, 2), device=x2.device, dtype=torch.float32)
+    part = dw_part if dw_part is not None else db_part
+    ldpart = part.stride(0) if part is not None else N
+    stream = current_stream(x2.device)
+    fn_a(ptr(x2), ptr(w), ptr(g2), ptr(rstd, 4), ptr(mean, 4), ptr(shares, 8), M, ld(x2), ld(g2), stream)
+    fn_b(ptr(x2), ptr(w), ptr(g2), ptr(rstd, 4), ptr(mean, 4), ptr(shares, 8), ptr(dr2), ptr(dx), ptr(dw_part),
+         ptr(db_part), M, ld(x2), ld(g2), ld(dr2), ld(dx), ldpart, split_groups(M), stream)
 
 
 # ---- plans: a launch prepared once per argument layout (see dispatch.Route.plan) --------------
@@ -321,10 +346,17 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
     x2, g2, dr2 = rows_view(x), rows_view(dout), rows_view(dres) if dres is not None else None
     M, layernorm, device = x2.shape[0], mean is not None, x.device
     current = stream_of(device)
-    fn = compiled_backward(dtype_name(x), N, arch, dtype_name(weight), dtype_name(dout), dtype_name(dres),
-                           has_bias, layernorm, float(weight_offset), 1, few_rows(M))
-    launch = backward_launch(N, x.element_size() * 8, arch, layernorm, few_rows(M))
-    ctas, parts = backward_grid(launch, M, device, layernorm)
+    names = (dtype_name(x), N, arch, dtype_name(weight), dtype_name(dout), dtype_name(dres), has_bias, layernorm,
+             float(weight_offset))
+    split = split_rows(M, N)
+    if split:
+        fn_a, fn, chunks = compiled_split_backward(*names)
+        ctas = parts = split_groups(M)
+        new_shares = allocator((M, chunks, 2), torch.float32, device)
+    else:
+        fn = compiled_backward(*names, 1, few_rows(M))
+        launch = backward_launch(N, x.element_size() * 8, arch, layernorm, few_rows(M))
+        ctas, parts = backward_grid(launch, M, device, layernorm)
     has_dw = weight is not None
     kinds = int(has_dw) + int(has_bias)
     Np = partial_width(N)
@@ -345,9 +377,15 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         stream = current()
         buf = new_buf() if kinds else None
         bp = buf.data_ptr() if kinds else 0
-        fn(x.data_ptr(), None if w is None else w.data_ptr(), g.data_ptr(), r.data_ptr(),
-           None if m is None else m.data_ptr(), None if dr is None else dr.data_ptr(), dx.data_ptr(),
-           bp if has_dw else None, bp + second if has_bias else None, M, ldx, ldg, lddr, N, ldpart, ctas, stream)
+        wp, mp = None if w is None else w.data_ptr(), None if m is None else m.data_ptr()
+        lead = (x.data_ptr(), wp, g.data_ptr(), r.data_ptr(), mp)
+        if split:
+            shares = new_shares()
+            CACHE.note(fn_a)
+            fn_a(*lead, shares.data_ptr(), M, ldx, ldg, stream)
+            lead += (shares.data_ptr(),)
+        fn(*lead, None if dr is None else dr.data_ptr(), dx.data_ptr(), bp if has_dw else None,
+           bp + second if has_bias else None, M, ldx, ldg, lddr, N, ldpart, ctas, stream)
         outs = [new_out() for _ in range(kinds)]
         if kinds:
             CACHE.note(fn_sum)
