@@ -55,19 +55,19 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     return pick_row_launch(N, x_bits, max_units_per_thread=FWD_MAX_UNITS)
 
 
-def late_params(launch: RowLaunch, layernorm: bool, wide_weight: bool, few: bool) -> bool:
+def late_params(launch: RowLaunch, layernorm: bool, wide: bool, few: bool) -> bool:
     """Whether the forward loads weight and bias after the reduction (``RMSNormForward.late_params``):
     it frees their registers (and x's fp32 copy) across the reduction's barriers, so more CTAs fit a SM,
-    but exposes the parameters' load latency. It pays where registers limit the CTAs a SM holds: the
-    LayerNorm forward from 12288 columns (H100, 4096 rows: 16384 125 -> 94 us, 65536 605 -> 417), and a
-    weight wider than x in CTAs of 1024 threads (16384: 102 -> 93 us) or at 32 rows of 131072 columns and
-    more (262144: 20.3 -> 17.9 us). At 32 rows or fewer the latency wins below 65536 columns (LayerNorm
-    28672: 4.0 -> 5.8 us), as it does at decode sizes everywhere and for RMSNorm without a wider weight."""
+    but exposes the parameters' load latency. Measured on H100 (bench/RESULTS.md, "Sweep suite"), it pays
+    where registers limit the CTAs a SM holds: the LayerNorm forward from 12288 columns (16384 x 4096:
+    125 -> 94 us), and a weight or residual wider than x (``wide``) in CTAs of 1024 threads or at few rows
+    of >= 131072 columns. At few rows below 65536 columns, at decode sizes and for RMSNorm with parameters
+    of x's width the exposed latency costs more (LayerNorm 32 x 28672: 4.0 -> 5.8 us)."""
     if few and launch.N < 65536:
         return False
     if layernorm:
         return launch.N >= 12288
-    return wide_weight and (launch.num_threads == 1024 or (few and launch.N >= 131072))
+    return wide and (launch.num_threads == 1024 or (few and launch.N >= 131072))
 
 
 class RMSNormForward(RowKernelBase):
@@ -230,7 +230,6 @@ class RMSNormForward(RowKernelBase):
         if const_expr(mB is not None):
             y = y + rB.load().to(Float32)
         return y, rX, rstd, mean
-
 
     @cute.jit
     def load_params(self, mW: Optional[cute.Tensor], mB: Optional[cute.Tensor], part, tXcX: cute.Tensor, row):

@@ -334,8 +334,8 @@ def plan_layernorm(arch, a: dict):
 
 
 def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_offset, has_residual=None):
-    """The norm backward (both launches: dx with the partials, then their sum) with the compiled
-    functions, grid and partial-buffer layout fixed; None where the runner must prepare something
+    """The norm backward (its launches: dx with the partials, by the split kernels' two where
+    ``split_rows``, then their sum) with the compiled functions, grid and partial-buffer layout fixed; None where the runner must prepare something
     (a copy, per-head weights, a strided row statistic, the torch partial sum)."""
     N = x.shape[-1]
     vec = vec_for(N, x)
