@@ -177,14 +177,7 @@ class RMSNormBackward(RMSNormForward):
         M = cute.size(mX, mode=[0])
         ident = cute.make_identity_tensor(mX.shape)
 
-        rW = None
-        if const_expr(mW is not None):
-            # per head: rows_per_cta is a multiple of H, so every row this thread takes has the head
-            # of its row in the first tile
-            tXgW = part(self.head_rows(mW, part(ident, 0)[0][0]), 0)
-            rW = cute.make_rmem_tensor_like(tXgW)
-            rW.fill(0)  # columns past N stay 0: they enter the row's dot product
-            self.copy_row(tXgW, rW, part(ident, 0), self.w_dtype)
+        rW = self.load_weight(mW, part, ident)
         proto = part(mX, 0)
         acc_dw = cute.make_rmem_tensor_like(proto, Float32)
         acc_dw.fill(0.0)
@@ -241,12 +234,7 @@ class RMSNormBackward(RMSNormForward):
         # the partials' sum (launched with PDL) may start launching; it waits for this grid's end
         self.launch_dependents()
 
-        # One partial row per (CTA, row slot): row index bidx * rows_per_cta + this thread's row.
-        pc = part(ident, bidx)  # coordinates with the row tile of this CTA's own partial rows
-        if const_expr(self.has_dw):
-            self.copy_row(acc_dw, part(mDw, bidx), pc, Float32)
-        if const_expr(self.has_db):
-            self.copy_row(acc_db, part(mDb, bidx), pc, Float32)
+        self.store_partials(acc_dw, acc_db, mDw, mDb, part, ident, bidx)
 
     @cute.jit
     def tile_step(self, rX: cute.Tensor, rG: cute.Tensor, rstd: Float32, mean: Float32, rW, rDres, rDx: cute.Tensor,
@@ -254,25 +242,54 @@ class RMSNormBackward(RMSNormForward):
                   tile: Int32, it: Int32, buf, mbar, part, ident: cute.Tensor, M: Int32):
         """dx of one row tile from its registers, and its terms added to the dweight/dbias sums.
         ``it`` (tiles done so far) alternates the reduction slots and their mbarrier phases."""
-        L = self.launch
-        tXcX = part(ident, tile)
-        row = tXcX[0][0]
+        xhat, g, wdy = self.row_terms(rX, rG, rW, rstd, mean)
+        phase = (it // 2) % 2
+        dot = (xhat * wdy).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        total = None
         if const_expr(self.layernorm):
-            # padding columns get xhat = -mean * rstd but wdy = 0 there (dout loads as 0)
+            total = wdy.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+            dot, total = self.row_allreduce_pair(dot, total, add, Float32(0.0), buf, mbar, it % 2, 2 + it % 2,
+                                                 phase)
+        else:
+            dot = self.row_allreduce(dot, add, Float32(0.0), buf, mbar, it % 2, phase)
+        self.finish_tile(xhat, g, wdy, dot, total, rstd, rDres, rDx, acc_dw, acc_db, mDres, mDx, tile, part, ident, M)
+
+    @cute.jit
+    def load_weight(self, mW: Optional[cute.Tensor], part, ident: cute.Tensor):
+        """This thread's weight columns (None without a weight). Per head, rows_per_cta is a multiple
+        of H, so every row this thread takes has the head of its row in the first tile."""
+        rW = None
+        if const_expr(mW is not None):
+            tXgW = part(self.head_rows(mW, part(ident, 0)[0][0]), 0)
+            rW = cute.make_rmem_tensor_like(tXgW)
+            rW.fill(0)  # columns past N stay 0: they enter the row's dot product
+            self.copy_row(tXgW, rW, part(ident, 0), self.w_dtype)
+        return rW
+
+    @cute.jit
+    def row_terms(self, rX: cute.Tensor, rG: cute.Tensor, rW, rstd: Float32, mean: Float32):
+        """(xhat, dout, wdy) in fp32. Padding columns get xhat = -mean * rstd (LayerNorm) but dout = 0
+        (it loads as 0), so wdy = 0 there."""
+        if const_expr(self.layernorm):
             xhat = (rX.load().to(Float32) - mean) * rstd
         else:
             xhat = rX.load().to(Float32) * rstd
         g = rG.load().to(Float32)
         wdy = g * self.weight_values(rW) if const_expr(rW is not None) else g
-        phase = (it // 2) % 2
-        dot = (xhat * wdy).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        return xhat, g, wdy
+
+    @cute.jit
+    def finish_tile(self, xhat, g, wdy, dot: Float32, total, rstd: Float32, rDres, rDx: cute.Tensor,
+                    acc_dw: cute.Tensor, acc_db: cute.Tensor, mDres: Optional[cute.Tensor], mDx: cute.Tensor,
+                    tile: Int32, part, ident: cute.Tensor, M: Int32):
+        """dx of row tile ``tile`` from its row sums (``total``: LayerNorm's sum of wdy), plus dresidual,
+        stored; its terms added to the dweight/dbias sums."""
+        L = self.launch
+        tXcX = part(ident, tile)
+        row = tXcX[0][0]
         if const_expr(self.layernorm):
-            total = wdy.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-            dot, total = self.row_allreduce_pair(dot, total, add, Float32(0.0), buf, mbar, it % 2, 2 + it % 2,
-                                                 phase)
             dx = (wdy - xhat * (dot / L.N) - total / L.N) * rstd
         else:
-            dot = self.row_allreduce(dot, add, Float32(0.0), buf, mbar, it % 2, phase)
             dx = (wdy - xhat * (dot / L.N)) * rstd
         if const_expr(mDres is not None):
             rDres.fill(0)
@@ -286,6 +303,16 @@ class RMSNormBackward(RMSNormForward):
             acc_dw.store(acc_dw.load() + g * xhat)  # rows past M have g = 0
         if const_expr(self.has_db):
             acc_db.store(acc_db.load() + g)
+
+    @cute.jit
+    def store_partials(self, acc_dw: cute.Tensor, acc_db: cute.Tensor, mDw: Optional[cute.Tensor],
+                       mDb: Optional[cute.Tensor], part, ident: cute.Tensor, bidx: Int32):
+        """This CTA's dweight/dbias sums as its partial rows: row bidx * rows_per_cta + the thread's row."""
+        pc = part(ident, bidx)  # coordinates with the row tile of this CTA's own partial rows
+        if const_expr(self.has_dw):
+            self.copy_row(acc_dw, part(mDw, bidx), pc, Float32)
+        if const_expr(self.has_db):
+            self.copy_row(acc_db, part(mDb, bidx), pc, Float32)
 
 
 @memo
@@ -381,27 +408,6 @@ class _SplitBase(RMSNormBackward):
             tXcX = part(ident, row)
             self.copy_row(part(mX, row), rX, tXcX, self.x_dtype)
             self.copy_row(part(mDout, row), rG, tXcX, self.dout_dtype)
-
-    @cute.jit
-    def row_terms(self, rX: cute.Tensor, rG: cute.Tensor, rW, rstd: Float32, mean: Float32):
-        """(xhat, dout, wdy) in fp32; padding columns have dout = 0, so wdy = 0 there."""
-        if const_expr(self.layernorm):
-            xhat = (rX.load().to(Float32) - mean) * rstd
-        else:
-            xhat = rX.load().to(Float32) * rstd
-        g = rG.load().to(Float32)
-        wdy = g * self.weight_values(rW) if const_expr(rW is not None) else g
-        return xhat, g, wdy
-
-    @cute.jit
-    def load_weight(self, mW: Optional[cute.Tensor], part, ident: cute.Tensor):
-        rW = None
-        if const_expr(mW is not None):
-            tXgW = part(mW, 0)
-            rW = cute.make_rmem_tensor_like(tXgW)
-            rW.fill(0)
-            self.copy_row(tXgW, rW, part(ident, 0), self.w_dtype)
-        return rW
 
 
 class SplitRowDots(_SplitBase):
@@ -499,7 +505,6 @@ class SplitDx(_SplitBase):
     def kernel(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mDout: cute.Tensor, mRstd: cute.Tensor,
                mMean: Optional[cute.Tensor], mShares: cute.Tensor, mDres: Optional[cute.Tensor], mDx: cute.Tensor,
                mDw: Optional[cute.Tensor], mDb: Optional[cute.Tensor], tc: cute.TiledCopy):
-        L = self.launch
         D = self.depth
         bidx, cy, _, _, part = self.cta_setup(tc)
         groups, _, _ = cute.arch.grid_dim()
@@ -527,29 +532,10 @@ class SplitDx(_SplitBase):
                         mean = mMean[row]
                 dot, total = self.row_sums(mShares, row, M)
                 xhat, g, wdy = self.row_terms(rXs[d], rGs[d], rW, rstd, mean)
-                if const_expr(self.layernorm):
-                    dx = (wdy - xhat * (dot / L.N) - total / L.N) * rstd
-                else:
-                    dx = (wdy - xhat * (dot / L.N)) * rstd
-                tXcX = part(ident, row)
-                if const_expr(mDres is not None):
-                    rDres.fill(0)
-                    if row < M:
-                        self.copy_row(part(mDres, row), rDres, tXcX, self.dres_dtype)
-                    dx = dx + rDres.load().to(Float32)
-                rDx.store(dx.to(self.x_dtype))
-                if row < M:
-                    self.copy_row(rDx, part(mDx, row), tXcX, self.x_dtype)
-                if const_expr(self.has_dw):
-                    acc_dw.store(acc_dw.load() + g * xhat)  # rows past M have g = 0
-                if const_expr(self.has_db):
-                    acc_db.store(acc_db.load() + g)
+                self.finish_tile(xhat, g, wdy, dot, total, rstd, rDres, rDx, acc_dw, acc_db, mDres, mDx, row, part,
+                                 ident, M)  # one row a tile: the tile is the row
         self.launch_dependents()
-        pc = part(ident, bidx)  # this CTA's partial row: row bidx of the partial buffers
-        if const_expr(self.has_dw):
-            self.copy_row(acc_dw, part(mDw, bidx), pc, Float32)
-        if const_expr(self.has_db):
-            self.copy_row(acc_db, part(mDb, bidx), pc, Float32)
+        self.store_partials(acc_dw, acc_db, mDw, mDb, part, ident, bidx)  # partial row bidx
 
 
 @memo
