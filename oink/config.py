@@ -54,6 +54,8 @@ class Config:
     # kernel before it in the stream finishes, and waits (griddepcontrol.wait) before its first read;
     # it lets the next one launch once its stores are issued (as FlashInfer's norms do by default)
     pdl: bool
+    softmax_online: bool | None  # OINK_SOFTMAX_ONLINE=0/1: the softmax's max and sum in one reduction round (A/B)
+    ce_stream: bool | None  # OINK_CE_STREAM=0/1: the cross-entropy forward streams its rows (A/B)
     bwd_exact: bool  # OINK_BWD_EXACT=0: power-of-two threads per row only (A/B)
     tvm_ffi: bool  # OINK_TVM_FFI=0: launch through CuTeDSL's generic executor (default: TVM-FFI if installed)
     cache_dir: str | None  # OINK_CACHE_DIR: compiled kernels kept on disk there (see _cache_dir)
@@ -72,7 +74,8 @@ def _from_env() -> Config:
         bwd_upt=_int("OINK_BWD_UPT"), bwd_tpsm=_int("OINK_BWD_TPSM"), bwd_depth=_int("OINK_BWD_DEPTH"),
         bwd_split=_flag("OINK_BWD_SPLIT"),
         bwd_partial_sum=env("OINK_BWD_PARTIAL_SUM", "kernel"), pdl=env("OINK_PDL", "1") != "0",
-        bwd_exact=env("OINK_BWD_EXACT", "1") != "0",
+        bwd_exact=env("OINK_BWD_EXACT", "1") != "0", softmax_online=_flag("OINK_SOFTMAX_ONLINE"),
+        ce_stream=_flag("OINK_CE_STREAM"),
         tvm_ffi=env("OINK_TVM_FFI", "1") != "0" and importlib.util.find_spec("tvm_ffi") is not None,
         cache_dir=_cache_dir(), check_values=truthy(env("OINK_CHECK_VALUES")))
 

@@ -2,6 +2,8 @@
 about 30% of the rows ignored)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -119,6 +121,38 @@ def test_shifted_rows_write_only_their_row(dtype, mode, N, ld_pad, dx_rows, seed
         close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
     close_family(dx, R.cross_entropy_backward(dloss, logits, target, lse_ref, IGNORE), "softmax", dtype, "dlogits")
     assert torch.isnan(dx_buf[:, N:]).all(), "a store left its row"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [520, 4104, 40000, 50257, 128256, 200008, 262144])
+@pytest.mark.parametrize("M", [1, 7, 300])
+def test_streamed_forward(monkeypatch, dtype, N, M, seed):
+    """The streamed forward (forced at every width, OINK_CE_STREAM=1: a row in passes, a running
+    (max, sum of exp) a thread) against the fp32 reference where the row's max sits in its first
+    or last column, where whole passes of a row are -inf (masked), where every logit is far below
+    zero, and with rows 24 elements apart beyond N (a view of a wider buffer: rows of 50257 start off
+    16-byte boundaries and stream through their aligned windows); targets some ignored."""
+    from oink.kernels.cross_entropy_ops import launch
+    from tests.helpers import set_knob
+
+    set_knob(monkeypatch, "OINK_CE_STREAM", "1")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    buf = torch.randn(M, N + 24, device="cuda", generator=g) * 4
+    logits = buf[:, :N]
+    logits[0, N - 1] = 40.0
+    if M > 1:
+        logits[1, 0] = 40.0
+        logits[2, : N * 3 // 4] = -math.inf
+        logits[3] -= 300.0
+    logits = buf.to(dtype)[:, :N]
+    target = torch.randint(N * 3 // 4, N, (M,), device="cuda", generator=g)
+    target[torch.rand(M, device="cuda", generator=g) < 0.3] = IGNORE
+    loss_ref, lse_ref = R.cross_entropy_forward(logits, target, IGNORE)
+    loss = torch.full((M,), float("nan"), device="cuda")
+    lse = torch.full((M,), float("nan"), device="cuda")
+    launch("forward", cuda_arch(), logits, target, IGNORE, loss=loss, lse_out=lse)
+    close_family(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
+    close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])

@@ -226,6 +226,33 @@ def test_cross_entropy_compiles(arch, dtype, mode):
     assert callable(compiled_cross_entropy(mode, dtype, "int64", 50257, arch, window=False))
 
 
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("stream", ["1", "0"])
+def test_cross_entropy_forward_both_ways_compiles(monkeypatch, arch, dtype, stream):
+    """The streamed forward forced at every width (one pass, several, a partial last one, clusters),
+    and the register-held forward at the widths that stream by default (the A/B switch's other side)."""
+    from oink.kernels import cross_entropy as ce
+    from tests.helpers import set_knob
+
+    set_knob(monkeypatch, "OINK_CE_STREAM", stream)
+    widths = [7, 1000, 32000, 65536, 200008, 262144] if stream == "1" else [65536, 262144]
+    for N in widths:
+        assert ce.stream_rows(N, 16) is (stream == "1")
+        assert callable(compiled_cross_entropy("forward", dtype, "int64", N, arch))
+
+
+def test_cross_entropy_forward_streams_wide_rows(monkeypatch):
+    from oink.kernels import cross_entropy as ce
+    from tests.helpers import set_knob
+
+    set_knob(monkeypatch, "OINK_CE_STREAM", None)
+    assert not ce.stream_rows(32000, 16) and ce.stream_rows(128256, 16) and ce.stream_rows(65536, 32)
+    assert [ce.stream_launch(N, 16).cluster_n for N in (32000, 128256, 256000)] == [1, 2, 4]
+    with pytest.raises(ValueError, match="streamed row"):
+        ce.CrossEntropy(ce.stream_launch(128256, 16), None, None, "fwd_bwd", stream=True)
+
+
 def test_cross_entropy_launch_covers_clusters():
     from oink.kernels.cross_entropy import cross_entropy_launch
 

@@ -120,7 +120,8 @@ def _compile(arch: str, key: str, N: int):
     if family == "cross_entropy":
         from oink.kernels.cross_entropy import compiled_cross_entropy
 
-        return compiled_cross_entropy(op.removesuffix("_shifted"), x16[variant], "int64", _width(key, N), arch)
+        mode = op.removesuffix("_shifted").removesuffix("_stream")  # forward_stream(_shifted): the forward's
+        return compiled_cross_entropy(mode, x16[variant], "int64", _width(key, N), arch)
     raise AssertionError(f"{key}: add its compile call to tests/test_launch_table.py")
 
 

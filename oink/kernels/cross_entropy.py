@@ -1,6 +1,8 @@
 """CrossEntropy over the last dim in CuTeDSL: forward, backward, and fused forward+backward.
 
-One pass over the logits each; a row stays in registers between its load and its store.
+One pass over the logits each; a row stays in registers between its load and its store, except in
+the forward of wide rows, which streams: each thread folds its columns a few vectors at a time into
+a running (max, sum of exp) pair and keeps no row (``stream_rows``).
 - forward: m = max(x); lse = m + log(sum(exp(x - m))); loss = lse - x[target] (0 if ignored)
 - backward: dx = dloss[row] * (exp(x - lse) - onehot(target)) (0 on ignored rows); no reduction
 - fused: the forward's two reductions, then the backward from the lse just computed (no lse
@@ -26,27 +28,26 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick
-from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, pick_row_launch
+from .reduction import LOG2E, MAX_CLUSTER, MAX_N, RowKernelBase, RowLaunch, pick_row_launch
 
 MODES = ("forward", "backward", "fwd_bwd")
 
 
 def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", shifted: bool = False) -> RowLaunch:
-    """Launch heuristic for the cross-entropy family (the one place it is chosen). The forward only
-    reads: a row wider than one CTA of 256 threads at 8 units a thread goes to CTAs of 256 threads
-    over a cluster of up to 8, where more, smaller CTAs a SM keep more rows loading while others
-    reduce (4096 x 32000 bf16 on H100: 86 us over 2 CTAs of 256 against 112 us on one of 1024;
-    128256: 349 us over 8 CTAs of 256 against 427 over 4 of 1024). Past 8 CTAs of 256 (131072 bf16)
-    a 16-bit sm_90a forward takes a cluster of 16 (a non-portable size, as Quack's; 4096 x 201088: 787
-    us against 903 over 4 CTAs of 1024, 256000: 772 against 976); elsewhere CTAs of up to 1024
-    threads, spilling a little: a cluster of 8 cost it more (512 x 151936: 83 us over 4 CTAs, 133
-    us over 8; the table has better for 151936). The modes that write dlogits lose more to a
-    spill: 5 units a thread, then a larger cluster (128256: 129 -> 97 us over 4 CTAs instead of 2).
-    A ``shifted`` launch (rows off 16-byte boundaries; N is its window) keeps the forward on one CTA
-    of up to 1024 threads as long as it can (4096 x 50257: 167 us on one CTA of 1024, 351 us over 4
-    of 256); the dlogits modes' is their usual one."""
+    """Launch heuristic for the cross-entropy family's register-held rows (with ``stream_launch``,
+    the one place it is chosen). The forward only reads: a row wider than one CTA of 256 threads at 8
+    units a thread goes to CTAs of 256 threads over a cluster of up to 8, where more, smaller CTAs a
+    SM keep more rows loading while others reduce (4096 x 32000 bf16 on H100: 86 us over 2 CTAs of
+    256 against 112 us on one of 1024). Wider forward rows stream (``stream_rows``); with streaming
+    off (OINK_CE_STREAM=0) a 16-bit sm_90a forward past 8 CTAs of 256 takes a cluster of 16 (a
+    non-portable size, as Quack's), elsewhere CTAs of up to 1024 threads. The modes that write
+    dlogits lose more to a spill: 5 units a thread, then a larger cluster (128256: 129 -> 97 us over
+    4 CTAs instead of 2). A ``shifted`` launch (rows off 16-byte boundaries; N is its window) keeps
+    a register-held forward on one CTA of up to 1024 threads as long as it can; the dlogits modes'
+    is their usual one."""
     if mode == "forward" and not shifted:
         small = pick_row_launch(N, x_bits, units_per_thread=8, max_units_per_thread=8, max_threads=256)
         units = N // small.vec
@@ -57,11 +58,42 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", 
     return pick_row_launch(N, x_bits, max_units_per_thread=8 if mode == "forward" else 5)
 
 
+# A streamed forward row: each pass loads this many 128-bit units a thread and folds them into the
+# thread's running (max, sum of exp) pair, so registers bound neither the row's width nor the CTAs a
+# SM (H100, 512 x 256000 bf16: 90 us streamed against 100 us held in registers over 16 CTAs; 2 or
+# 8 units a pass, or no unrolled pass, were no faster)
+STREAM_UNITS = 4
+# rows of more units than this stream (32768 bf16 columns); at 32000 streaming was even (0.99-1.01)
+STREAM_MIN_UNITS = 4096
+
+
+def stream_rows(N: int, x_bits: int) -> bool:
+    """Whether the forward streams rows of N columns (a shifted row's N: its window's width);
+    OINK_CE_STREAM=0/1 forces it off/on."""
+    forced = config.get().ce_stream
+    if forced is not None:
+        return forced
+    return N // math.gcd(N, 128 // x_bits) > STREAM_MIN_UNITS
+
+
+def stream_launch(N: int, x_bits: int) -> RowLaunch:
+    """A streamed forward's launch: one row a CTA of 256 threads, over a cluster of up to 8 CTAs
+    so a thread passes over about 32 units."""
+    vec = math.gcd(N, 128 // x_bits)
+    units = N // vec
+    cluster_n = 1
+    while units > 256 * 32 * cluster_n and cluster_n < MAX_CLUSTER:
+        cluster_n *= 2
+    return RowLaunch(N=N, vec=vec, threads_per_row=256, num_threads=256, cluster_n=cluster_n)
+
+
 class CrossEntropy(RowKernelBase):
     """Loss and lse (forward), dlogits (backward), or both in one pass (fwd_bwd)."""
 
-    def __init__(self, launch: RowLaunch, dtype, target_dtype, mode: str, n: int | None = None):
-        """``n``: the row's width where ``launch.N`` is the window of a shifted-rows forward."""
+    def __init__(self, launch: RowLaunch, dtype, target_dtype, mode: str, n: int | None = None,
+                 stream: bool = False):
+        """``n``: the row's width where ``launch.N`` is the window of a shifted-rows forward;
+        ``stream``: a forward whose CTAs pass over their columns ``STREAM_UNITS`` units at a time."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
         super().__init__(launch, num_reductions=0 if mode == "backward" else 2)
@@ -70,6 +102,9 @@ class CrossEntropy(RowKernelBase):
         self.target_dtype = target_dtype
         self.n = launch.N if n is None else n
         self.shifted = self.n != launch.N
+        self.stream = stream
+        if stream and (mode != "forward" or launch.rows_per_cta != 1):
+            raise ValueError(f"a streamed row: the forward, one row a CTA; got {mode}, {launch}")
         if self.shifted and (launch.rows_per_cta != 1 or launch.N < self.n + launch.vec - 1):
             raise ValueError(f"shifted rows: one row a CTA, a window of >= n + vec - 1; got {launch}")
 
@@ -96,6 +131,9 @@ class CrossEntropy(RowKernelBase):
         L = self.launch
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
         M = cute.size(mX, mode=[0])
+        if const_expr(self.stream):
+            self.stream_forward(mX, mTarget, mLoss, mLseOut, ignore_index, tc, bidx, cy, buf, mbar, M)
+            return
         if const_expr(self.shifted):
             tXcX, tXgX, shift = self.row_window(mX, bidx, M, part)
             row = bidx
@@ -163,11 +201,80 @@ class CrossEntropy(RowKernelBase):
         self.launch_dependents()
 
     @cute.jit
-    def row_window(self, mX: cute.Tensor, row, M, part):
-        """A shifted row's aligned window: (column coordinates in the window, this thread's slice of
-        it, the row's first column in it). The window starts at the 16-byte boundary at or before
-        the row (the base is 16-byte aligned) and every one of its vectors holds a column of the
-        row, so no read leaves the memory the tensor's rows lie in."""
+    def stream_forward(self, mX: cute.Tensor, mTarget: cute.Tensor, mLoss: cute.Tensor,
+                       mLseOut: Optional[cute.Tensor], ignore_index: Int32, tc: cute.TiledCopy, bidx, cy, buf,
+                       mbar, M):
+        """The forward over one row a CTA, its columns in passes: CTA ``cy`` of the cluster takes
+        ``passes`` consecutive tiles of ``STREAM_UNITS`` units a thread; each tile's (max, sum of exp)
+        folds into the thread's running pair (rescaled to the larger max), and the pairs merge over
+        the row at the end in one round. Columns past N load as -inf."""
+        L = self.launch
+        width = STREAM_UNITS * L.vec * L.threads_per_row
+        passes = cute.ceil_div(L.cols_per_cta, width)
+        even = passes * width * L.cluster_n == L.N and not self.shifted
+        tidx, _, _ = cute.arch.thread_idx()
+        thr = tc.get_slice(tidx)
+        atom = self.atom(self.x_dtype)
+        row = bidx
+        src, at, lo = mX, row, 0  # the row's tensor, its row coordinate, its first column there
+        if const_expr(self.shifted):
+            src, lo = self.window(mX, row, M)
+            at = 0
+        ident = cute.make_identity_tensor(src.shape)
+        m, s = Float32(-math.inf), Float32(0.0)
+        target = Int32(0)
+        if row < M:
+            target = Int32(mTarget[row])
+            for p in cutlass.range(passes, unroll=2):
+                tile = cy * passes + p
+                tXgX = thr.partition_S(cute.local_tile(src, (1, width), (at, tile)))
+                tXcX = thr.partition_S(cute.local_tile(ident, (1, width), (at, tile)))
+                rX = cute.make_rmem_tensor_like(tXgX)
+                if const_expr(not even):
+                    rX.fill(-math.inf)
+                for i in cutlass.range_constexpr(STREAM_UNITS):
+                    first = tXcX[(0, 0), 0, i][1]
+                    if const_expr(even):
+                        cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
+                    elif first < L.N:
+                        cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
+                        if const_expr(self.shifted):  # an edge vector: its columns of the rows beside
+                            if first < lo or first + L.vec > lo + self.n:
+                                r_i, c_i = rX[None, None, i], tXcX[None, None, i]
+                                for j in cutlass.range_constexpr(cute.size(r_i)):
+                                    if c_i[j][1] < lo or c_i[j][1] >= lo + self.n:
+                                        r_i[j] = r_i.element_type(-math.inf)
+                x = rX.load().to(Float32)
+                m_new = cute.arch.fmax(m, x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf),
+                                                   reduction_profile=0))
+                shift = m_new
+                if m_new == Float32(-math.inf):  # only -inf so far: sums stay 0, never NaN
+                    shift = Float32(0.0)
+                s = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
+                    (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
+                                                               reduction_profile=0)
+                m = m_new
+        self.wait_cluster()
+        m, s = self.merge_max_sum(m, s, buf, mbar)
+        lse = m + cute.math.log(s, fastmath=False)
+        if tidx == 0 and cy == 0 and row < M:
+            loss = Float32(0.0)
+            if target != ignore_index:
+                if target < 0 or target >= self.n:
+                    loss = Float32(math.nan)
+                else:
+                    loss = lse - Float32(mX[row, target])
+            mLoss[row] = loss
+            if const_expr(mLseOut is not None):
+                mLseOut[row] = lse
+        self.launch_dependents()
+
+    @cute.jit
+    def window(self, mX: cute.Tensor, row, M):
+        """A shifted row's aligned window: (the window as a (1, launch.N) tensor, the row's first
+        column in it). The window starts at the 16-byte boundary at or before the row (the base is
+        16-byte aligned) and every one of its vectors holds a column of the row, so no read leaves
+        the memory the tensor's rows lie in."""
         L = self.launch
         start = Int64(0)
         if row < M:
@@ -175,7 +282,13 @@ class CrossEntropy(RowKernelBase):
         shift = Int32(start % L.vec)
         base = cute.make_ptr(self.x_dtype, (mX.iterator + (start - shift)).toint(), cute.AddressSpace.gmem,
                              assumed_align=16)
-        window = cute.make_tensor(base, cute.make_layout((1, L.N), stride=(L.N, 1)))
+        return cute.make_tensor(base, cute.make_layout((1, L.N), stride=(L.N, 1))), shift
+
+    @cute.jit
+    def row_window(self, mX: cute.Tensor, row, M, part):
+        """``window`` as (column coordinates in the window, this thread's slice of it, the row's
+        first column in it)."""
+        window, shift = self.window(mX, row, M)
         return part(cute.make_identity_tensor(window.shape), 0), part(window, 0), shift
 
     @cute.jit
@@ -214,7 +327,11 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
     width = shifted_window(N, dt.width) if window or mode == "forward" else None
     shifted = cross_entropy_launch(width, dt.width, arch, mode, True) if width else None
-    if shifted is not None and shifted.rows_per_cta == 1:  # a window needs one row a CTA
+    stream = mode == "forward" and stream_rows(width or N, dt.width)
+    if stream:  # shifted rows stream through their windows
+        key = f"cross_entropy/forward_stream{'_shifted' if width else ''}/x{dt.width}"
+        launch = pick(key, arch, stream_launch(width or N, dt.width))
+    elif shifted is not None and shifted.rows_per_cta == 1:  # a window needs one row a CTA
         launch = pick(f"cross_entropy/{mode}_shifted/x{dt.width}", arch, shifted)
     else:
         launch = pick(f"cross_entropy/{mode}/x{dt.width}", arch, cross_entropy_launch(N, dt.width, arch, mode))
@@ -225,9 +342,10 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
         f32 = gmem_ptr(Float32, 4)
         fwd, bwd = mode != "backward", mode != "forward"
         return compile_kernel(
-            CrossEntropy(launch, dt, tt, mode, N), gmem_ptr(dt), gmem_ptr(tt, tt.width // 8),
+            CrossEntropy(launch, dt, tt, mode, N, stream), gmem_ptr(dt), gmem_ptr(tt, tt.width // 8),
             f32 if bwd else None, f32 if mode == "backward" else None, f32 if fwd else None,
             f32 if store_lse else None, gmem_ptr(dt) if bwd else None, Int32(1), one, one, Int32(-100),
             fake_stream(), arch=arch)
 
-    return CACHE.get(("cross_entropy", mode, dtype, target_dtype, store_lse, N, arch, launch), build)
+    key = ("cross_entropy", mode, dtype, target_dtype, store_lse, N, arch, launch)
+    return CACHE.get(key + ((STREAM_UNITS,) if stream else ()), build)

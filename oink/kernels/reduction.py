@@ -289,18 +289,31 @@ class RowKernelBase:
         return m, e, self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
 
     @cute.jit
-    def row_max_sum(self, x, buf, mbar):
+    def row_max_sum(self, x, buf, mbar, with_exp: cutlass.Constexpr = False):
         """(row max m, the row's sum of exp(x - m)) in one reduction round (slots 0 and 1), where
         ``row_exp_sum`` takes two, one after the other: each thread's (max, sum of exp(x - its max))
-        pairs merge by rescaling both sums to the larger max (online softmax). For the
-        cross-entropy forward, which needs the lse only."""
-        L = self.launch
+        pairs merge by rescaling both sums to the larger max (online softmax). ``with_exp``: also
+        exp(x - m), as the thread's exp(x - its max) times one rescale factor (softmax)."""
         m = x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
         shift = m
         if m == Float32(-math.inf):  # only padding (-inf) here: exp2(-inf) sums to 0, never NaN
             shift = Float32(0.0)
         e = cute.math.exp2((x - shift) * LOG2E, fastmath=True)
         s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        row_m, s = self.merge_max_sum(m, s, buf, mbar)
+        if const_expr(with_exp):
+            # a thread of -inf only has e = 0 and shift 0, whose factor may overflow: 0, not 0 * inf
+            scale = Float32(0.0)
+            if m != Float32(-math.inf):
+                scale = cute.math.exp2((shift - row_m) * LOG2E, fastmath=True)
+            return row_m, s, e * scale
+        return row_m, s
+
+    @cute.jit
+    def merge_max_sum(self, m: Float32, s: Float32, buf, mbar):
+        """Every thread's (max, sum of exp(x - max)) pair merged over its row: butterflies within the
+        warp, then one exchange through shared memory (and DSMEM across a cluster). Slots 0 and 1."""
+        L = self.launch
         group = min(L.threads_per_row, WARP)
         for i in cutlass.range_constexpr(int(math.log2(group))):
             m, s = _merge_max_sum(m, s, *_bfly_pair(m, s, group >> (i + 1)))

@@ -1,7 +1,8 @@
 """Softmax over the last dim in CuTeDSL: forward, backward, and fused forward+backward.
 
 One pass over memory each: a row stays in registers between its load and its store.
-- forward: m = max(x); e = exp(x - m); y = e / sum(e)   (two reductions, one read of x)
+- forward: m = max(x); e = exp(x - m); y = e / sum(e)   (one read of x; m and sum(e) in two
+  reduction rounds, or one where they merge online: ``online_reduction``)
 - backward: dx = y * (dy - sum(dy * y))
 - fused forward+backward: dx from x and dy with y kept in fp32 registers, never written.
 Columns past N (uneven widths) load as -inf for x (exp gives 0) and 0 for dy and y.
@@ -14,6 +15,7 @@ import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick
 from .reduction import MAX_N, RowKernelBase, RowLaunch, add, pick_row_launch
@@ -28,15 +30,26 @@ def softmax_launch(N: int, x_bits: int, arch: str, mode: str = "forward") -> Row
     return pick_row_launch(N, x_bits, max_units_per_thread=4, max_threads=1024 if mode == "forward" else 512)
 
 
+def online_reduction(launch: RowLaunch, mode: str) -> bool:
+    """Whether the row's max and sum of exp merge in one reduction round (online softmax: a pair of
+    values, rescaled at each merge) rather than two. One round saves a barrier (a DSMEM exchange
+    over a cluster) but costs exps at every merge: on H100 the fused forward+backward gains at nearly
+    every shape (geomean 0.98 over the sweep), the forward only over clusters of 16 (32 x 262144
+    bf16 16.6 -> 13.3 us) and loses up to 7% on rows within one CTA (OINK_SOFTMAX_ONLINE=0/1)."""
+    return mode == "fwd_bwd" or (mode == "forward" and launch.cluster_n >= 16)
+
+
 class Softmax(RowKernelBase):
     """Softmax forward, backward, and the backward from x (the forward recomputed)."""
 
-    def __init__(self, launch: RowLaunch, dtype, mode: str):
+    def __init__(self, launch: RowLaunch, dtype, mode: str, online: bool = True):
+        """``online``: the row's max and sum of exp in one reduction round (``row_max_sum``), not two."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
         super().__init__(launch, num_reductions={"forward": 2, "backward": 1, "fwd_bwd": 3}[mode])
         self.x_dtype = dtype
         self.mode = mode
+        self.online = online
 
     @cute.jit
     def __call__(self, pa: cute.Pointer, pb: cute.Pointer, pout: cute.Pointer, M: Int32, lda: Int64, ldb: Int64,
@@ -66,6 +79,9 @@ class Softmax(RowKernelBase):
         a = rA.load().to(Float32)
         if const_expr(self.mode == "backward"):
             y = a
+        elif const_expr(self.online):
+            m, s, e = self.row_max_sum(a, buf, mbar, with_exp=True)
+            y = e * cute.arch.rcp_approx(s)
         else:
             m, e, s = self.row_exp_sum(a, buf, mbar)
             y = e * cute.arch.rcp_approx(s)
@@ -91,10 +107,14 @@ def compiled_softmax(mode: str, dtype: str, N: int, arch: str, few: bool = False
         raise ValueError(f"N={N}: the softmax kernels handle 1 <= N <= {MAX_N}")
     dt = cute_dtype(dtype)
     launch = pick(f"softmax/{mode}/x{dt.width}", arch, softmax_launch(N, dt.width, arch, mode), None, few)
+    online = config.get().softmax_online
+    if online is None:
+        online = online_reduction(launch, mode)
+    online = online and mode != "backward"
 
     def build():
         one = Int64(launch.vec)
-        return compile_kernel(Softmax(launch, dt, mode), gmem_ptr(dt), gmem_ptr(dt), gmem_ptr(dt), Int32(1), one, one,
+        return compile_kernel(Softmax(launch, dt, mode, online), gmem_ptr(dt), gmem_ptr(dt), gmem_ptr(dt), Int32(1), one, one,
                               one, fake_stream(), arch=arch)
 
-    return CACHE.get(("softmax", mode, dtype, N, arch, launch), build)
+    return CACHE.get(("softmax", mode, dtype, N, arch, launch, online), build)
