@@ -126,12 +126,14 @@ def test_shifted_rows_write_only_their_row(dtype, mode, N, ld_pad, dx_rows, seed
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", [520, 4104, 40000, 50257, 128256, 200008, 262144])
 @pytest.mark.parametrize("M", [1, 7, 300])
-def test_streamed_forward(monkeypatch, dtype, N, M, seed):
-    """The streamed forward (forced at every width, OINK_CE_STREAM=1: a row in passes, a running
-    (max, sum of exp) a thread) against the fp32 reference where the row's max sits in its first
-    or last column, where whole passes of a row are -inf (masked), where every logit is far below
-    zero, and with rows 24 elements apart beyond N (a view of a wider buffer: rows of 50257 start off
-    16-byte boundaries and stream through their aligned windows); targets some ignored."""
+@pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
+def test_streamed_rows(monkeypatch, mode, dtype, N, M, seed):
+    """Streamed rows (forced at every width, OINK_CE_STREAM=1: a row in passes, a running (max, sum
+    of exp) a thread; the dlogits modes read the row again to store dx) against the fp32 reference
+    where the row's max sits in its first or last column, where whole passes of a row are -inf
+    (masked), where every logit is far below zero, with rows 24 elements apart beyond N (a view of a
+    wider buffer: rows of 50257 start off 16-byte boundaries and go through their aligned windows;
+    dx's padding must stay unwritten); targets some ignored."""
     from oink.kernels.cross_entropy_ops import launch
     from tests.helpers import set_knob
 
@@ -147,12 +149,25 @@ def test_streamed_forward(monkeypatch, dtype, N, M, seed):
     logits = buf.to(dtype)[:, :N]
     target = torch.randint(N * 3 // 4, N, (M,), device="cuda", generator=g)
     target[torch.rand(M, device="cuda", generator=g) < 0.3] = IGNORE
+    dloss = torch.randn(M, device="cuda", generator=g)
     loss_ref, lse_ref = R.cross_entropy_forward(logits, target, IGNORE)
     loss = torch.full((M,), float("nan"), device="cuda")
     lse = torch.full((M,), float("nan"), device="cuda")
-    launch("forward", cuda_arch(), logits, target, IGNORE, loss=loss, lse_out=lse)
-    close_family(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
-    close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
+    dx_buf = torch.full((M, N + 24), float("nan"), device="cuda", dtype=dtype)
+    dx = dx_buf[:, :N]
+    if mode == "forward":
+        launch(mode, cuda_arch(), logits, target, IGNORE, loss=loss, lse_out=lse)
+        close_family(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
+    elif mode == "backward":
+        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, lse_in=lse_ref, dx=dx)
+    else:
+        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, loss=loss, dx=dx)
+    if mode != "backward":
+        close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
+    if mode != "forward":
+        dx_ref = R.cross_entropy_backward(dloss, logits, target, lse_ref, IGNORE)
+        close_family(dx, dx_ref, "softmax", dtype, "dlogits")
+        assert torch.isnan(dx_buf[:, N:]).all(), "a store left its row"
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])

@@ -228,29 +228,37 @@ def test_cross_entropy_compiles(arch, dtype, mode):
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("stream", ["1", "0"])
-def test_cross_entropy_forward_both_ways_compiles(monkeypatch, arch, dtype, stream):
-    """The streamed forward forced at every width (one pass, several, a partial last one, clusters),
-    and the register-held forward at the widths that stream by default (the A/B switch's other side)."""
+@pytest.mark.parametrize("mode", CE_MODES)
+def test_cross_entropy_streamed_rows_compile(monkeypatch, arch, dtype, mode):
+    """Streamed rows forced at every width (one pass, several, a partial last one, clusters; odd
+    widths through aligned windows, or element accesses where dlogits' rows lie elsewhere), and the
+    register-held forward at widths that stream by default (the A/B switch's other side)."""
     from oink.kernels import cross_entropy as ce
     from tests.helpers import set_knob
 
-    set_knob(monkeypatch, "OINK_CE_STREAM", stream)
-    widths = [7, 1000, 32000, 65536, 200008, 262144] if stream == "1" else [65536, 262144]
-    for N in widths:
-        assert ce.stream_rows(N, 16) is (stream == "1")
-        assert callable(compiled_cross_entropy("forward", dtype, "int64", N, arch))
+    set_knob(monkeypatch, "OINK_CE_STREAM", "1")
+    for N in [7, 1000, 32000, 50257, 200008, 262144]:
+        assert ce.stream_rows(N, 16, mode)
+        assert callable(compiled_cross_entropy(mode, dtype, "int64", N, arch))
+    assert callable(compiled_cross_entropy(mode, dtype, "int64", 50257, arch, window=False))
+    if mode == "forward":
+        set_knob(monkeypatch, "OINK_CE_STREAM", "0")
+        for N in [65536, 262144]:
+            assert not ce.stream_rows(N, 16, mode)
+            assert callable(compiled_cross_entropy(mode, dtype, "int64", N, arch))
 
 
-def test_cross_entropy_forward_streams_wide_rows(monkeypatch):
+def test_cross_entropy_streams_wide_rows(monkeypatch):
     from oink.kernels import cross_entropy as ce
     from tests.helpers import set_knob
 
     set_knob(monkeypatch, "OINK_CE_STREAM", None)
     assert not ce.stream_rows(32000, 16) and ce.stream_rows(128256, 16) and ce.stream_rows(65536, 32)
+    assert not ce.stream_rows(128256, 16, "backward") and not ce.stream_rows(128256, 16, "fwd_bwd")
     assert [ce.stream_launch(N, 16).cluster_n for N in (32000, 128256, 256000)] == [1, 2, 4]
+    two_rows = RowLaunch(N=4096, vec=8, threads_per_row=128, num_threads=256)
     with pytest.raises(ValueError, match="streamed row"):
-        ce.CrossEntropy(ce.stream_launch(128256, 16), None, None, "fwd_bwd", stream=True)
+        ce.CrossEntropy(two_rows, None, None, "forward", stream=True)
 
 
 def test_cross_entropy_launch_covers_clusters():

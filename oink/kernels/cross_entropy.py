@@ -2,7 +2,8 @@
 
 One pass over the logits each; a row stays in registers between its load and its store, except in
 the forward of wide rows, which streams: each thread folds its columns a few vectors at a time into
-a running (max, sum of exp) pair and keeps no row (``stream_rows``).
+a running (max, sum of exp) pair and keeps no row (``stream_rows``; the dlogits modes can stream
+too, reading the row a second time to store dx).
 - forward: m = max(x); lse = m + log(sum(exp(x - m))); loss = lse - x[target] (0 if ignored)
 - backward: dx = dloss[row] * (exp(x - lse) - onehot(target)) (0 on ignored rows); no reduction
 - fused: the forward's two reductions, then the backward from the lse just computed (no lse
@@ -67,13 +68,15 @@ STREAM_UNITS = 4
 STREAM_MIN_UNITS = 4096
 
 
-def stream_rows(N: int, x_bits: int) -> bool:
-    """Whether the forward streams rows of N columns (a shifted row's N: its window's width);
-    OINK_CE_STREAM=0/1 forces it off/on."""
+def stream_rows(N: int, x_bits: int, mode: str = "forward") -> bool:
+    """Whether ``mode`` streams rows of N columns (a shifted row's N: its window's width);
+    OINK_CE_STREAM=0/1 forces it off/on. Only the forward does by default: the dlogits modes read a
+    streamed row twice (the second time mostly from L2), which on H100 cost fwd_bwd 1.0-1.4x the
+    register-held kernel over the sweep's shapes and the backward 0.95-1.08x (no rule by width)."""
     forced = config.get().ce_stream
     if forced is not None:
         return forced
-    return N // math.gcd(N, 128 // x_bits) > STREAM_MIN_UNITS
+    return mode == "forward" and N // math.gcd(N, 128 // x_bits) > STREAM_MIN_UNITS
 
 
 def stream_launch(N: int, x_bits: int) -> RowLaunch:
@@ -93,7 +96,7 @@ class CrossEntropy(RowKernelBase):
     def __init__(self, launch: RowLaunch, dtype, target_dtype, mode: str, n: int | None = None,
                  stream: bool = False):
         """``n``: the row's width where ``launch.N`` is the window of a shifted-rows forward;
-        ``stream``: a forward whose CTAs pass over their columns ``STREAM_UNITS`` units at a time."""
+        ``stream``: CTAs that pass over their columns ``STREAM_UNITS`` units at a time."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
         super().__init__(launch, num_reductions=0 if mode == "backward" else 2)
@@ -103,8 +106,8 @@ class CrossEntropy(RowKernelBase):
         self.n = launch.N if n is None else n
         self.shifted = self.n != launch.N
         self.stream = stream
-        if stream and (mode != "forward" or launch.rows_per_cta != 1):
-            raise ValueError(f"a streamed row: the forward, one row a CTA; got {mode}, {launch}")
+        if stream and launch.rows_per_cta != 1:
+            raise ValueError(f"a streamed row: one row a CTA; got {launch}")
         if self.shifted and (launch.rows_per_cta != 1 or launch.N < self.n + launch.vec - 1):
             raise ValueError(f"shifted rows: one row a CTA, a window of >= n + vec - 1; got {launch}")
 
@@ -132,7 +135,7 @@ class CrossEntropy(RowKernelBase):
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
         M = cute.size(mX, mode=[0])
         if const_expr(self.stream):
-            self.stream_forward(mX, mTarget, mLoss, mLseOut, ignore_index, tc, bidx, cy, buf, mbar, M)
+            self.stream_rows(mX, mTarget, mDloss, mLseIn, mLoss, mLseOut, mDx, ignore_index, tc, bidx, cy, buf, mbar, M)
             return
         if const_expr(self.shifted):
             tXcX, tXgX, shift = self.row_window(mX, bidx, M, part)
@@ -181,6 +184,8 @@ class CrossEntropy(RowKernelBase):
                     mLseOut[row] = lse
 
         if const_expr(self.mode != "forward"):
+            valid = target != ignore_index
+            bad = valid and (target < 0 or target >= self.n)
             scale = Float32(0.0)
             if row < M and valid:
                 scale = mDloss[row]
@@ -201,73 +206,133 @@ class CrossEntropy(RowKernelBase):
         self.launch_dependents()
 
     @cute.jit
-    def stream_forward(self, mX: cute.Tensor, mTarget: cute.Tensor, mLoss: cute.Tensor,
-                       mLseOut: Optional[cute.Tensor], ignore_index: Int32, tc: cute.TiledCopy, bidx, cy, buf,
-                       mbar, M):
-        """The forward over one row a CTA, its columns in passes: CTA ``cy`` of the cluster takes
-        ``passes`` consecutive tiles of ``STREAM_UNITS`` units a thread; each tile's (max, sum of exp)
-        folds into the thread's running pair (rescaled to the larger max), and the pairs merge over
-        the row at the end in one round. Columns past N load as -inf."""
+    def stream_rows(self, mX: cute.Tensor, mTarget: cute.Tensor, mDloss: Optional[cute.Tensor],
+                    mLseIn: Optional[cute.Tensor], mLoss: Optional[cute.Tensor], mLseOut: Optional[cute.Tensor],
+                    mDx: Optional[cute.Tensor], ignore_index: Int32, tc: cute.TiledCopy, bidx, cy, buf, mbar, M):
+        """One row a CTA, its columns in passes: CTA ``cy`` of the cluster takes ``passes`` consecutive
+        tiles of ``STREAM_UNITS`` units a thread. The forward folds each tile's (max, sum of exp) into
+        the thread's running pair (rescaled to the larger max), and the pairs merge over the row at
+        the end in one round; the dlogits modes then read the tiles again (the row's chunk was just
+        read: mostly from L2) and store dx tile by tile. Columns past N load as -inf."""
         L = self.launch
         width = STREAM_UNITS * L.vec * L.threads_per_row
         passes = cute.ceil_div(L.cols_per_cta, width)
-        even = passes * width * L.cluster_n == L.N and not self.shifted
         tidx, _, _ = cute.arch.thread_idx()
         thr = tc.get_slice(tidx)
-        atom = self.atom(self.x_dtype)
         row = bidx
-        src, at, lo = mX, row, 0  # the row's tensor, its row coordinate, its first column there
+        src, dst, at, lo = mX, mDx, row, 0  # the row's tensors, its row coordinate, its first column there
         if const_expr(self.shifted):
             src, lo = self.window(mX, row, M)
+            if const_expr(mDx is not None):  # dx's rows lie at x's offsets (the host's condition)
+                dst = self.window(mDx, row, M)[0]
             at = 0
         ident = cute.make_identity_tensor(src.shape)
-        m, s = Float32(-math.inf), Float32(0.0)
         target = Int32(0)
         if row < M:
             target = Int32(mTarget[row])
-            for p in cutlass.range(passes, unroll=2):
-                tile = cy * passes + p
-                tXgX = thr.partition_S(cute.local_tile(src, (1, width), (at, tile)))
-                tXcX = thr.partition_S(cute.local_tile(ident, (1, width), (at, tile)))
-                rX = cute.make_rmem_tensor_like(tXgX)
-                if const_expr(not even):
-                    rX.fill(-math.inf)
-                for i in cutlass.range_constexpr(STREAM_UNITS):
-                    first = tXcX[(0, 0), 0, i][1]
-                    if const_expr(even):
-                        cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
-                    elif first < L.N:
-                        cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
-                        if const_expr(self.shifted):  # an edge vector: its columns of the rows beside
-                            if first < lo or first + L.vec > lo + self.n:
-                                r_i, c_i = rX[None, None, i], tXcX[None, None, i]
-                                for j in cutlass.range_constexpr(cute.size(r_i)):
-                                    if c_i[j][1] < lo or c_i[j][1] >= lo + self.n:
-                                        r_i[j] = r_i.element_type(-math.inf)
-                x = rX.load().to(Float32)
-                m_new = cute.arch.fmax(m, x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf),
-                                                   reduction_profile=0))
-                shift = m_new
-                if m_new == Float32(-math.inf):  # only -inf so far: sums stay 0, never NaN
-                    shift = Float32(0.0)
-                s = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
-                    (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
-                                                               reduction_profile=0)
-                m = m_new
-        self.wait_cluster()
-        m, s = self.merge_max_sum(m, s, buf, mbar)
-        lse = m + cute.math.log(s, fastmath=False)
-        if tidx == 0 and cy == 0 and row < M:
-            loss = Float32(0.0)
-            if target != ignore_index:
-                if target < 0 or target >= self.n:
-                    loss = Float32(math.nan)
-                else:
-                    loss = lse - Float32(mX[row, target])
-            mLoss[row] = loss
-            if const_expr(mLseOut is not None):
-                mLseOut[row] = lse
+
+        lse = Float32(0.0)
+        if const_expr(self.mode == "backward"):
+            if row < M:
+                lse = mLseIn[row]
+        else:
+            m, s = Float32(-math.inf), Float32(0.0)
+            if row < M:
+                for p in cutlass.range(passes, unroll=2):
+                    rX, _ = self.stream_tile(src, ident, thr, at, cy * passes + p, lo)
+                    x = rX.load().to(Float32)
+                    m_new = cute.arch.fmax(m, x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf),
+                                                       reduction_profile=0))
+                    shift = m_new
+                    if m_new == Float32(-math.inf):  # only -inf so far: sums stay 0, never NaN
+                        shift = Float32(0.0)
+                    s = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
+                        (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
+                                                                   reduction_profile=0)
+                    m = m_new
+            self.wait_cluster()
+            m, s = self.merge_max_sum(m, s, buf, mbar)
+            lse = m + cute.math.log(s, fastmath=False)
+            if tidx == 0 and cy == 0 and row < M:
+                loss = Float32(0.0)
+                if target != ignore_index:
+                    if target < 0 or target >= self.n:
+                        loss = Float32(math.nan)
+                    else:
+                        loss = lse - Float32(mX[row, target])
+                mLoss[row] = loss
+                if const_expr(mLseOut is not None):
+                    mLseOut[row] = lse
+
+        if const_expr(self.mode != "forward"):
+            valid = target != ignore_index
+            bad = valid and (target < 0 or target >= self.n)
+            scale = Float32(0.0)
+            if row < M and valid:
+                scale = mDloss[row]
+            if bad:
+                scale = Float32(math.nan)
+            if row < M:
+                for p in cutlass.range(passes, unroll=2):
+                    tile = cy * passes + p
+                    rX, tXcX = self.stream_tile(src, ident, thr, at, tile, lo)
+                    rD = cute.make_rmem_tensor_like(rX, Float32)
+                    rD.store(cute.math.exp2((rX.load().to(Float32) - lse) * LOG2E, fastmath=True) * scale)
+                    for i in cutlass.range_constexpr(cute.size(rD)):
+                        if tXcX[i][1] == target + lo:  # ignored rows have scale 0: no column needs the guard
+                            rD[i] = rD[i] - scale
+                    rO = cute.make_rmem_tensor_like(rX)
+                    rO.store(rD.load().to(self.x_dtype))
+                    self.store_stream_tile(rO, thr.partition_D(cute.local_tile(dst, (1, width), (at, tile))), tXcX,
+                                           lo)
         self.launch_dependents()
+
+    @cute.jit
+    def stream_tile(self, src: cute.Tensor, ident: cute.Tensor, thr, at, tile, lo):
+        """This thread's slice of column tile ``tile`` of row ``at`` of ``src`` in registers, columns
+        outside the row -inf. -> (values, their coordinates)."""
+        L = self.launch
+        width = STREAM_UNITS * L.vec * L.threads_per_row
+        even = cute.ceil_div(L.cols_per_cta, width) * width * L.cluster_n == L.N and not self.shifted
+        tXgX = thr.partition_S(cute.local_tile(src, (1, width), (at, tile)))
+        tXcX = thr.partition_S(cute.local_tile(ident, (1, width), (at, tile)))
+        atom = self.atom(self.x_dtype)
+        rX = cute.make_rmem_tensor_like(tXgX)
+        if const_expr(not even):
+            rX.fill(-math.inf)
+        for i in cutlass.range_constexpr(STREAM_UNITS):
+            first = tXcX[(0, 0), 0, i][1]
+            if const_expr(even):
+                cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
+            elif first < L.N:
+                cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
+                if const_expr(self.shifted):  # an edge vector: its columns of the rows beside
+                    if first < lo or first + L.vec > lo + self.n:
+                        r_i, c_i = rX[None, None, i], tXcX[None, None, i]
+                        for j in cutlass.range_constexpr(cute.size(r_i)):
+                            if c_i[j][1] < lo or c_i[j][1] >= lo + self.n:
+                                r_i[j] = r_i.element_type(-math.inf)
+        return rX, tXcX
+
+    @cute.jit
+    def store_stream_tile(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, lo):
+        """Store a tile of ``stream_tile``'s shape: whole vectors inside the row, a shifted row's two
+        edge vectors one column at a time (their other columns are the rows beside, which other CTAs
+        write), nothing past the row."""
+        L = self.launch
+        atom = self.atom(self.x_dtype)
+        for i in cutlass.range_constexpr(STREAM_UNITS):
+            first = tXcX[(0, 0), 0, i][1]
+            if const_expr(not self.shifted):
+                if first < L.N:
+                    cute.copy(atom, src[None, None, i], dst[None, None, i])
+            elif first >= lo and first + L.vec <= lo + self.n:
+                cute.copy(atom, src[None, None, i], dst[None, None, i])
+            elif first < L.N:
+                s_i, d_i, c_i = src[None, None, i], dst[None, None, i], tXcX[None, None, i]
+                for j in cutlass.range_constexpr(cute.size(s_i)):
+                    if c_i[j][1] >= lo and c_i[j][1] < lo + self.n:
+                        d_i[j] = s_i[j]
 
     @cute.jit
     def window(self, mX: cute.Tensor, row, M):
@@ -327,9 +392,9 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
     width = shifted_window(N, dt.width) if window or mode == "forward" else None
     shifted = cross_entropy_launch(width, dt.width, arch, mode, True) if width else None
-    stream = mode == "forward" and stream_rows(width or N, dt.width)
+    stream = stream_rows(width or N, dt.width, mode)
     if stream:  # shifted rows stream through their windows
-        key = f"cross_entropy/forward_stream{'_shifted' if width else ''}/x{dt.width}"
+        key = f"cross_entropy/{mode}_stream{'_shifted' if width else ''}/x{dt.width}"
         launch = pick(key, arch, stream_launch(width or N, dt.width))
     elif shifted is not None and shifted.rows_per_cta == 1:  # a window needs one row a CTA
         launch = pick(f"cross_entropy/{mode}_shifted/x{dt.width}", arch, shifted)
