@@ -55,7 +55,7 @@ class Config:
     # it lets the next one launch once its stores are issued (as FlashInfer's norms do by default)
     pdl: bool
     softmax_online: bool | None  # OINK_SOFTMAX_ONLINE=0/1: the softmax's max and sum in one reduction round (A/B)
-    ce_stream: bool | None  # OINK_CE_STREAM=0/1: the cross-entropy forward streams its rows (A/B)
+    ce_stream: bool | None  # OINK_CE_STREAM=0/1: the cross-entropy kernels stream their rows (A/B; default: wide forwards)
     bwd_exact: bool  # OINK_BWD_EXACT=0: power-of-two threads per row only (A/B)
     tvm_ffi: bool  # OINK_TVM_FFI=0: launch through CuTeDSL's generic executor (default: TVM-FFI if installed)
     cache_dir: str | None  # OINK_CACHE_DIR: compiled kernels kept on disk there (see _cache_dir)

@@ -206,6 +206,29 @@ def test_softmax_compiles(arch, dtype, mode):
         assert callable(compiled_softmax(mode, dtype, N, arch))
 
 
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("online", ["1", "0"])
+def test_softmax_reduction_rounds_both_ways_compile(monkeypatch, arch, online):
+    """The A/B switch's sides the defaults do not take: one round in forwards within a CTA and over a
+    cluster of 8, two rounds in the fused forward+backward."""
+    from tests.helpers import set_knob
+
+    set_knob(monkeypatch, "OINK_SOFTMAX_ONLINE", online)
+    for mode in ("forward", "fwd_bwd"):
+        for N in (1000, 65536):
+            assert callable(compiled_softmax(mode, "bfloat16", N, arch))
+
+
+def test_softmax_merges_online_where_it_was_measured_faster():
+    from oink.kernels.softmax import online_reduction
+
+    one_cta, cluster8, cluster16 = (RowLaunch(N=262144, vec=8, threads_per_row=256, num_threads=256, cluster_n=c)
+                                    for c in (1, 8, 16))
+    assert online_reduction(one_cta, "fwd_bwd") and online_reduction(cluster16, "fwd_bwd")
+    assert online_reduction(cluster16, "forward")
+    assert not online_reduction(one_cta, "forward") and not online_reduction(cluster8, "forward")
+
+
 from oink.kernels.cross_entropy import MODES as CE_MODES  # noqa: E402
 from oink.kernels.cross_entropy import compiled_cross_entropy  # noqa: E402
 

@@ -135,7 +135,8 @@ class CrossEntropy(RowKernelBase):
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
         M = cute.size(mX, mode=[0])
         if const_expr(self.stream):
-            self.stream_rows(mX, mTarget, mDloss, mLseIn, mLoss, mLseOut, mDx, ignore_index, tc, bidx, cy, buf, mbar, M)
+            self.stream_body(mX, mTarget, mDloss, mLseIn, mLoss, mLseOut, mDx, ignore_index, tc, bidx, cy, buf, mbar,
+                             M)
             return
         if const_expr(self.shifted):
             tXcX, tXgX, shift = self.row_window(mX, bidx, M, part)
@@ -184,8 +185,6 @@ class CrossEntropy(RowKernelBase):
                     mLseOut[row] = lse
 
         if const_expr(self.mode != "forward"):
-            valid = target != ignore_index
-            bad = valid and (target < 0 or target >= self.n)
             scale = Float32(0.0)
             if row < M and valid:
                 scale = mDloss[row]
@@ -206,7 +205,7 @@ class CrossEntropy(RowKernelBase):
         self.launch_dependents()
 
     @cute.jit
-    def stream_rows(self, mX: cute.Tensor, mTarget: cute.Tensor, mDloss: Optional[cute.Tensor],
+    def stream_body(self, mX: cute.Tensor, mTarget: cute.Tensor, mDloss: Optional[cute.Tensor],
                     mLseIn: Optional[cute.Tensor], mLoss: Optional[cute.Tensor], mLseOut: Optional[cute.Tensor],
                     mDx: Optional[cute.Tensor], ignore_index: Int32, tc: cute.TiledCopy, bidx, cy, buf, mbar, M):
         """One row a CTA, its columns in passes: CTA ``cy`` of the cluster takes ``passes`` consecutive

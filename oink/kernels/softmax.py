@@ -114,7 +114,7 @@ def compiled_softmax(mode: str, dtype: str, N: int, arch: str, few: bool = False
 
     def build():
         one = Int64(launch.vec)
-        return compile_kernel(Softmax(launch, dt, mode, online), gmem_ptr(dt), gmem_ptr(dt), gmem_ptr(dt), Int32(1), one, one,
-                              one, fake_stream(), arch=arch)
+        return compile_kernel(Softmax(launch, dt, mode, online), gmem_ptr(dt), gmem_ptr(dt), gmem_ptr(dt), Int32(1),
+                              one, one, one, fake_stream(), arch=arch)
 
     return CACHE.get(("softmax", mode, dtype, N, arch, launch, online), build)
