@@ -26,21 +26,16 @@ def _case(M, N, dtype, seed, target_dtype=torch.int64):
     return logits, target.to(target_dtype), dloss
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", NS)
-@pytest.mark.parametrize("M", MS)
-@pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
-def test_cross_entropy_kernels(mode, dtype, N, M, seed):
+def _launch_checked(mode, logits, target, dtype, dloss=None, dx=None):
+    """``mode``'s kernel on ``logits`` with its loss and lse poisoned (NaN), checked against the fp32
+    reference: lse (forward), loss (forward, fwd_bwd) and dx (backward, fwd_bwd, into the given
+    poisoned ``dx``). -> (loss, dx)."""
     from oink.kernels.cross_entropy_ops import launch
 
-    if M * N > 2**28:
-        pytest.skip("keeps one case within a few GB")
-    logits, target, dloss = _case(M, N, dtype, seed)
+    M = logits.shape[0]
     loss_ref, lse_ref = R.cross_entropy_forward(logits, target, IGNORE)
-    nan = float("nan")
-    loss = torch.full((M,), nan, device="cuda")
-    lse = torch.full((M,), nan, device="cuda")
-    dx = torch.full((M, N), nan, device="cuda", dtype=dtype)
+    loss = torch.full((M,), float("nan"), device="cuda")
+    lse = torch.full((M,), float("nan"), device="cuda")
     if mode == "forward":
         launch(mode, cuda_arch(), logits, target, IGNORE, loss=loss, lse_out=lse)
         close_family(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
@@ -50,10 +45,25 @@ def test_cross_entropy_kernels(mode, dtype, N, M, seed):
         launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, loss=loss, dx=dx)
     if mode != "backward":
         close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
-        assert torch.all(loss[target == IGNORE] == 0)
     if mode != "forward":
         dx_ref = R.cross_entropy_backward(dloss, logits, target, lse_ref, IGNORE)
         close_family(dx, dx_ref, "softmax", dtype, "dlogits")
+    return loss, dx
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", NS)
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
+def test_cross_entropy_kernels(mode, dtype, N, M, seed):
+    if M * N > 2**28:
+        pytest.skip("keeps one case within a few GB")
+    logits, target, dloss = _case(M, N, dtype, seed)
+    dx = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+    loss, dx = _launch_checked(mode, logits, target, dtype, dloss, dx)
+    if mode != "backward":
+        assert torch.all(loss[target == IGNORE] == 0)
+    if mode != "forward":
         assert torch.all(dx[target == IGNORE] == 0)
 
 
@@ -76,18 +86,11 @@ def test_shifted_rows_read_only_their_row(dtype, N, ld_pad, seed):
     the ends of the rows beside them: a large logit at the first and last column of every third
     row would raise its neighbours' lse if their windows let it in. Rows ``ld_pad`` elements apart
     beyond N (a view of a wider buffer)."""
-    from oink.kernels.cross_entropy_ops import launch
-
     M = 301
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = _edge_logits(M, N, ld_pad, dtype, g)
     target = torch.randint(0, N, (M,), device="cuda", generator=g)
-    loss_ref, lse_ref = R.cross_entropy_forward(logits, target, IGNORE)
-    loss = torch.full((M,), float("nan"), device="cuda")
-    lse = torch.full((M,), float("nan"), device="cuda")
-    launch("forward", cuda_arch(), logits, target, IGNORE, loss=loss, lse_out=lse)
-    close_family(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
-    close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
+    _launch_checked("forward", logits, target, dtype)
 
 
 @pytest.mark.parametrize("dx_rows", ["like_logits", "dense"])
@@ -101,8 +104,6 @@ def test_shifted_rows_write_only_their_row(dtype, mode, N, ld_pad, dx_rows, seed
     at a time, as neighbouring rows' CTAs write the rest of them), scalar stores where they do not
     (dense dx under padded logits). Large logits at the rows' ends and in the padding; the padding
     of dx's buffer must keep its poison and every row must match the reference."""
-    from oink.kernels.cross_entropy_ops import launch
-
     M = 301
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = _edge_logits(M, N, ld_pad, dtype, g)
@@ -110,16 +111,8 @@ def test_shifted_rows_write_only_their_row(dtype, mode, N, ld_pad, dx_rows, seed
     target[::5] = N - 1  # the target in an edge vector
     target[1::5] = 0
     dloss = torch.randn(M, device="cuda", generator=g)
-    loss_ref, lse_ref = R.cross_entropy_forward(logits, target, IGNORE)
     dx_buf = torch.full((M, N + (ld_pad if dx_rows == "like_logits" else 0)), float("nan"), device="cuda", dtype=dtype)
-    dx = dx_buf[:, :N]
-    loss = torch.full((M,), float("nan"), device="cuda")
-    if mode == "backward":
-        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, lse_in=lse_ref, dx=dx)
-    else:
-        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, loss=loss, dx=dx)
-        close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
-    close_family(dx, R.cross_entropy_backward(dloss, logits, target, lse_ref, IGNORE), "softmax", dtype, "dlogits")
+    _launch_checked(mode, logits, target, dtype, dloss, dx_buf[:, :N])
     assert torch.isnan(dx_buf[:, N:]).all(), "a store left its row"
 
 
@@ -134,7 +127,6 @@ def test_streamed_rows(monkeypatch, mode, dtype, N, M, seed):
     (masked), where every logit is far below zero, with rows 24 elements apart beyond N (a view of a
     wider buffer: rows of 50257 start off 16-byte boundaries and go through their aligned windows;
     dx's padding must stay unwritten); targets some ignored."""
-    from oink.kernels.cross_entropy_ops import launch
     from tests.helpers import set_knob
 
     set_knob(monkeypatch, "OINK_CE_STREAM", "1")
@@ -150,23 +142,9 @@ def test_streamed_rows(monkeypatch, mode, dtype, N, M, seed):
     target = torch.randint(N * 3 // 4, N, (M,), device="cuda", generator=g)
     target[torch.rand(M, device="cuda", generator=g) < 0.3] = IGNORE
     dloss = torch.randn(M, device="cuda", generator=g)
-    loss_ref, lse_ref = R.cross_entropy_forward(logits, target, IGNORE)
-    loss = torch.full((M,), float("nan"), device="cuda")
-    lse = torch.full((M,), float("nan"), device="cuda")
     dx_buf = torch.full((M, N + 24), float("nan"), device="cuda", dtype=dtype)
-    dx = dx_buf[:, :N]
-    if mode == "forward":
-        launch(mode, cuda_arch(), logits, target, IGNORE, loss=loss, lse_out=lse)
-        close_family(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
-    elif mode == "backward":
-        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, lse_in=lse_ref, dx=dx)
-    else:
-        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, loss=loss, dx=dx)
-    if mode != "backward":
-        close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
+    _launch_checked(mode, logits, target, dtype, dloss, dx_buf[:, :N])
     if mode != "forward":
-        dx_ref = R.cross_entropy_backward(dloss, logits, target, lse_ref, IGNORE)
-        close_family(dx, dx_ref, "softmax", dtype, "dlogits")
         assert torch.isnan(dx_buf[:, N:]).all(), "a store left its row"
 
 

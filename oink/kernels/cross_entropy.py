@@ -213,9 +213,7 @@ class CrossEntropy(RowKernelBase):
         the thread's running pair (rescaled to the larger max), and the pairs merge over the row at
         the end in one round; the dlogits modes then read the tiles again (the row's chunk was just
         read: mostly from L2) and store dx tile by tile. Columns past N load as -inf."""
-        L = self.launch
-        width = STREAM_UNITS * L.vec * L.threads_per_row
-        passes = cute.ceil_div(L.cols_per_cta, width)
+        width, passes = self.stream_tiling()
         tidx, _, _ = cute.arch.thread_idx()
         thr = tc.get_slice(tidx)
         row = bidx
@@ -286,13 +284,19 @@ class CrossEntropy(RowKernelBase):
                                            lo)
         self.launch_dependents()
 
+    def stream_tiling(self) -> tuple[int, int]:
+        """(columns a streamed tile covers, tiles a CTA passes over)."""
+        L = self.launch
+        width = STREAM_UNITS * L.vec * L.threads_per_row
+        return width, -(-L.cols_per_cta // width)
+
     @cute.jit
     def stream_tile(self, src: cute.Tensor, ident: cute.Tensor, thr, at, tile, lo):
         """This thread's slice of column tile ``tile`` of row ``at`` of ``src`` in registers, columns
         outside the row -inf. -> (values, their coordinates)."""
         L = self.launch
-        width = STREAM_UNITS * L.vec * L.threads_per_row
-        even = cute.ceil_div(L.cols_per_cta, width) * width * L.cluster_n == L.N and not self.shifted
+        width, passes = self.stream_tiling()
+        even = passes * width * L.cluster_n == L.N and not self.shifted
         tXgX = thr.partition_S(cute.local_tile(src, (1, width), (at, tile)))
         tXcX = thr.partition_S(cute.local_tile(ident, (1, width), (at, tile)))
         atom = self.atom(self.x_dtype)
@@ -315,23 +319,16 @@ class CrossEntropy(RowKernelBase):
 
     @cute.jit
     def store_stream_tile(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, lo):
-        """Store a tile of ``stream_tile``'s shape: whole vectors inside the row, a shifted row's two
-        edge vectors one column at a time (their other columns are the rows beside, which other CTAs
-        write), nothing past the row."""
+        """Store a tile of ``stream_tile``'s shape: its vectors inside the row (``store_window`` for a
+        shifted row), nothing past the row."""
         L = self.launch
-        atom = self.atom(self.x_dtype)
-        for i in cutlass.range_constexpr(STREAM_UNITS):
-            first = tXcX[(0, 0), 0, i][1]
-            if const_expr(not self.shifted):
-                if first < L.N:
+        if const_expr(self.shifted):
+            self.store_window(src, dst, tXcX, lo)
+        else:
+            atom = self.atom(self.x_dtype)
+            for i in cutlass.range_constexpr(STREAM_UNITS):
+                if tXcX[(0, 0), 0, i][1] < L.N:
                     cute.copy(atom, src[None, None, i], dst[None, None, i])
-            elif first >= lo and first + L.vec <= lo + self.n:
-                cute.copy(atom, src[None, None, i], dst[None, None, i])
-            elif first < L.N:
-                s_i, d_i, c_i = src[None, None, i], dst[None, None, i], tXcX[None, None, i]
-                for j in cutlass.range_constexpr(cute.size(s_i)):
-                    if c_i[j][1] >= lo and c_i[j][1] < lo + self.n:
-                        d_i[j] = s_i[j]
 
     @cute.jit
     def window(self, mX: cute.Tensor, row, M):
@@ -390,8 +387,8 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
         raise ValueError(f"N={N}: the cross-entropy kernels handle 1 <= N <= {MAX_N}")
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
     width = shifted_window(N, dt.width) if window or mode == "forward" else None
-    shifted = cross_entropy_launch(width, dt.width, arch, mode, True) if width else None
     stream = stream_rows(width or N, dt.width, mode)
+    shifted = cross_entropy_launch(width, dt.width, arch, mode, True) if width and not stream else None
     if stream:  # shifted rows stream through their windows
         key = f"cross_entropy/{mode}_stream{'_shifted' if width else ''}/x{dt.width}"
         launch = pick(key, arch, stream_launch(width or N, dt.width))

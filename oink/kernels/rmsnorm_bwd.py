@@ -179,10 +179,7 @@ class RMSNormBackward(RMSNormForward):
 
         rW = self.load_weight(mW, part, ident)
         proto = part(mX, 0)
-        acc_dw = cute.make_rmem_tensor_like(proto, Float32)
-        acc_dw.fill(0.0)
-        acc_db = cute.make_rmem_tensor_like(proto, Float32)
-        acc_db.fill(0.0)
+        acc_dw, acc_db = self.zero_sums(proto)
         rX = cute.make_rmem_tensor_like(proto)
         rG = cute.make_rmem_tensor_like(proto, self.dout_dtype)
         rDx = cute.make_rmem_tensor_like(proto, self.x_dtype)
@@ -253,6 +250,15 @@ class RMSNormBackward(RMSNormForward):
         else:
             dot = self.row_allreduce(dot, add, Float32(0.0), buf, mbar, it % 2, phase)
         self.finish_tile(xhat, g, wdy, dot, total, rstd, rDres, rDx, acc_dw, acc_db, mDres, mDx, tile, part, ident, M)
+
+    @cute.jit
+    def zero_sums(self, proto: cute.Tensor):
+        """The thread's dweight and dbias sums (fp32 registers shaped like ``proto``), zeroed."""
+        acc_dw = cute.make_rmem_tensor_like(proto, Float32)
+        acc_dw.fill(0.0)
+        acc_db = cute.make_rmem_tensor_like(proto, Float32)
+        acc_db.fill(0.0)
+        return acc_dw, acc_db
 
     @cute.jit
     def load_weight(self, mW: Optional[cute.Tensor], part, ident: cute.Tensor):
@@ -512,10 +518,7 @@ class SplitDx(_SplitBase):
         ident = cute.make_identity_tensor(mX.shape)
         rW = self.load_weight(mW, part, ident)
         proto = part(mX, 0)
-        acc_dw = cute.make_rmem_tensor_like(proto, Float32)
-        acc_dw.fill(0.0)
-        acc_db = cute.make_rmem_tensor_like(proto, Float32)
-        acc_db.fill(0.0)
+        acc_dw, acc_db = self.zero_sums(proto)
         rXs = [cute.make_rmem_tensor_like(proto) for _ in range(D)]
         rGs = [cute.make_rmem_tensor_like(proto, self.dout_dtype) for _ in range(D)]
         rDx = cute.make_rmem_tensor_like(proto, self.x_dtype)
