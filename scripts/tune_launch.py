@@ -6,11 +6,16 @@ the op against its reference (the benchmark gate: 3 seeds, at the timed row coun
 one that leaves a partial CTA) and time it (CUDA-graph replay, inputs cycled past L2). A shape
 that fails the gate or raises is never chosen; a table entry is written only where the fastest
 passing shape beats the heuristic's by more than ``--min-gain``. Entries for other keys, widths
-and arches in the table are kept. Row counts of at most ``launch_table.FEW_ROWS`` tune the ops'
-"/few" keys (the launches calls of so few rows take), larger ones the keys themselves.
+and arches in the table are kept. ``--grids`` then sizes a persistent kernel's grid (the norm
+backward's, ``launch_table.PERSISTENT``) for the launch the key now takes: each size (threads a SM)
+gated and timed the same way, kept as the entry's "grid" where it beats the family's default by
+more than ``--min-gain``; ``--grid-only`` skips the shape search and sizes the current launch's grid.
+Row counts of at most ``launch_table.FEW_ROWS`` tune the ops' "/few" keys (the launches calls of so
+few rows take), larger ones the keys themselves.
 
     python3 scripts/tune_launch.py --ops rmsnorm_fp8quant,silu_mul_fp8quant --widths 7168,18432 \
         --rows 4096,16384 [--dtype bfloat16] [--max-iters 4] [--out oink/kernels/launch_table.json]
+    python3 scripts/tune_launch.py --ops rmsnorm_backward --widths 65536 --rows 4096 --grids 1024,2048 --grid-only
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ def keys_of(spec, run, M, N, dtype, device) -> dict:
     """{(key, arch, width): heuristic RowLaunch} that one call of the op at M x N looks up (a call of
     ``launch_table.few_rows`` rows looks up the "/few" keys)."""
     launch_table.OVERRIDES.clear()
+    launch_table.GRID_OVERRIDES.clear()
     config.reload()
     launch_table.SEEN.clear()
     run(_inputs(spec, Case("tune", "", M, N, str(dtype).split(".")[-1]), dtype, device, 0))
@@ -56,10 +62,14 @@ def keys_of(spec, run, M, N, dtype, device) -> dict:
     return dict(launch_table.SEEN)
 
 
-def try_shape(spec, run, op, N, rows, dtype, device, key, shape) -> tuple[bool, list, str]:
-    """(passed, [seconds per row count], why) with ``shape`` forced for ``key``."""
+def try_shape(spec, run, op, N, rows, dtype, device, key, shape, grid=None) -> tuple[bool, list, str]:
+    """(passed, [seconds per row count], why) with ``shape`` forced for ``key`` (and ``grid``, threads
+    a SM or 0 for the family's default, where given)."""
     launch_table.OVERRIDES.clear()
+    launch_table.GRID_OVERRIDES.clear()
     launch_table.OVERRIDES[key] = shape
+    if grid is not None:
+        launch_table.GRID_OVERRIDES[key] = grid
     config.reload()
     name = str(dtype).split(".")[-1]
     times = []
@@ -86,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-iters", type=int, default=8, help="most accesses a thread (registers)")
     ap.add_argument("--clusters", default="1", help="cluster sizes to try, e.g. 1,2,4")
     ap.add_argument("--min-gain", type=float, default=0.03, help="keep a shape only this much faster (0.03 = 3%%)")
+    ap.add_argument("--grids", default="", help="persistent grid sizes to try (threads a SM), e.g. 1024,2048")
+    ap.add_argument("--grid-only", action="store_true", help="size the grid of each key's current launch only")
     ap.add_argument("--out", default=str(launch_table.TABLE_PATH))
     ap.add_argument("--log", default=None, help="also write every trial as JSON lines here")
     a = ap.parse_args(argv)
@@ -97,6 +109,9 @@ def main(argv=None) -> int:
     if len({launch_table.few_rows(M) for M in rows}) > 1:
         ap.error(f"--rows: all at most {launch_table.FEW_ROWS} (the \"/few\" keys) or all above")
     clusters = tuple(int(c) for c in a.clusters.split(","))
+    grids = [int(g) for g in a.grids.split(",") if g]
+    if a.grid_only and not grids:
+        ap.error("--grid-only needs --grids")
     out = Path(a.out)
     data = json.loads(out.read_text()) if out.exists() else {}
     tables = data.setdefault("tables", {})
@@ -110,6 +125,16 @@ def main(argv=None) -> int:
         spec, run = SPECS[op], build(op, "oink", device)
         for N in (int(n) for n in a.widths.split(",")):
             for (key, arch, width), default in keys_of(spec, run, rows[0], N, dtype, device).items():
+                entries = tables.setdefault(arch, {}).setdefault(key, {})
+                sized = grids and key.startswith(launch_table.PERSISTENT) and not key.endswith("/few")
+                if a.grid_only:
+                    if sized:
+                        current = entries.get(str(width))
+                        shape = tuple(current["launch"]) if current else (
+                            default.threads_per_row, default.num_threads, default.cluster_n)
+                        search_grid(a, grids, log, entries, spec, run, op, N, rows, dtype, device, (key, arch, width),
+                                    shape, None, card)
+                    continue
                 # the FP8 kernels keep a 128-wide group on aligned lanes: try only such shapes
                 lanes = 128 // FP8_UNIT if key.startswith("fp8/") and key.endswith("/group") else 1
                 trials = []
@@ -119,17 +144,13 @@ def main(argv=None) -> int:
                     ok, times, why = try_shape(spec, run, op, N, rows, dtype, device, (key, arch, width), shape)
                     geo = math.exp(sum(map(math.log, times)) / len(times)) if ok else None
                     trials.append((L, geo))
-                    line = {"op": op, "N": N, "key": key, "arch": arch, "launch": list(shape), "iters": L.iters,
-                            "default": L == default, "passed": ok, "us": [t * 1e6 for t in times], "why": why}
-                    print(json.dumps(line), flush=True)
-                    if log:
-                        log.write(json.dumps(line) + "\n")
-                        log.flush()  # a search cut off by a timeout keeps its trials
+                    trial_line(log, {"op": op, "N": N, "key": key, "arch": arch, "launch": list(shape),
+                                     "iters": L.iters, "default": L == default, "passed": ok,
+                                     "us": [t * 1e6 for t in times], "why": why})
                 best, base, best_t = launch_table.choose(trials, default, a.min_gain)
                 if base is None:
                     print(f"# {key} N={width}: the heuristic's shape failed its gate: no entry", flush=True)
                     continue
-                entries = tables.setdefault(arch, {}).setdefault(key, {})
                 if best is not None:
                     entries[str(width)] = {"launch": [best.threads_per_row, best.num_threads, best.cluster_n],
                                            "op": op, "rows": rows, "dtype": a.dtype, "us": round(best_t * 1e6, 2),
@@ -143,12 +164,63 @@ def main(argv=None) -> int:
                     verdict = "heuristic kept"
                 print(f"# {key} N={width}: heuristic {base * 1e6:.1f} us, best {best_t * 1e6:.1f} us: {verdict}",
                       flush=True)
+                if sized:
+                    L = best or default
+                    search_grid(a, grids, log, entries, spec, run, op, N, rows, dtype, device, (key, arch, width),
+                                (L.threads_per_row, L.num_threads, L.cluster_n),
+                                (base, base if best is None else best_t), card)
             write(out, data, record, started)  # after every width: a run cut off keeps what it found
     launch_table.OVERRIDES.clear()
+    launch_table.GRID_OVERRIDES.clear()
     config.reload()
     write(out, data, record, started)
     print(f"tune_launch: wrote {out} after {time.time() - started:.0f} s")
     return 0
+
+
+def trial_line(log, line: dict) -> None:
+    print(json.dumps(line), flush=True)
+    if log:
+        log.write(json.dumps(line) + "\n")
+        log.flush()  # a search cut off by a timeout keeps its trials
+
+
+def search_grid(a, grids, log, entries, spec, run, op, N, rows, dtype, device, key, shape, searched, card) -> None:
+    """Size the persistent grid of ``key``'s launch ``shape``: each of ``grids`` (threads a SM) against
+    the family's default (0), gated and timed; the fastest passing one is kept in the key's entry as
+    "grid" (with "grid_rows" and "grid_us": the default's and its time) where it beats the default by
+    more than --min-gain (an entry at the heuristic's shape is made for it), and an entry's old "grid"
+    is dropped where none does. ``searched``: (the heuristic shape's
+    seconds, ``shape``'s) at the default grid from the shape search just run, or None (--grid-only)."""
+    trials = []
+    for g in [0, *grids]:
+        if g == 0 and searched is not None:  # the shape search timed it at the default grid
+            trials.append((0, searched[1]))
+            continue
+        ok, times, why = try_shape(spec, run, op, N, rows, dtype, device, key, shape, g)
+        trials.append((g, math.exp(sum(map(math.log, times)) / len(times)) if ok else None))
+        trial_line(log, {"op": op, "N": N, "key": key[0], "arch": key[1], "launch": list(shape), "grid": g,
+                         "passed": ok, "us": [t * 1e6 for t in times], "why": why})
+    best, base, best_t = launch_table.choose(trials, 0, a.min_gain)
+    width = str(key[2])
+    if base is None:
+        print(f"# {key[0]} N={width}: the default grid failed its gate: no grid", flush=True)
+        return
+    entry = entries.get(width)
+    if best is None:
+        for k in ("grid", "grid_rows", "grid_us"):
+            (entry or {}).pop(k, None)
+        print(f"# {key[0]} N={width} grid: default {base * 1e6:.1f} us, best {best_t * 1e6:.1f} us: default kept",
+              flush=True)
+        return
+    if entry is None:  # the heuristic's shape, kept for its grid
+        heuristic_us = round((searched[0] if searched is not None else base) * 1e6, 2)
+        entry = entries[width] = {"launch": list(shape), "op": op, "rows": rows, "dtype": a.dtype,
+                                  "us": heuristic_us, "heuristic": list(shape), "heuristic_us": heuristic_us,
+                                  "card": card, "date": datetime.date.today().isoformat()}
+    entry.update(grid=best, grid_rows=rows, grid_us=[round(base * 1e6, 2), round(best_t * 1e6, 2)])
+    print(f"# {key[0]} N={width} grid: default {base * 1e6:.1f} us, {best} threads a SM {best_t * 1e6:.1f} us: "
+          "tuned", flush=True)
 
 
 def write(out: Path, data: dict, record: dict, started: float) -> None:

@@ -38,17 +38,17 @@ def close_family(actual, expected, family, dtype, what):
 def run_backward_poisoned(x, w, dout, rstd, dres, has_bias, mean=None):
     """The norm backward (LayerNorm with ``mean``) launched into NaN-filled dx and partial buffers."""
     from oink.kernels.host import prepare_rows, prepare_vector, vec_for
-    from oink.kernels.rmsnorm_bwd import backward_launch, persistent_ctas
-    from oink.kernels.rmsnorm_ops import launch_backward, partial_buffers, sum_partials
+    from oink.kernels.rmsnorm_bwd import backward_launch, backward_tpsm
+    from oink.kernels.rmsnorm_ops import backward_grid, launch_backward, partial_buffers, sum_partials
 
     M, N = x.shape
     vec = vec_for(N, x)
-    L = backward_launch(N, x.element_size() * 8, cuda_arch(), mean is not None)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    ctas = max(1, min(-(-M // L.rows_per_cta), persistent_ctas(L, sms, mean is not None)))
+    bits, layernorm = x.element_size() * 8, mean is not None
+    L = backward_launch(N, bits, cuda_arch(), layernorm)
+    ctas, parts = backward_grid(L, M, x.device, backward_tpsm(N, bits, cuda_arch(), layernorm))
     nan = float("nan")
     dx = torch.full((M, N), nan, device="cuda", dtype=x.dtype)
-    buf, dw_part, db_part = partial_buffers(ctas * L.rows_per_cta, N, w is not None, has_bias, "cuda",
+    buf, dw_part, db_part = partial_buffers(parts, N, w is not None, has_bias, "cuda",
                                             lambda shape, **kw: torch.full(shape, nan, **kw))
     launch_backward(cuda_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_rows(dout, vec), rstd,
                     prepare_rows(dres, vec), dx, dw_part, db_part, ctas, mean)

@@ -17,6 +17,7 @@ IDS = [f"{arch}-{key}-{N}" for arch, key, N, _ in ENTRIES]
 def override():
     yield launch_table.OVERRIDES
     launch_table.OVERRIDES.clear()
+    launch_table.GRID_OVERRIDES.clear()
     config.reload()
 
 
@@ -50,6 +51,89 @@ def test_few_rows_take_their_own_entry_else_the_keys_choice(override, monkeypatc
     assert launch_table.pick("test/k", "sm_100a", default, few=True) == default
 
 
+def test_grid_belongs_to_its_entrys_launch(override, monkeypatch):
+    grid = launch_table.grid
+    monkeypatch.setattr(launch_table, "table", lambda: {"sm_90a": {
+        "test/k": {65536: {"launch": [256, 256, 8], "grid": 2048}, 28672: {"launch": [128, 128, 8]}},
+        "test/k/few": {28672: {"launch": [256, 256, 16], "grid": 4096}}}})
+    assert grid("test/k", "sm_90a", 65536) == 2048
+    assert grid("test/k", "sm_90a", 28672) is None  # an entry without one: the family's default
+    assert grid("test/k", "sm_100a", 65536) is None and grid("test/none", "sm_90a", 65536) is None
+    assert grid("test/k", "sm_90a", 65536, knob=2) is None  # a knob that makes pick ignore the table
+    assert grid("test/k", "sm_90a", 65536, few=True) == 2048  # no "/few" entry: the key's
+    assert grid("test/k", "sm_90a", 28672, few=True) == 4096
+    override[("test/k", "sm_90a", 65536)] = (512, 512, 4)  # a trial of another launch: not its grid
+    assert grid("test/k", "sm_90a", 65536) is None
+    launch_table.GRID_OVERRIDES[("test/k", "sm_90a", 65536)] = 1024
+    assert grid("test/k", "sm_90a", 65536) == 1024
+    launch_table.GRID_OVERRIDES[("test/k", "sm_90a", 65536)] = 0  # a trial of the default
+    assert grid("test/k", "sm_90a", 65536) is None
+
+
+def test_backward_grid_takes_the_knob_then_the_table_then_the_default(override, monkeypatch):
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from oink.kernels.rmsnorm_bwd import TUNING, backward_launch, backward_tpsm, persistent_ctas
+
+    def table():
+        return {"sm_90a": {"rmsnorm_bwd/x16": {65536: {"launch": [256, 256, 8], "grid": 2048}}}}
+
+    table.cache_clear = lambda: None  # config.reload() clears the real one's cache
+    monkeypatch.setattr(launch_table, "table", table)
+    config.reload()
+    assert backward_tpsm(65536, 16, "sm_90a") == 2048
+    assert backward_tpsm(65536, 16, "sm_90a", True) == TUNING["layernorm"][1]  # LayerNorm's key has none
+    assert backward_tpsm(65536, 16, "sm_100a") == TUNING["rmsnorm"][1]
+    launch = backward_launch(65536, 16, "sm_90a")
+    assert (launch.num_threads, launch.cluster_n) == (256, 8)
+    assert persistent_ctas(launch, 132, 2048) == 132  # 8 CTAs of 256 a SM, in clusters of 8
+    monkeypatch.setenv("OINK_BWD_TPSM", "1024")
+    config.reload()
+    assert backward_tpsm(65536, 16, "sm_90a") == 1024
+    monkeypatch.setenv("OINK_BWD_TPSM", "")
+    monkeypatch.setenv("OINK_BWD_UPT", "4")  # the heuristic's launch: not the entry's grid
+    config.reload()
+    assert backward_tpsm(65536, 16, "sm_90a") == TUNING["rmsnorm"][1]
+
+
+def test_search_keeps_a_grid_only_where_it_beats_the_default(monkeypatch):
+    """scripts/tune_launch.py's grid step on canned timings: kept in the entry where it won by more
+    than --min-gain, an old one dropped where none did, an entry made at the heuristic's shape."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tune_launch.py"
+    spec = importlib.util.spec_from_file_location("tune_launch", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    times = {0: 1.0e-3, 1024: 0.9e-3, 2048: 0.8e-3, 4096: None}  # None: failed its gate
+    def try_shape(*args):  # as the real one: (passed, seconds per row count, why)
+        t = times[args[-1]]
+        return (False, [], "gate failed") if t is None else (True, [t, t], "")
+
+    monkeypatch.setattr(tune, "try_shape", try_shape)
+    a = argparse.Namespace(min_gain=0.03, dtype="bfloat16")
+    key, shape = ("rmsnorm_bwd/x16", "sm_90a", 65536), (256, 256, 8)
+
+    def search(entries, searched=None):
+        tune.search_grid(a, [1024, 2048, 4096], None, entries, None, None, "rmsnorm_backward", 65536, [4096],
+                         None, None, key, shape, searched, "card")
+        return entries
+
+    made = search({}, (1.0e-3, 1.0e-3))["65536"]  # the shape search kept the heuristic's shape
+    assert (made["launch"], made["heuristic"], made["heuristic_us"], made["grid"], made["grid_us"]) == (
+        [256, 256, 8], [256, 256, 8], 1000.0, 2048, [1000.0, 800.0])
+    times[2048] = 0.99e-3
+    kept = search({"65536": {"launch": [256, 256, 8], "us": 700.0}})["65536"]
+    assert (kept["grid"], kept["grid_us"], kept["us"]) == (1024, [1000.0, 900.0], 700.0)  # "us": the shape search's
+    times[1024] = 0.98e-3  # within the margin: the default, and an old grid is dropped
+    dropped = search({"65536": {"launch": [256, 256, 8], "grid": 1024, "grid_rows": [4096], "grid_us": [1.0, 0.9],
+                                "us": 700.0}})["65536"]
+    assert dropped == {"launch": [256, 256, 8], "us": 700.0}
+    assert search({}) == {}
+
+
 @pytest.mark.parametrize("N,bits", [(64, 16), (4096, 8), (7168, 8), (18432, 8), (131072, 16), (1000, 16)])
 def test_candidates_are_valid_and_hold_the_heuristic(N, bits):
     default = pick_row_launch(N, bits)
@@ -68,7 +152,13 @@ def test_table_file_is_well_formed():
         assert arch in ("sm_90a", "sm_100a") and key.count("/") >= 1
         tpr, nt, cl = e["launch"]
         RowLaunch(N=N, vec=1, threads_per_row=tpr, num_threads=nt, cluster_n=cl)  # raises if not a launch shape
-        assert e["us"] < e["heuristic_us"], "an entry is kept only where it beat the heuristic"
+        if e["launch"] != e["heuristic"]:
+            assert e["us"] < e["heuristic_us"], "an entry is kept only where it beat the heuristic"
+        else:
+            assert "grid" in e, "an entry at the heuristic's shape is kept only for its grid"
+        if "grid" in e:  # a persistent grid's size, in threads a SM: kept where it beat the default's
+            assert key.startswith(launch_table.PERSISTENT) and e["grid"] >= nt
+            assert e["grid_us"][1] < e["grid_us"][0] and e["grid_rows"]
 
 
 def _width(key: str, N: int) -> int:

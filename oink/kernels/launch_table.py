@@ -21,6 +21,11 @@ TABLE_PATH = Path(__file__).with_name("launch_table.json")
 
 # (key, arch, N) -> (threads_per_row, num_threads, cluster_n): the search tool's trial, in process
 OVERRIDES: dict = {}
+# (key, arch, N) -> a persistent grid's size (resident threads a SM it is sized for; 0: the family's
+# default) tried with the key's launch: the search tool's trial
+GRID_OVERRIDES: dict = {}
+# keys whose kernels run a persistent grid, which an entry may size ("grid"): the norm backward's
+PERSISTENT = ("rmsnorm_bwd/", "layernorm_bwd/")
 # (key, arch, N) -> the heuristic's RowLaunch, for every lookup since the last clear (the search
 # tool runs an op once to learn which keys and widths it uses)
 SEEN: dict = {}
@@ -28,7 +33,8 @@ SEEN: dict = {}
 
 @functools.cache
 def table() -> dict:
-    """{arch: {key: {N: entry}}}; an entry's "launch" is [threads_per_row, num_threads, cluster_n]."""
+    """{arch: {key: {N: entry}}}; an entry's "launch" is [threads_per_row, num_threads, cluster_n], and
+    a persistent kernel's entry may add "grid": the threads a SM its grid is sized for."""
     if not TABLE_PATH.exists():
         return {}
     data = json.loads(TABLE_PATH.read_text())
@@ -66,6 +72,22 @@ def _resolved(key: str, arch: str, default: RowLaunch, knob) -> RowLaunch:
         return default
     tpr, nt, cluster_n = shape
     return RowLaunch(N=N, vec=default.vec, threads_per_row=tpr, num_threads=nt, cluster_n=cluster_n)
+
+
+def grid(key: str, arch: str, N: int, knob: int | None = None, few: bool = False) -> int | None:
+    """The persistent grid size (threads a SM) tuned with ``key``'s launch at N: a trial override,
+    the entry's "grid", else None (the family's default). It belongs to the entry's launch, so it
+    follows ``pick``: a knob that makes ``pick`` ignore the table ignores it too, and ``few`` looks
+    at the "/few" entry first (a call of so few rows hardly fills any grid)."""
+    for k in ((f"{key}/few", key) if few else (key,)):
+        if (k, arch, N) in GRID_OVERRIDES:
+            return GRID_OVERRIDES[(k, arch, N)] or None
+        if (k, arch, N) in OVERRIDES or knob:
+            return None
+        entry = table().get(arch, {}).get(k, {}).get(N)
+        if entry:
+            return entry.get("grid")
+    return None
 
 
 def candidates(default: RowLaunch, max_iters: int = 8, lanes: int = 1, clusters=(1,)) -> list[RowLaunch]:

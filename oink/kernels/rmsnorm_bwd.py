@@ -24,14 +24,15 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
-from .launch_table import few_rows, pick
+from .launch_table import few_rows, grid, pick
 from .reduction import MAX_N, WARP, RowLaunch, add, pick_row_launch, whole_warp_rows
 from .rmsnorm import RMSNormForward
 
 # Tuning knobs per family: (128-bit units per thread, resident threads per SM the persistent grid
 # is sized for, pipeline depth), measured on H100 with scripts/gpu_sweep.sh (bench/RESULTS.md).
-# Both kernels hold ~120-250 registers a thread, so one CTA is resident per SM: a grid sized for
-# more would run a second wave and double the dweight/dbias partial rows to sum. Depth 1: the next
+# Both kernels hold ~120-250 registers a thread, so one CTA is resident per SM; a grid sized for
+# more runs in waves and writes more dweight/dbias partial rows, which lost up to 18432 columns but
+# won at 28672 and 65536 (H100): there the table's entries size the grid ("grid"). Depth 1: the next
 # tile is loaded into a second register set that is moved into place after each tile; depth D >= 2:
 # D register sets in rotation (the loop body unrolled D times), D - 1 tiles ahead. RMSNorm gains
 # from the rotation at depth 2 (depth 3 spills at 8192); LayerNorm, near 255 registers, loses.
@@ -80,9 +81,18 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few
 
 
 @memo
-def persistent_ctas(launch: RowLaunch, sm_count: int, layernorm: bool = False) -> int:
-    """CTAs in x of the persistent grid: a target of resident threads per SM."""
-    tpsm = _knobs(layernorm)[1]
+def backward_tpsm(N: int, x_bits: int, arch: str, layernorm: bool = False, few: bool = False) -> int:
+    """Threads a SM the persistent grid is sized for: OINK_BWD_TPSM, else the launch table's "grid"
+    for the launch ``backward_launch`` takes (its knobs likewise make it ignore the table), else the
+    family's default (``TUNING``)."""
+    c = config.get()
+    key = f"{'layernorm' if layernorm else 'rmsnorm'}_bwd/x{x_bits}"
+    return c.bwd_tpsm or grid(key, arch, N, c.bwd_upt or not c.bwd_exact, few) or _knobs(layernorm)[1]
+
+
+@memo
+def persistent_ctas(launch: RowLaunch, sm_count: int, tpsm: int) -> int:
+    """CTAs in x of the persistent grid: ``tpsm`` threads a SM (``backward_tpsm``)."""
     return max(1, sm_count * max(1, tpsm // launch.num_threads) // launch.cluster_n)
 
 

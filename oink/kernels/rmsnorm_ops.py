@@ -12,8 +12,8 @@ from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld
                    ptr, rows_view, vec_for, width_reason)
 from .launch_table import few_rows
 from .rmsnorm import compiled_forward
-from .rmsnorm_bwd import (backward_launch, compiled_backward, compiled_partial_sum, compiled_split_backward,
-                          head_launch, persistent_ctas, split_groups, split_rows)
+from .rmsnorm_bwd import (backward_launch, backward_tpsm, compiled_backward, compiled_partial_sum,
+                          compiled_split_backward, head_launch, persistent_ctas, split_groups, split_rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,10 +146,11 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
     if split:
         parts = split_groups(M)
     else:
-        launch = backward_launch(N, x.element_size() * 8, arch, layernorm, few_rows(M))
+        bits, few = x.element_size() * 8, few_rows(M)
+        launch = backward_launch(N, bits, arch, layernorm, few)
         if heads > 1:
             launch = head_launch(launch, heads)
-        ctas, parts = backward_grid(launch, M, x.device, layernorm)
+        ctas, parts = backward_grid(launch, M, x.device, backward_tpsm(N, bits, arch, layernorm, few))
     buf, dw_part, db_part = partial_buffers(parts, N, weight is not None, has_bias, x.device, torch.empty)
     if split:
         launch_split_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, mean, weight_offset)
@@ -166,9 +167,10 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
     return dx.view(x.shape), dw, db
 
 
-def backward_grid(launch, M: int, device, layernorm: bool) -> tuple[int, int]:
-    """(CTAs of the backward's persistent grid, partial rows they write) for M rows."""
-    ctas = max(1, min(-(-M // launch.rows_per_cta), persistent_ctas(launch, sm_count(device.index), layernorm)))
+def backward_grid(launch, M: int, device, tpsm: int) -> tuple[int, int]:
+    """(CTAs of the backward's persistent grid, partial rows they write) for M rows, the grid sized
+    for ``tpsm`` threads a SM (``backward_tpsm``)."""
+    ctas = max(1, min(-(-M // launch.rows_per_cta), persistent_ctas(launch, sm_count(device.index), tpsm)))
     return ctas, ctas * launch.rows_per_cta
 
 
@@ -354,9 +356,10 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         ctas = parts = split_groups(M)
         new_shares = allocator((M, chunks, 2), torch.float32, device)
     else:
-        fn = compiled_backward(*names, 1, few_rows(M))
-        launch = backward_launch(N, x.element_size() * 8, arch, layernorm, few_rows(M))
-        ctas, parts = backward_grid(launch, M, device, layernorm)
+        bits, few = x.element_size() * 8, few_rows(M)
+        fn = compiled_backward(*names, 1, few)
+        launch = backward_launch(N, bits, arch, layernorm, few)
+        ctas, parts = backward_grid(launch, M, device, backward_tpsm(N, bits, arch, layernorm, few))
     has_dw = weight is not None
     kinds = int(has_dw) + int(has_bias)
     Np = partial_width(N)
