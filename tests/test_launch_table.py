@@ -85,7 +85,8 @@ def test_backward_grid_takes_the_knob_then_the_table_then_the_default(override, 
     assert backward_tpsm(65536, 16, "sm_100a") == TUNING["rmsnorm"][1]
     launch = backward_launch(65536, 16, "sm_90a")
     assert (launch.num_threads, launch.cluster_n) == (256, 8)
-    assert persistent_ctas(launch, 132, 2048) == 132  # 8 CTAs of 256 a SM, in clusters of 8
+    assert persistent_ctas(launch, 16, 2048) == 16 * 8  # 8 CTAs of 256 a SM, in 16 clusters of 8 at once
+    assert persistent_ctas(launch, 16, 128) == 16  # at least one a SM
     monkeypatch.setenv("OINK_BWD_TPSM", "1024")
     config.reload()
     assert backward_tpsm(65536, 16, "sm_90a") == 1024

@@ -38,7 +38,7 @@ def recorder(monkeypatch):
 
     for mod in (rmsnorm, rmsnorm_bwd, softmax, fp8, nvfp4, cross_entropy):
         monkeypatch.setattr(mod, "compile_kernel", fake_compile)
-    monkeypatch.setattr(rmsnorm_ops, "sm_count", lambda index: 132)
+    monkeypatch.setattr(rmsnorm_ops, "resident_clusters", lambda index, cluster_n: 132 // cluster_n)
     for mod in (rmsnorm_ops, softmax_ops, fp8_ops, nvfp4_ops, cross_entropy_ops, compile_mod):
         monkeypatch.setattr(mod, "current_stream", lambda device: 0)
         monkeypatch.setattr(mod, "stream_of", lambda device: lambda: 0)

@@ -230,3 +230,17 @@ def test_module_trains_under_compile_and_graph_capture(seed):
     assert_close_poisoned(y_g, y_e, torch.bfloat16, "graph fwd")
     close_family(rstd_holder["dx"], R.rmsnorm_backward(xg, wv, y_g, rstd_g)[0], "norm_backward", torch.bfloat16,
                "graph bwd")
+
+
+def test_resident_clusters_is_the_drivers_count():
+    """The persistent backward's grid unit: clusters that run at once with one CTA a SM, from the
+    driver (at most SMs / cluster size; a GPC holds a cluster's CTAs, so maybe fewer)."""
+    from oink.kernels.host import resident_clusters, sm_count
+
+    sms = sm_count(0)
+    assert resident_clusters(0, 1) == sms
+    found = {c: resident_clusters(0, c) for c in (2, 4, 8, 16)}
+    print("resident clusters", torch.cuda.get_device_name(), sms, found)
+    for c, n in found.items():
+        assert 1 <= n <= sms // c, (c, n)
+    assert found[2] >= found[4] >= found[8] >= found[16]

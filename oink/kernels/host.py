@@ -1,5 +1,8 @@
-"""Host-side helpers shared by the kernel launchers: 2-D row views, alignment checks, pointers."""
+"""Host-side helpers shared by the kernel launchers: 2-D row views, alignment checks, pointers,
+and how many CTAs the GPU holds at once."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -107,3 +110,67 @@ def ptr(t: torch.Tensor | None, align: int = 16):
 
 def ld(t: torch.Tensor | None) -> int:
     return 0 if t is None else (t.stride(0) if t.shape[0] > 1 else t.shape[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# An empty kernel: its occupancy with a SM's whole shared memory is one CTA a SM
+_PROBE_PTX = ".version {isa}\n.target sm_{cc}\n.address_size 64\n.visible .entry oink_probe()\n{{\n ret;\n}}\n"
+_PTX_ISA = {9: "7.8", 10: "8.6"}  # the first PTX version for each major arch; later ones: 8.7
+
+
+@functools.lru_cache(maxsize=None)
+def resident_clusters(index: int, cluster_n: int) -> int:
+    """Clusters of ``cluster_n`` CTAs that device ``index`` runs at once with one CTA a SM. A cluster's
+    CTAs share a GPC, so where a GPC's SMs are not a multiple of ``cluster_n`` this is fewer than
+    SMs / cluster_n (H100: a persistent grid sized by the division ran a second wave of a cluster or
+    two, at half the copy rate). The driver's answer (cuOccupancyMaxActiveClusters over an empty
+    probe kernel), or that division where it has none."""
+    sms = sm_count(index)
+    if cluster_n <= 1:
+        return sms
+    try:
+        return min(sms // cluster_n, _max_active_clusters(index, cluster_n)) or sms // cluster_n
+    except Exception:  # an old driver or a GPU without clusters: the division, as before
+        return sms // cluster_n
+
+
+def _max_active_clusters(index: int, cluster_n: int) -> int:
+    from cuda.bindings import driver as drv
+
+    def check(result):
+        if int(result[0]) != 0:
+            raise RuntimeError(f"CUDA driver error {result[0]}")
+        return result[1] if len(result) > 1 else None
+
+    major, minor = torch.cuda.get_device_capability(index)
+    dev = check(drv.cuDeviceGet(index))
+    ctx = check(drv.cuDevicePrimaryCtxRetain(dev))
+    check(drv.cuCtxPushCurrent(ctx))
+    try:
+        ptx = _PROBE_PTX.format(isa=_PTX_ISA.get(major, "8.7"), cc=f"{major}{minor}").encode()
+        module = check(drv.cuModuleLoadData(ptx))
+        try:
+            fn = check(drv.cuModuleGetFunction(module, b"oink_probe"))
+            A = drv.CUfunction_attribute
+            smem = check(drv.cuDeviceGetAttribute(
+                drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev))
+            check(drv.cuFuncSetAttribute(fn, A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
+            check(drv.cuFuncSetAttribute(fn, A.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
+            cfg = drv.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = cluster_n, 1, 1
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = 128, 1, 1
+            cfg.sharedMemBytes = smem
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster_n, 1, 1
+            cfg.numAttrs, cfg.attrs = 1, [attr]
+            return int(check(drv.cuOccupancyMaxActiveClusters(fn, cfg)))
+        finally:
+            drv.cuModuleUnload(module)
+    finally:
+        drv.cuCtxPopCurrent()
+        drv.cuDevicePrimaryCtxRelease(dev)

@@ -91,9 +91,11 @@ def backward_tpsm(N: int, x_bits: int, arch: str, layernorm: bool = False, few: 
 
 
 @memo
-def persistent_ctas(launch: RowLaunch, sm_count: int, tpsm: int) -> int:
-    """CTAs in x of the persistent grid: ``tpsm`` threads a SM (``backward_tpsm``)."""
-    return max(1, sm_count * max(1, tpsm // launch.num_threads) // launch.cluster_n)
+def persistent_ctas(launch: RowLaunch, clusters: int, tpsm: int) -> int:
+    """CTAs in x of the persistent grid (clusters of ``launch.cluster_n``): ``tpsm`` threads a SM
+    (``backward_tpsm``) in each of the ``clusters`` the device runs at once with one CTA a SM
+    (``host.resident_clusters``)."""
+    return max(1, clusters * max(1, tpsm // launch.num_threads))
 
 
 class RMSNormBackward(RMSNormForward):

@@ -2,23 +2,16 @@
 they are launched on torch tensors (RUNNERS). Imported only on a supported GPU."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import config
 from .compile import CACHE, current_stream, stream_of
 from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector,
-                   ptr, rows_view, vec_for, width_reason)
+                   ptr, resident_clusters, rows_view, vec_for, width_reason)
 from .launch_table import few_rows
 from .rmsnorm import compiled_forward
 from .rmsnorm_bwd import (backward_launch, backward_tpsm, compiled_backward, compiled_partial_sum,
                           compiled_split_backward, head_launch, persistent_ctas, split_groups, split_rows)
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def heads_of(weight, bias) -> int:
@@ -169,8 +162,9 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
 
 def backward_grid(launch, M: int, device, tpsm: int) -> tuple[int, int]:
     """(CTAs of the backward's persistent grid, partial rows they write) for M rows, the grid sized
-    for ``tpsm`` threads a SM (``backward_tpsm``)."""
-    ctas = max(1, min(-(-M // launch.rows_per_cta), persistent_ctas(launch, sm_count(device.index), tpsm)))
+    for ``tpsm`` threads a SM (``backward_tpsm``) in the clusters the device runs at once."""
+    at_once = resident_clusters(device.index, launch.cluster_n)
+    ctas = max(1, min(-(-M // launch.rows_per_cta), persistent_ctas(launch, at_once, tpsm)))
     return ctas, ctas * launch.rows_per_cta
 
 
