@@ -96,6 +96,30 @@ def test_backward_grid_takes_the_knob_then_the_table_then_the_default(override, 
     assert backward_tpsm(65536, 16, "sm_90a") == TUNING["rmsnorm"][1]
 
 
+def test_resident_clusters_asks_the_driver_and_falls_back_to_the_division(monkeypatch):
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+    from oink.kernels import host
+
+    asked = []
+
+    def driver(index, cluster_n):
+        asked.append(cluster_n)
+        if cluster_n == 16:
+            raise RuntimeError("CUDA driver error")
+        return {4: 30, 8: 15}.get(cluster_n, 0)
+
+    monkeypatch.setattr(host, "sm_count", lambda index: 132)
+    monkeypatch.setattr(host, "_max_active_clusters", driver)
+    host.resident_clusters.cache_clear()
+    try:
+        assert host.resident_clusters(0, 1) == 132 and asked == []  # no cluster: every SM, no query
+        assert (host.resident_clusters(0, 4), host.resident_clusters(0, 8)) == (30, 15)  # a GPC holds a cluster
+        assert host.resident_clusters(0, 16) == 132 // 16  # the driver could not answer
+        assert host.resident_clusters(0, 2) == 66  # nor here (0): the division
+    finally:
+        host.resident_clusters.cache_clear()
+
+
 def test_search_keeps_a_grid_only_where_it_beats_the_default(monkeypatch):
     """scripts/tune_launch.py's grid step on canned timings: kept in the entry where it won by more
     than --min-gain, an old one dropped where none did, an entry made at the heuristic's shape."""
