@@ -190,8 +190,8 @@ def search_grid(a, grids, log, entries, spec, run, op, N, rows, dtype, device, k
     the family's default (0), gated and timed; the fastest passing one is kept in the key's entry as
     "grid" (with "grid_rows" and "grid_us": the default's and its time) where it beats the default by
     more than --min-gain (an entry at the heuristic's shape is made for it), and an entry's old "grid"
-    is dropped where none does. ``searched``: (the heuristic shape's
-    seconds, ``shape``'s) at the default grid from the shape search just run, or None (--grid-only)."""
+    is dropped where none does. ``searched``: (the heuristic shape's seconds, ``shape``'s) at the
+    default grid from the shape search just run, or None (--grid-only)."""
     trials = []
     for g in [0, *grids]:
         if g == 0 and searched is not None:  # the shape search timed it at the default grid

@@ -133,6 +133,7 @@ def test_search_keeps_a_grid_only_where_it_beats_the_default(monkeypatch):
     tune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune)
     times = {0: 1.0e-3, 1024: 0.9e-3, 2048: 0.8e-3, 4096: None}  # None: failed its gate
+
     def try_shape(*args):  # as the real one: (passed, seconds per row count, why)
         t = times[args[-1]]
         return (False, [], "gate failed") if t is None else (True, [t, t], "")

@@ -117,18 +117,18 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# An empty kernel: its occupancy with a SM's whole shared memory is one CTA a SM
-_PROBE_PTX = ".version {isa}\n.target sm_{cc}\n.address_size 64\n.visible .entry oink_probe()\n{{\n ret;\n}}\n"
-_PTX_ISA = {9: "7.8", 10: "8.6"}  # the first PTX version for each major arch; later ones: 8.7
+# An empty kernel; with a SM's whole shared memory its occupancy is one CTA a SM. PTX for sm_90, the
+# first arch with clusters, which the driver compiles for any later one.
+_PROBE_PTX = b".version 7.8\n.target sm_90\n.address_size 64\n.visible .entry oink_probe()\n{\n ret;\n}\n"
 
 
 @functools.lru_cache(maxsize=None)
 def resident_clusters(index: int, cluster_n: int) -> int:
     """Clusters of ``cluster_n`` CTAs that device ``index`` runs at once with one CTA a SM. A cluster's
     CTAs share a GPC, so where a GPC's SMs are not a multiple of ``cluster_n`` this is fewer than
-    SMs / cluster_n (H100: a persistent grid sized by the division ran a second wave of a cluster or
-    two, at half the copy rate). The driver's answer (cuOccupancyMaxActiveClusters over an empty
-    probe kernel), or that division where it has none."""
+    SMs / cluster_n (H100: 15 clusters of 8, not 16; a persistent grid of 16 ran the 16th alone after
+    the others). The driver's answer (cuOccupancyMaxActiveClusters over an empty probe kernel), or
+    that division where it has none."""
     sms = sm_count(index)
     if cluster_n <= 1:
         return sms
@@ -146,13 +146,11 @@ def _max_active_clusters(index: int, cluster_n: int) -> int:
             raise RuntimeError(f"CUDA driver error {result[0]}")
         return result[1] if len(result) > 1 else None
 
-    major, minor = torch.cuda.get_device_capability(index)
     dev = check(drv.cuDeviceGet(index))
     ctx = check(drv.cuDevicePrimaryCtxRetain(dev))
     check(drv.cuCtxPushCurrent(ctx))
     try:
-        ptx = _PROBE_PTX.format(isa=_PTX_ISA.get(major, "8.7"), cc=f"{major}{minor}").encode()
-        module = check(drv.cuModuleLoadData(ptx))
+        module = check(drv.cuModuleLoadData(_PROBE_PTX))
         try:
             fn = check(drv.cuModuleGetFunction(module, b"oink_probe"))
             A = drv.CUfunction_attribute

@@ -30,12 +30,13 @@ from .rmsnorm import RMSNormForward
 
 # Tuning knobs per family: (128-bit units per thread, resident threads per SM the persistent grid
 # is sized for, pipeline depth), measured on H100 with scripts/gpu_sweep.sh (bench/RESULTS.md).
-# Both kernels hold ~120-250 registers a thread, so one CTA is resident per SM; a grid sized for
-# more runs in waves and writes more dweight/dbias partial rows, which lost up to 18432 columns but
-# won at 28672 and 65536 (H100): there the table's entries size the grid ("grid"). Depth 1: the next
-# tile is loaded into a second register set that is moved into place after each tile; depth D >= 2:
-# D register sets in rotation (the loop body unrolled D times), D - 1 tiles ahead. RMSNorm gains
-# from the rotation at depth 2 (depth 3 spills at 8192); LayerNorm, near 255 registers, loses.
+# Both kernels hold ~110-255 registers a thread, so a SM holds one or two CTAs; the grid is counted
+# in the clusters the GPU runs at once (``persistent_ctas``). A grid of more runs in waves and writes
+# more dweight/dbias partial rows: slower on H100 except where a table entry says so ("grid").
+# Depth 1: the next tile is loaded into a second register set that is moved into place after each
+# tile; depth D >= 2: D register sets in rotation (the loop body unrolled D times), D - 1 tiles
+# ahead. RMSNorm gains from the rotation at depth 2 (depth 3 spills at 8192); LayerNorm, near 255
+# registers, loses.
 # OINK_BWD_UPT / OINK_BWD_TPSM / OINK_BWD_DEPTH override; A/B switch: OINK_BWD_EXACT=0 keeps
 # power-of-two threads per row.
 TUNING = {"rmsnorm": (2, 512, 2), "layernorm": (4, 256, 1)}
