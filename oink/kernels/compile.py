@@ -216,3 +216,12 @@ def cuda_driver():
     import cuda.bindings.driver as drv
 
     return drv
+
+
+def driver_checked(result):
+    """The value of a cuda-python driver call from its result tuple (a list where it returns several,
+    an empty one where none); raises on a CUDA error."""
+    err, *rest = result
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA driver error {err}")
+    return rest[0] if len(rest) == 1 else rest

@@ -7,7 +7,7 @@ import functools
 import torch
 
 from .. import config
-from .compile import cute_dtype, runtime_ptr
+from .compile import cute_dtype, driver_checked, runtime_ptr
 from .reduction import MAX_N
 
 
@@ -141,23 +141,18 @@ def resident_clusters(index: int, cluster_n: int) -> int:
 def _max_active_clusters(index: int, cluster_n: int) -> int:
     from cuda.bindings import driver as drv
 
-    def check(result):
-        if int(result[0]) != 0:
-            raise RuntimeError(f"CUDA driver error {result[0]}")
-        return result[1] if len(result) > 1 else None
-
-    dev = check(drv.cuDeviceGet(index))
-    ctx = check(drv.cuDevicePrimaryCtxRetain(dev))
-    check(drv.cuCtxPushCurrent(ctx))
+    dev = driver_checked(drv.cuDeviceGet(index))
+    ctx = driver_checked(drv.cuDevicePrimaryCtxRetain(dev))
+    driver_checked(drv.cuCtxPushCurrent(ctx))
     try:
-        module = check(drv.cuModuleLoadData(_PROBE_PTX))
+        module = driver_checked(drv.cuModuleLoadData(_PROBE_PTX))
         try:
-            fn = check(drv.cuModuleGetFunction(module, b"oink_probe"))
+            fn = driver_checked(drv.cuModuleGetFunction(module, b"oink_probe"))
             A = drv.CUfunction_attribute
-            smem = check(drv.cuDeviceGetAttribute(
+            smem = driver_checked(drv.cuDeviceGetAttribute(
                 drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev))
-            check(drv.cuFuncSetAttribute(fn, A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
-            check(drv.cuFuncSetAttribute(fn, A.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
+            driver_checked(drv.cuFuncSetAttribute(fn, A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
+            driver_checked(drv.cuFuncSetAttribute(fn, A.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
             cfg = drv.CUlaunchConfig()
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = cluster_n, 1, 1
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = 128, 1, 1
@@ -166,7 +161,7 @@ def _max_active_clusters(index: int, cluster_n: int) -> int:
             attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
             attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster_n, 1, 1
             cfg.numAttrs, cfg.attrs = 1, [attr]
-            return int(check(drv.cuOccupancyMaxActiveClusters(fn, cfg)))
+            return int(driver_checked(drv.cuOccupancyMaxActiveClusters(fn, cfg)))
         finally:
             drv.cuModuleUnload(module)
     finally:

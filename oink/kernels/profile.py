@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import struct
 
-from .compile import BLOCK_THREADS, CACHE, COMPILED
+from .compile import BLOCK_THREADS, CACHE, COMPILED, driver_checked
 from .cross_entropy import compiled_cross_entropy
 from .rmsnorm import compiled_forward
 from .rmsnorm_bwd import compiled_backward
@@ -77,13 +77,6 @@ def compiled_resources(fn) -> dict:
     return cubin_resources(cubin)
 
 
-def _check(result):
-    err, *rest = result
-    if int(err) != 0:
-        raise RuntimeError(f"CUDA driver error {err}")
-    return rest[0] if len(rest) == 1 else rest
-
-
 def function_resources(fn, device_index: int = 0) -> list[dict]:
     import torch
     from cuda.bindings import driver as drv
@@ -94,19 +87,19 @@ def function_resources(fn, device_index: int = 0) -> list[dict]:
     if not cubin:
         raise RuntimeError("no cubin kept: compile with OINK_KEEP_CUBIN=1")
     torch.cuda.init()  # the primary context current on this thread
-    module = _check(drv.cuModuleLoadData(cubin))
+    module = driver_checked(drv.cuModuleLoadData(cubin))
     props = torch.cuda.get_device_properties(device_index)
     A = drv.CUfunction_attribute
     out = []
     try:
         for name in fn.kernel_info:
-            func = _check(drv.cuModuleGetFunction(module, name.encode()))
-            blocks = _check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(func, threads, 0))
+            func = driver_checked(drv.cuModuleGetFunction(module, name.encode()))
+            blocks = driver_checked(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(func, threads, 0))
             out.append({
                 "kernel": name[:80],
-                "registers": _check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_NUM_REGS, func)),
-                "spill_bytes": _check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, func)),
-                "static_smem": _check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func)),
+                "registers": driver_checked(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_NUM_REGS, func)),
+                "spill_bytes": driver_checked(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, func)),
+                "static_smem": driver_checked(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func)),
                 "block_threads": threads,
                 "occupancy": round(blocks * threads / props.max_threads_per_multi_processor, 3),
             })

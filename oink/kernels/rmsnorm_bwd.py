@@ -62,6 +62,13 @@ def head_launch(launch: RowLaunch, heads: int) -> RowLaunch | None:
     return dataclasses.replace(launch, num_threads=rows * launch.threads_per_row)
 
 
+def _table_key(x_bits: int, layernorm: bool) -> tuple[str, bool]:
+    """(the backward's launch-table key, whether a knob makes it ignore the table: OINK_BWD_UPT or
+    OINK_BWD_EXACT=0 ask for the heuristic's variant)."""
+    c = config.get()
+    return f"{'layernorm' if layernorm else 'rmsnorm'}_bwd/x{x_bits}", bool(c.bwd_upt or not c.bwd_exact)
+
+
 @memo
 def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few: bool = False) -> RowLaunch:
     """Launch heuristic for the norm backward (the one place it is chosen); SM100 reuses SM90's.
@@ -77,8 +84,8 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few
     launch = pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=upt, max_threads=most)
     if config.get().bwd_exact:
         launch = whole_warp_rows(launch, upt, most)
-    knob = config.get().bwd_upt or not config.get().bwd_exact
-    return pick(f"{family}_bwd/x{x_bits}", arch, launch, knob, few)
+    key, knob = _table_key(x_bits, layernorm)
+    return pick(key, arch, launch, knob, few)
 
 
 @memo
@@ -86,9 +93,8 @@ def backward_tpsm(N: int, x_bits: int, arch: str, layernorm: bool = False, few: 
     """Threads a SM the persistent grid is sized for: OINK_BWD_TPSM, else the launch table's "grid"
     for the launch ``backward_launch`` takes (its knobs likewise make it ignore the table), else the
     family's default (``TUNING``)."""
-    c = config.get()
-    key = f"{'layernorm' if layernorm else 'rmsnorm'}_bwd/x{x_bits}"
-    return c.bwd_tpsm or grid(key, arch, N, c.bwd_upt or not c.bwd_exact, few) or _knobs(layernorm)[1]
+    key, knob = _table_key(x_bits, layernorm)
+    return config.get().bwd_tpsm or grid(key, arch, N, knob, few) or _knobs(layernorm)[1]
 
 
 @memo
