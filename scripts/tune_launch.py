@@ -151,17 +151,7 @@ def main(argv=None) -> int:
                 if base is None:
                     print(f"# {key} N={width}: the heuristic's shape failed its gate: no entry", flush=True)
                     continue
-                if best is not None:
-                    entries[str(width)] = {"launch": [best.threads_per_row, best.num_threads, best.cluster_n],
-                                           "op": op, "rows": rows, "dtype": a.dtype, "us": round(best_t * 1e6, 2),
-                                           "heuristic": [default.threads_per_row, default.num_threads,
-                                                         default.cluster_n],
-                                           "heuristic_us": round(base * 1e6, 2), "card": card,
-                                           "date": datetime.date.today().isoformat()}
-                    verdict = f"tuned {entries[str(width)]['launch']}"
-                else:
-                    entries.pop(str(width), None)
-                    verdict = "heuristic kept"
+                verdict = record_shape(entries, width, op, rows, a.dtype, card, default, best, base, best_t)
                 print(f"# {key} N={width}: heuristic {base * 1e6:.1f} us, best {best_t * 1e6:.1f} us: {verdict}",
                       flush=True)
                 if sized:
@@ -176,6 +166,29 @@ def main(argv=None) -> int:
     write(out, data, record, started)
     print(f"tune_launch: wrote {out} after {time.time() - started:.0f} s")
     return 0
+
+
+def record_shape(entries, width, op, rows, dtype, card, default, best, base, best_t) -> str:
+    """Write the shape search's verdict at ``width`` into ``entries`` (the best shape's entry, or none:
+    the heuristic kept) and say it. An old entry's grid was sized for its launch, so it stays where
+    that launch is still the key's (an entry at the heuristic's shape, kept for its grid, stays whole)
+    and goes with a launch that changed; a grid search that follows decides it again."""
+    old = entries.pop(str(width), None)
+    heuristic = [default.threads_per_row, default.num_threads, default.cluster_n]
+    if best is not None:
+        entries[str(width)] = {"launch": [best.threads_per_row, best.num_threads, best.cluster_n], "op": op,
+                               "rows": rows, "dtype": dtype, "us": round(best_t * 1e6, 2), "heuristic": heuristic,
+                               "heuristic_us": round(base * 1e6, 2), "card": card,
+                               "date": datetime.date.today().isoformat()}
+    verdict = f"tuned {entries[str(width)]['launch']}" if best is not None else "heuristic kept"
+    launch = entries[str(width)]["launch"] if best is not None else heuristic
+    if old and "grid" in old and old["launch"] == launch:
+        if best is None:
+            entries[str(width)] = old
+        else:
+            entries[str(width)].update({k: old[k] for k in ("grid", "grid_rows", "grid_us")})
+        verdict += f", its grid {old['grid']} kept"
+    return verdict
 
 
 def trial_line(log, line: dict) -> None:

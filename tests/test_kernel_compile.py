@@ -489,11 +489,13 @@ def test_forward_parameter_load_variants_compile(arch, late, monkeypatch):
 from oink.kernels.rmsnorm_bwd import compiled_split_backward, split_rows  # noqa: E402
 
 
-def test_split_backward_takes_few_rows_of_wide_rows(monkeypatch):
-    assert split_rows(32, 131072) and split_rows(1, 262144)
-    assert not split_rows(33, 131072) and not split_rows(32, 65536)
+def test_split_backward_takes_rows_too_wide_for_one_kernel(monkeypatch):
+    assert split_rows(131072) and split_rows(151936) and split_rows(262144)
+    assert not split_rows(65536) and not split_rows(8192)
     set_knob(monkeypatch, "OINK_BWD_SPLIT", "0")
-    assert not split_rows(32, 262144)
+    assert not split_rows(262144)
+    set_knob(monkeypatch, "OINK_BWD_SPLIT", "1")
+    assert split_rows(4096)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)

@@ -120,18 +120,51 @@ def test_resident_clusters_asks_the_driver_and_falls_back_to_the_division(monkey
         host.resident_clusters.cache_clear()
 
 
-def test_search_keeps_a_grid_only_where_it_beats_the_default(monkeypatch):
-    """scripts/tune_launch.py's grid step on canned timings: kept in the entry where it won by more
-    than --min-gain, an old one dropped where none did, an entry made at the heuristic's shape."""
-    import argparse
+def _tune_script():
     import importlib.util
     from pathlib import Path
 
-    pytest.importorskip("torch")
     path = Path(__file__).resolve().parents[1] / "scripts" / "tune_launch.py"
     spec = importlib.util.spec_from_file_location("tune_launch", path)
     tune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune)
+    return tune
+
+
+def test_shape_search_keeps_a_grid_only_with_its_launch():
+    """scripts/tune_launch.py's shape verdict: an old entry's grid stays where the key's launch is
+    unchanged (re-found, or the heuristic's shape the entry was kept for), and goes with a new launch."""
+    pytest.importorskip("torch")
+    tune = _tune_script()
+    heuristic = RowLaunch(N=12288, vec=8, threads_per_row=256, num_threads=256, cluster_n=2)
+    found = RowLaunch(N=12288, vec=8, threads_per_row=384, num_threads=384, cluster_n=2)
+    other = RowLaunch(N=12288, vec=8, threads_per_row=192, num_threads=192, cluster_n=4)
+    grid = {"grid": 512, "grid_rows": [4096], "grid_us": [235.0, 222.0]}
+
+    def verdict(old, best):
+        entries = {"12288": dict(old)} if old else {}
+        said = tune.record_shape(entries, 12288, "layernorm_backward", [4096], "bfloat16", "card", heuristic, best,
+                                 150e-6, 114e-6)
+        return entries.get("12288"), said
+
+    same, said = verdict({"launch": [384, 384, 2], **grid}, found)
+    assert same["launch"] == [384, 384, 2] and same["us"] == 114.0 and {k: same[k] for k in grid} == grid
+    assert said == "tuned [384, 384, 2], its grid 512 kept"
+    moved, said = verdict({"launch": [384, 384, 2], **grid}, other)
+    assert moved["launch"] == [192, 192, 4] and "grid" not in moved and said == "tuned [192, 192, 4]"
+    for_grid = {"launch": [256, 256, 2], "heuristic": [256, 256, 2], "us": 150.0, **grid}
+    assert verdict(for_grid, None) == (for_grid, "heuristic kept, its grid 512 kept")
+    assert verdict({"launch": [384, 384, 2], **grid}, None) == (None, "heuristic kept")
+    assert verdict(None, found)[0]["launch"] == [384, 384, 2] and "grid" not in verdict(None, found)[0]
+
+
+def test_search_keeps_a_grid_only_where_it_beats_the_default(monkeypatch):
+    """scripts/tune_launch.py's grid step on canned timings: kept in the entry where it won by more
+    than --min-gain, an old one dropped where none did, an entry made at the heuristic's shape."""
+    import argparse
+
+    pytest.importorskip("torch")
+    tune = _tune_script()
     times = {0: 1.0e-3, 1024: 0.9e-3, 2048: 0.8e-3, 4096: None}  # None: failed its gate
 
     def try_shape(*args):  # as the real one: (passed, seconds per row count, why)

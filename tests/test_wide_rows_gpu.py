@@ -40,13 +40,14 @@ SPLIT_CASES = [(op, N) for op in ("rmsnorm_backward", "layernorm_backward") for 
 
 @pytest.mark.gpu
 @pytest.mark.sm(90, exact=True)
-@pytest.mark.parametrize("M", [1, 5, 32])
+@pytest.mark.parametrize("M", [1, 5, 32, 256])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("op,N", SPLIT_CASES, ids=[f"{op}-{N}" for op, N in SPLIT_CASES])
 def test_split_backward_runs_correctly(op, N, dtype, M):
-    """The norm backward's split kernels (few rows of >= 131072 columns: a row over independent CTAs,
-    dx from re-read rows): dx, dweight and dbias against the float64 reference, at 1 row, at a
-    partial group of rows (5) and at the most rows they take; 200000 leaves a partial last chunk."""
+    """The norm backward's split kernels (rows of >= 131072 columns: a row over independent CTAs, dx
+    from re-read rows): dx, dweight and dbias against the float64 reference, at 1 row, at a partial
+    group of rows (5), at 32 and at many rows (the gate checks 128-256 of them: each of kernel B's
+    CTAs walks several groups of rows); 200000 leaves a partial last chunk."""
     import torch
 
     from oink.kernels.compile import CACHE
@@ -54,7 +55,7 @@ def test_split_backward_runs_correctly(op, N, dtype, M):
     from pytest_oink.bench_runner import gate
     from pytest_oink.providers import SPECS, build
 
-    assert split_rows(M, N)
+    assert split_rows(N)
     device = torch.device("cuda")
     CACHE.clear_used()
     result = gate(SPECS[op], build(op, "oink", device), Case("test", op, M, N, dtype), getattr(torch, dtype), device)

@@ -376,24 +376,26 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
     return CACHE.get(key, build)
 
 
-# ---- few rows of a very wide row: the row split over CTAs in two kernels -------------------------
-# A row of 131072-262144 columns needs more registers than a cluster of 16 CTAs holds (x, dout and the
-# dweight sums), so with few rows the backward spills. Split instead: ``SplitRowDots`` gives each
-# (row, column chunk) CTA its chunk's share of the row's sums (dot, and LayerNorm's sum of wdy);
-# ``SplitDx`` then re-reads x and dout (from L2, mostly), adds a row's shares in a fixed order, and
-# writes dx, each CTA keeping its columns' dweight sums over its rows as one partial row.
+# ---- a very wide row: the row split over CTAs in two kernels -----------------------------------
+# A row of 131072 or more columns needs more registers than a cluster of 16 CTAs holds (x, dout and the
+# dweight sums), so the one-kernel backward spills there, at any row count (2048 x 131072 bf16: 0.07 of
+# the copy ceiling). Split instead: ``SplitRowDots`` gives each (row, column chunk) CTA its chunk's share
+# of the row's sums (dot, and LayerNorm's sum of wdy); ``SplitDx`` then re-reads x and dout (from L2 at
+# few rows), adds a row's shares in a fixed order, and writes dx, each CTA keeping its columns' dweight
+# sums over its rows as one partial row. Reading the rows twice bounds it near 0.6 of the copy ceiling.
 SPLIT_DOTS_THREADS, SPLIT_DOTS_UNITS = 256, 4  # kernel A: a CTA covers 256 x 4 vectors of a row
 SPLIT_DX_THREADS, SPLIT_DX_UNITS = 128, 2  # kernel B: narrower chunks, so more CTAs share the rows
 SPLIT_ROW_GROUPS, SPLIT_DEPTH = 4, 4  # B: CTAs along the rows (partial rows), rows loaded ahead
+SPLIT_MIN_N = 131072
 
 
-def split_rows(M: int, N: int) -> bool:
-    """Whether the backward of M x N takes the split kernels: few rows of at least 131072 columns
+def split_rows(N: int) -> bool:
+    """Whether the norm backward of rows of N columns takes the split kernels: N >= ``SPLIT_MIN_N``
     (OINK_BWD_SPLIT=0/1 forces it off/on, for A/B runs)."""
     forced = config.get().bwd_split
     if forced is not None:
         return forced
-    return few_rows(M) and N >= 131072
+    return N >= SPLIT_MIN_N
 
 
 def split_groups(M: int) -> int:

@@ -135,7 +135,7 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
     M = x2.shape[0]
     dx = torch.empty((M, N), device=x.device, dtype=x.dtype)
     layernorm = mean is not None
-    split = heads == 1 and M > 0 and split_rows(M, N)
+    split = heads == 1 and M > 0 and split_rows(N)
     if split:
         parts = split_groups(M)
     else:
@@ -344,7 +344,7 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
     current = stream_of(device)
     names = (dtype_name(x), N, arch, dtype_name(weight), dtype_name(dout), dtype_name(dres), has_bias, layernorm,
              float(weight_offset))
-    split = split_rows(M, N)
+    split = split_rows(N)
     if split:
         fn_a, fn, chunks = compiled_split_backward(*names)
         ctas = parts = split_groups(M)
