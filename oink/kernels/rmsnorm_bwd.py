@@ -24,7 +24,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
-from .launch_table import few_rows, grid, pick
+from .launch_table import grid, pick
 from .reduction import MAX_N, WARP, RowLaunch, add, pick_row_launch, whole_warp_rows
 from .rmsnorm import RMSNormForward
 
