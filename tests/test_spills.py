@@ -1,8 +1,8 @@
 """No launch the heuristics pick spills registers, at the sweep's widths up to 65536 (vocabularies
 for cross-entropy), for sm_90a and sm_100a: read from the cubins' notes on the CPU. A spilling
 launch ran at 0.06-0.35 of the copy ceiling on H100 (bench/RESULTS.md). A launch-table entry may
-spill a little: the search measured it faster. Wider rows are documented limits: past 65536 a
-backward thread holds more than a cluster of 8 can spread."""
+spill a little: the search measured it faster. Past 65536 the norm backward's one kernel holds more
+than a cluster can spread; from 131072 columns its split kernels take the rows, and they do not spill."""
 from __future__ import annotations
 
 import pytest
@@ -47,6 +47,22 @@ def test_chosen_launch_does_not_spill(keep_cubin, family, dtype, arch):
     spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"] and not r[2]}
     assert not spilled, f"{family} {dtype} {arch} spills at (launch, resources) {spilled}"
     assert all(r[1]["registers"] > 0 for r in found.values())  # the notes were read
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("layernorm", [False, True], ids=["rmsnorm", "layernorm"])
+def test_split_backward_does_not_spill(keep_cubin, layernorm, dtype, arch):
+    """The kernels every norm backward of >= 131072 columns takes (``rmsnorm_bwd.split_rows``), at the
+    split's narrowest width, an uneven one and the widest."""
+    from oink.kernels.profile import compiled_resources
+    from oink.kernels.rmsnorm_bwd import SPLIT_MIN_N, compiled_split_backward
+
+    for N in (SPLIT_MIN_N, 151936, 262144):
+        fn_a, fn_b, _ = compiled_split_backward(dtype, N, arch, dtype, dtype, None, layernorm, layernorm)
+        for name, fn in (("A", fn_a), ("B", fn_b)):
+            res = compiled_resources(fn)
+            assert res["registers"] > 0 and res["frame_bytes"] == 0, f"kernel {name} at {N}: {res}"
 
 
 def test_a_spilling_launch_is_seen(keep_cubin):
