@@ -176,12 +176,11 @@ def record_shape(entries, width, op, rows, dtype, card, default, best, base, bes
     old = entries.pop(str(width), None)
     heuristic = [default.threads_per_row, default.num_threads, default.cluster_n]
     if best is not None:
-        entries[str(width)] = {"launch": [best.threads_per_row, best.num_threads, best.cluster_n], "op": op,
-                               "rows": rows, "dtype": dtype, "us": round(best_t * 1e6, 2), "heuristic": heuristic,
-                               "heuristic_us": round(base * 1e6, 2), "card": card,
-                               "date": datetime.date.today().isoformat()}
-    verdict = f"tuned {entries[str(width)]['launch']}" if best is not None else "heuristic kept"
-    launch = entries[str(width)]["launch"] if best is not None else heuristic
+        launch = [best.threads_per_row, best.num_threads, best.cluster_n]
+        entries[str(width)] = new_entry(op, rows, dtype, card, launch, best_t, heuristic, base)
+        verdict = f"tuned {launch}"
+    else:
+        launch, verdict = heuristic, "heuristic kept"
     if old and "grid" in old and old["launch"] == launch:
         if best is None:
             entries[str(width)] = old
@@ -189,6 +188,13 @@ def record_shape(entries, width, op, rows, dtype, card, default, best, base, bes
             entries[str(width)].update({k: old[k] for k in ("grid", "grid_rows", "grid_us")})
         verdict += f", its grid {old['grid']} kept"
     return verdict
+
+
+def new_entry(op, rows, dtype, card, launch, seconds, heuristic, heuristic_seconds) -> dict:
+    """A table entry: ``launch`` and its time, against the heuristic's shape and time, and where measured."""
+    return {"launch": launch, "op": op, "rows": rows, "dtype": dtype, "us": round(seconds * 1e6, 2),
+            "heuristic": heuristic, "heuristic_us": round(heuristic_seconds * 1e6, 2), "card": card,
+            "date": datetime.date.today().isoformat()}
 
 
 def trial_line(log, line: dict) -> None:
@@ -227,10 +233,8 @@ def search_grid(a, grids, log, entries, spec, run, op, N, rows, dtype, device, k
               flush=True)
         return
     if entry is None:  # the heuristic's shape, kept for its grid
-        heuristic_us = round((searched[0] if searched is not None else base) * 1e6, 2)
-        entry = entries[width] = {"launch": list(shape), "op": op, "rows": rows, "dtype": a.dtype,
-                                  "us": heuristic_us, "heuristic": list(shape), "heuristic_us": heuristic_us,
-                                  "card": card, "date": datetime.date.today().isoformat()}
+        heuristic_s = searched[0] if searched is not None else base
+        entry = entries[width] = new_entry(op, rows, a.dtype, card, list(shape), heuristic_s, list(shape), heuristic_s)
     entry.update(grid=best, grid_rows=rows, grid_us=[round(base * 1e6, 2), round(best_t * 1e6, 2)])
     print(f"# {key[0]} N={width} grid: default {base * 1e6:.1f} us, {best} threads a SM {best_t * 1e6:.1f} us: "
           "tuned", flush=True)
