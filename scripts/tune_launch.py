@@ -121,10 +121,13 @@ def main(argv=None) -> int:
     record = {"card": card, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "oink": getattr(oink, "__version__", "?"), "seconds": 0, "command": " ".join(sys.argv)}
     data.setdefault("runs", []).append(record)
+    searched = {}  # (key, arch, width) -> the op that searched it in this run
     for op in a.ops.split(","):
         spec, run = SPECS[op], build(op, "oink", device)
         for N in (int(n) for n in a.widths.split(",")):
             for (key, arch, width), default in keys_of(spec, run, rows[0], N, dtype, device).items():
+                if not first_search(searched, (key, arch, width), op):
+                    continue
                 entries = tables.setdefault(arch, {}).setdefault(key, {})
                 sized = grids and key.startswith(launch_table.PERSISTENT) and not key.endswith("/few")
                 if a.grid_only:
@@ -166,6 +169,16 @@ def main(argv=None) -> int:
     write(out, data, record, started)
     print(f"tune_launch: wrote {out} after {time.time() - started:.0f} s")
     return 0
+
+
+def first_search(searched: dict, key: tuple, op: str) -> bool:
+    """Whether ``op`` searches ``key`` (key, arch, width): ops that share a key (fused_add_rmsnorm_ and
+    rmsnorm_forward) search it once a run, with the first named, so a later op's verdict does not
+    overwrite the entry the first one just wrote."""
+    first = searched.setdefault(key, op)
+    if first != op:
+        print(f"# {key[0]} N={key[2]}: searched with {first} in this run; not again for {op}", flush=True)
+    return first == op
 
 
 def record_shape(entries, width, op, rows, dtype, card, default, best, base, best_t) -> str:

@@ -490,12 +490,24 @@ from oink.kernels.rmsnorm_bwd import compiled_split_backward, split_rows  # noqa
 
 
 def test_split_backward_takes_rows_too_wide_for_one_kernel(monkeypatch):
-    assert split_rows(131072) and split_rows(151936) and split_rows(262144)
-    assert not split_rows(65536) and not split_rows(8192)
+    """The split where a thread of the largest cluster the arch takes would hold too much of a row:
+    SM90's cluster of 16 holds 131072 columns (bf16 and fp32), SM100's portable 8 only 65536."""
+    from oink.kernels.rmsnorm_bwd import _fitted_launch
+
+    for bits in (16, 32):
+        for layernorm in (False, True):
+            for N in (8192, 65536, 73728, 98304, 131072):
+                assert not split_rows(N, bits, "sm_90a", layernorm), (N, bits, layernorm)
+                heuristic = _fitted_launch(N, bits, "sm_90a", layernorm)  # not the table's
+                assert heuristic.cluster_n == (16 if N > 65536 else _fitted_launch(N, bits, "sm_100a", layernorm).cluster_n)
+            for N in (131072 + 64, 151936, 262144):
+                assert split_rows(N, bits, "sm_90a", layernorm), (N, bits, layernorm)
+            assert not split_rows(65536, bits, "sm_100a", layernorm)
+            assert split_rows(73728, bits, "sm_100a", layernorm)
     set_knob(monkeypatch, "OINK_BWD_SPLIT", "0")
-    assert not split_rows(262144)
+    assert not split_rows(262144, 16, "sm_90a", False)
     set_knob(monkeypatch, "OINK_BWD_SPLIT", "1")
-    assert split_rows(4096)
+    assert split_rows(4096, 16, "sm_90a", False)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)

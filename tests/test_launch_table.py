@@ -158,6 +158,19 @@ def test_shape_search_keeps_a_grid_only_with_its_launch():
     assert verdict(None, found)[0]["launch"] == [384, 384, 2] and "grid" not in verdict(None, found)[0]
 
 
+def test_ops_sharing_a_key_search_it_once(capsys):
+    """scripts/tune_launch.py: rmsnorm_forward and fused_add_rmsnorm_ share rmsnorm_fwd's keys; the
+    second op named does not search a key the first searched (its verdict would replace the entry)."""
+    pytest.importorskip("torch")
+    tune = _tune_script()
+    searched, key = {}, ("rmsnorm_fwd/x16w16", "sm_90a", 131072)
+    assert tune.first_search(searched, key, "rmsnorm_forward")
+    assert tune.first_search(searched, key, "rmsnorm_forward")  # the same op's own keys, again
+    assert not tune.first_search(searched, key, "fused_add_rmsnorm_")
+    assert "searched with rmsnorm_forward in this run" in capsys.readouterr().out
+    assert tune.first_search(searched, ("rmsnorm_fwd/x16w16", "sm_90a", 262144), "fused_add_rmsnorm_")
+
+
 def test_search_keeps_a_grid_only_where_it_beats_the_default(monkeypatch):
     """scripts/tune_launch.py's grid step on canned timings: kept in the entry where it won by more
     than --min-gain, an old one dropped where none did, an entry made at the heuristic's shape."""

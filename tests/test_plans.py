@@ -201,19 +201,21 @@ def test_norm_backward_plan_off_with_the_torch_partial_sum(recorder, monkeypatch
 
 
 @pytest.mark.parametrize("M,few", [(32, True), (33, False)])
-@pytest.mark.parametrize("op", ["rmsnorm_forward", "softmax_forward", "rmsnorm_backward"])
+@pytest.mark.parametrize("op", ["rmsnorm_forward", "softmax_forward", "rmsnorm_backward", "rmsnorm_backward_split"])
 def test_plan_and_runner_take_the_same_few_rows_launch(recorder, op, M, few):
     """At most ``launch_table.FEW_ROWS`` rows take the key's "/few" entry, in the runner and in the plan
     alike (a plan is made for one shape); one row more, the key's own entry. The norm backward takes
-    its split kernels at this width either way (``rmsnorm_bwd.split_rows``)."""
+    its split kernels at a width too wide for one kernel either way (``rmsnorm_bwd.split_rows``)."""
     from oink.kernels import launch_table
     from oink.kernels.compile import CACHE
-    from oink.kernels.rmsnorm_bwd import split_launches
+    from oink.kernels.rmsnorm_bwd import backward_launch, split_launches
 
-    N = 131072
+    N = 262144 if op == "rmsnorm_backward_split" else 131072
     shape = lambda L: (L.threads_per_row, L.num_threads, L.cluster_n)  # noqa: E731
-    if op == "rmsnorm_backward":
-        expected = {shape(L) for L in split_launches(N, 16)}
+    if op == "rmsnorm_backward_split":
+        op, expected = "rmsnorm_backward", {shape(L) for L in split_launches(N, 16)}
+    elif op == "rmsnorm_backward":
+        expected = {shape(backward_launch(N, 16, "sm_90a", False, few))}
     else:
         key = {"rmsnorm_forward": "rmsnorm_fwd/x16w16", "softmax_forward": "softmax/forward/x16"}[op]
         entry = launch_table.table().get("sm_90a", {}).get(f"{key}/few" if few else key, {}).get(N)

@@ -1,8 +1,8 @@
 """No launch the heuristics pick spills registers, at the sweep's widths up to 65536 (vocabularies
 for cross-entropy), for sm_90a and sm_100a: read from the cubins' notes on the CPU. A spilling
 launch ran at 0.06-0.35 of the copy ceiling on H100 (bench/RESULTS.md). A launch-table entry may
-spill a little: the search measured it faster. Past 65536 the norm backward's one kernel holds more
-than a cluster can spread; from 131072 columns its split kernels take the rows, and they do not spill."""
+spill a little: the search measured it faster. Past 65536 the norm backward's one kernel takes a
+cluster of 16 on SM90 up to 131072 columns; wider rows (SM100: past 65536) take its split kernels."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +17,7 @@ from tests.helpers import set_knob  # noqa: E402
 WIDE = (12288, 14336, 18432, 28672, 65536)  # where the old heuristics spilled
 # Known limit: a cluster of 8 CTAs of 256 threads leaves 8 fp32 units a LayerNorm backward thread.
 # (The cross-entropy forward's wide rows, which spilled in registers, now stream: none spills.)
-LIMITS = {("layernorm_bwd", "float32", 65536)}
+LIMITS = {("layernorm_bwd", "float32", 65536), ("layernorm_bwd", "float32", 131072)}
 
 
 def _resources(family: str, dtype: str, N: int, arch: str) -> tuple:
@@ -52,13 +52,39 @@ def test_chosen_launch_does_not_spill(keep_cubin, family, dtype, arch):
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("layernorm", [False, True], ids=["rmsnorm", "layernorm"])
-def test_split_backward_does_not_spill(keep_cubin, layernorm, dtype, arch):
-    """The kernels every norm backward of >= 131072 columns takes (``rmsnorm_bwd.split_rows``), at the
-    split's narrowest width, an uneven one and the widest."""
-    from oink.kernels.profile import compiled_resources
-    from oink.kernels.rmsnorm_bwd import SPLIT_MIN_N, compiled_split_backward
+def test_wide_backward_one_kernel_does_not_spill(keep_cubin, layernorm, dtype, arch):
+    """The one-kernel norm backward between 65536 columns and the split (SM90's cluster of 16; known
+    limit: LayerNorm fp32 at 131072, 96 bytes, 0.95 of the copy ceiling at 2048 rows on H100)."""
+    from oink.kernels.rmsnorm_bwd import split_rows
 
-    for N in (SPLIT_MIN_N, 151936, 262144):
+    family = "layernorm_bwd" if layernorm else "rmsnorm_bwd"
+    bits = 16 if dtype == "bfloat16" else 32
+    widths = [N for N in (73728, 90112, 114688, 131072) if not split_rows(N, bits, arch, layernorm)]
+    assert len(widths) == (4 if arch == "sm_90a" else 0), widths  # SM100: the split takes them all
+    found = {N: _resources(family, dtype, N, arch) for N in widths if (family, dtype, N) not in LIMITS}
+    spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"] and not r[2]}
+    assert not spilled, f"{family} {dtype} {arch} spills at (launch, resources) {spilled}"
+
+
+@pytest.mark.parametrize("family", ["softmax_bwd", "softmax_fwd_bwd"])
+def test_softmax_backward_modes_take_the_wide_cluster(keep_cubin, family):
+    """fp32 rows of 256000 leave a thread 16 units over SM90's portable cluster of 8 (712 bytes
+    spilled); the heuristic takes a cluster of 16 there, which does not spill (no table entry at 256000)."""
+    launches, res, tuned = _resources(family, "float32", 256000, "sm_90a")
+    assert not tuned and [L[2] for L in launches] == [16], launches
+    assert res["registers"] > 0 and res["frame_bytes"] == 0, res
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("layernorm", [False, True], ids=["rmsnorm", "layernorm"])
+def test_split_backward_does_not_spill(keep_cubin, layernorm, dtype, arch):
+    """The kernels the norm backward of rows too wide for one cluster takes (``rmsnorm_bwd.split_rows``),
+    at the split's narrowest width (SM100's; SM90's is past 131072), an uneven one and the widest."""
+    from oink.kernels.profile import compiled_resources
+    from oink.kernels.rmsnorm_bwd import compiled_split_backward
+
+    for N in (73728, 151936, 262144):
         fn_a, fn_b, _ = compiled_split_backward(dtype, N, arch, dtype, dtype, None, layernorm, layernorm)
         for name, fn in (("A", fn_a), ("B", fn_b)):
             res = compiled_resources(fn)

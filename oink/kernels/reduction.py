@@ -21,6 +21,7 @@ from .. import config
 
 WARP = 32
 MAX_CLUSTER = 8  # the portable cluster size on SM90 and SM100
+WIDE_CLUSTER = {"sm_90a": 16}  # the non-portable cluster size an arch's heuristics take (measured on H100)
 MAX_N = 262144  # the widest row the row kernels take (wider rows use the reference)
 LOG2E = math.log2(math.e)
 
@@ -67,7 +68,8 @@ class RowLaunch:
 
 
 def pick_row_launch(N: int, widest_bits: int, units_per_thread: int = 4,
-                    max_units_per_thread: int = 8, max_threads: int = 1024) -> RowLaunch:
+                    max_units_per_thread: int = 8, max_threads: int = 1024,
+                    max_cluster: int = MAX_CLUSTER) -> RowLaunch:
     """Default heuristic. A "unit" is one 128-bit access of the widest dtype. Rows get the
     fewest threads (a power of two, at most ``max_threads``) that leave <= ``units_per_thread``
     units each; rows too wide for that are split over a cluster of up to 8 CTAs so that no thread
@@ -79,7 +81,7 @@ def pick_row_launch(N: int, widest_bits: int, units_per_thread: int = 4,
     tpr = 1 << max(0, (math.ceil(units / units_per_thread) - 1).bit_length())
     tpr = min(tpr, 1024, 1 << (max_threads.bit_length() - 1))
     cluster_n = 1
-    while units > tpr * cluster_n * max_units_per_thread and cluster_n < MAX_CLUSTER:
+    while units > tpr * cluster_n * max_units_per_thread and cluster_n < max_cluster:
         cluster_n *= 2
     return RowLaunch(N=N, vec=vec, threads_per_row=tpr, num_threads=max(128, tpr), cluster_n=cluster_n)
 

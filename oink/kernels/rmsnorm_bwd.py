@@ -25,7 +25,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import grid, pick
-from .reduction import MAX_N, WARP, RowLaunch, add, pick_row_launch, whole_warp_rows
+from .reduction import MAX_N, WARP, WIDE_CLUSTER, RowLaunch, add, pick_row_launch, whole_warp_rows
 from .rmsnorm import RMSNormForward
 
 # Tuning knobs per family: (128-bit units per thread, resident threads per SM the persistent grid
@@ -42,8 +42,13 @@ from .rmsnorm import RMSNormForward
 TUNING = {"rmsnorm": (2, 512, 2), "layernorm": (4, 256, 1)}
 # A backward thread holds x, dout and (RMSNorm, depth 2) the next tile's: 128-145 registers for
 # RMSNorm's 2 units, 216-255 for LayerNorm's 4, so CTAs stop where the register file allows them
-# (64K / threads); a wider row takes a cluster (scripts/spill_scan.py: none spills up to N = 65536).
+# (64K / threads); a wider row takes a cluster.
 BWD_MAX_THREADS = {"rmsnorm": 512, "layernorm": 256}
+# The most x values a thread holds without spilling (scripts/spill_scan.py; 24 and 40 spilled at
+# 73728 bf16). A row the portable cluster of 8 leaves wider than that takes a cluster of 16 where
+# the arch is measured with it (H100, 2048 x 73728-131072 bf16: 0.03-0.67 of the copy ceiling over
+# 8 spilling CTAs, no spill over 16); a row wider even then, the split kernels (``split_rows``).
+BWD_MAX_VALUES = {"rmsnorm": 16, "layernorm": 32}
 
 
 def _knobs(layernorm: bool) -> tuple[int, int, int]:
@@ -79,13 +84,31 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few
     unless a knob (OINK_BWD_UPT, OINK_BWD_EXACT=0) asks for the heuristic's variant; ``few``: for
     calls of ``launch_table.few_rows`` rows (the key's "/few" entry where there is one)."""
     upt = _knobs(layernorm)[0]
-    family = "layernorm" if layernorm else "rmsnorm"
-    most = BWD_MAX_THREADS[family]
-    launch = pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=upt, max_threads=most)
+    most = BWD_MAX_THREADS["layernorm" if layernorm else "rmsnorm"]
+    launch = _fitted_launch(N, x_bits, arch, layernorm)
     if config.get().bwd_exact:
         launch = whole_warp_rows(launch, upt, most)
     key, knob = _table_key(x_bits, layernorm)
     return pick(key, arch, launch, knob, few)
+
+
+@memo
+def _fitted_launch(N: int, x_bits: int, arch: str, layernorm: bool) -> RowLaunch:
+    """The heuristic's power-of-two launch, over a cluster of ``WIDE_CLUSTER`` where the portable
+    one would leave a thread more than ``BWD_MAX_VALUES``."""
+    upt = _knobs(layernorm)[0]
+    family = "layernorm" if layernorm else "rmsnorm"
+    most = BWD_MAX_THREADS[family]
+    launch = pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=upt, max_threads=most)
+    if thread_values(launch) > BWD_MAX_VALUES[family] and arch in WIDE_CLUSTER:
+        launch = pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=upt, max_threads=most,
+                                 max_cluster=WIDE_CLUSTER[arch])
+    return launch
+
+
+def thread_values(launch: RowLaunch) -> int:
+    """Values of a row a thread of ``launch`` holds (its last access may be partly idle)."""
+    return launch.iters * launch.vec
 
 
 @memo
@@ -377,25 +400,27 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
 
 
 # ---- a very wide row: the row split over CTAs in two kernels -----------------------------------
-# A row of 131072 or more columns needs more registers than a cluster of 16 CTAs holds (x, dout and the
-# dweight sums), so the one-kernel backward spills there, at any row count (2048 x 131072 bf16: 0.07 of
-# the copy ceiling). Split instead: ``SplitRowDots`` gives each (row, column chunk) CTA its chunk's share
+# A row wider than the registers of the largest cluster hold (x, dout and the dweight sums; 262144
+# bf16 on SM90, 73728 on SM100's portable 8) spills in the one-kernel backward, at any row count
+# (2048 x 98304 bf16 over 8 CTAs: 0.05 of the copy ceiling). Split instead: ``SplitRowDots`` gives each (row, column chunk) CTA its chunk's share
 # of the row's sums (dot, and LayerNorm's sum of wdy); ``SplitDx`` then re-reads x and dout (from L2 at
 # few rows), adds a row's shares in a fixed order, and writes dx, each CTA keeping its columns' dweight
 # sums over its rows as one partial row. Reading the rows twice bounds it near 0.6 of the copy ceiling.
 SPLIT_DOTS_THREADS, SPLIT_DOTS_UNITS = 256, 4  # kernel A: a CTA covers 256 x 4 vectors of a row
 SPLIT_DX_THREADS, SPLIT_DX_UNITS = 128, 2  # kernel B: narrower chunks, so more CTAs share the rows
 SPLIT_ROW_GROUPS, SPLIT_DEPTH = 4, 4  # B: CTAs along the rows (partial rows), rows loaded ahead
-SPLIT_MIN_N = 131072
 
 
-def split_rows(N: int) -> bool:
-    """Whether the norm backward of rows of N columns takes the split kernels: N >= ``SPLIT_MIN_N``
-    (OINK_BWD_SPLIT=0/1 forces it off/on, for A/B runs)."""
+@memo
+def split_rows(N: int, x_bits: int, arch: str, layernorm: bool) -> bool:
+    """Whether the norm backward of rows of N columns takes the split kernels: where a thread of
+    the heuristic's launch would hold more than ``BWD_MAX_VALUES`` (OINK_BWD_SPLIT=0/1 forces it
+    off/on, for A/B runs)."""
     forced = config.get().bwd_split
     if forced is not None:
         return forced
-    return N >= SPLIT_MIN_N
+    family = "layernorm" if layernorm else "rmsnorm"
+    return thread_values(_fitted_launch(N, x_bits, arch, layernorm)) > BWD_MAX_VALUES[family]
 
 
 def split_groups(M: int) -> int:

@@ -134,12 +134,12 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
     w = head_params(weight, None, heads, vec)[0]
     M = x2.shape[0]
     dx = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    layernorm = mean is not None
-    split = heads == 1 and M > 0 and split_rows(N)
+    layernorm, bits = mean is not None, x.element_size() * 8
+    split = heads == 1 and M > 0 and split_rows(N, bits, arch, layernorm)
     if split:
         parts = split_groups(M)
     else:
-        bits, few = x.element_size() * 8, few_rows(M)
+        few = few_rows(M)
         launch = backward_launch(N, bits, arch, layernorm, few)
         if heads > 1:
             launch = head_launch(launch, heads)
@@ -344,13 +344,14 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
     current = stream_of(device)
     names = (dtype_name(x), N, arch, dtype_name(weight), dtype_name(dout), dtype_name(dres), has_bias, layernorm,
              float(weight_offset))
-    split = split_rows(N)
+    bits = x.element_size() * 8
+    split = split_rows(N, bits, arch, layernorm)
     if split:
         fn_a, fn, chunks = compiled_split_backward(*names)
         ctas = parts = split_groups(M)
         new_shares = allocator((M, chunks, 2), torch.float32, device)
     else:
-        bits, few = x.element_size() * 8, few_rows(M)
+        few = few_rows(M)
         fn = compiled_backward(*names, 1, few)
         launch = backward_launch(N, bits, arch, layernorm, few)
         ctas, parts = backward_grid(launch, M, device, backward_tpsm(N, bits, arch, layernorm, few))

@@ -18,7 +18,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick
-from .reduction import MAX_N, RowKernelBase, RowLaunch, add, pick_row_launch
+from .reduction import MAX_N, WIDE_CLUSTER, RowKernelBase, RowLaunch, add, pick_row_launch
 
 MODES = ("forward", "backward", "fwd_bwd")
 
@@ -26,8 +26,20 @@ MODES = ("forward", "backward", "fwd_bwd")
 def softmax_launch(N: int, x_bits: int, arch: str, mode: str = "forward") -> RowLaunch:
     """Launch heuristic for the softmax family (the one place it is chosen): at most 4 units a
     thread, wider rows over a cluster; the backward modes hold two rows' values (y and dy, or x
-    and dy), so their CTAs stop at 512 threads (128 registers a thread)."""
-    return pick_row_launch(N, x_bits, max_units_per_thread=4, max_threads=1024 if mode == "forward" else 512)
+    and dy), so their CTAs stop at 512 threads (128 registers a thread), and where the portable
+    cluster leaves a thread more than ``BWD_MAX_UNITS`` they take the arch's wider cluster."""
+    most = 1024 if mode == "forward" else 512
+    launch = pick_row_launch(N, x_bits, max_units_per_thread=4, max_threads=most)
+    if mode != "forward" and launch.iters > BWD_MAX_UNITS and arch in WIDE_CLUSTER:
+        launch = pick_row_launch(N, x_bits, max_units_per_thread=4, max_threads=most, max_cluster=WIDE_CLUSTER[arch])
+    return launch
+
+
+# A backward-mode thread of more units spills (fwd_bwd fp32 over 8 CTAs: 14 units at 229376 hold in
+# 128 registers, 15 at 245760 spill 728 bytes; 1024 x 262144 on H100 6593 us over 8 CTAs, 1132 over
+# 16). Below it 8 CTAs are faster: 1024 x 201088 fp32 fwd_bwd 821 us over 8, 979 over 16; bf16
+# 262144 (8 units) 1262 against 1636.
+BWD_MAX_UNITS = 14
 
 
 def online_reduction(launch: RowLaunch, mode: str) -> bool:
