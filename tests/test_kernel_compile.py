@@ -499,7 +499,8 @@ def test_split_backward_takes_rows_too_wide_for_one_kernel(monkeypatch):
             for N in (8192, 65536, 73728, 98304, 131072):
                 assert not split_rows(N, bits, "sm_90a", layernorm), (N, bits, layernorm)
                 heuristic = _fitted_launch(N, bits, "sm_90a", layernorm)  # not the table's
-                assert heuristic.cluster_n == (16 if N > 65536 else _fitted_launch(N, bits, "sm_100a", layernorm).cluster_n)
+                portable = _fitted_launch(N, bits, "sm_100a", layernorm)
+                assert heuristic.cluster_n == (16 if N > 65536 else portable.cluster_n)
             for N in (131072 + 64, 151936, 262144):
                 assert split_rows(N, bits, "sm_90a", layernorm), (N, bits, layernorm)
             assert not split_rows(65536, bits, "sm_100a", layernorm)

@@ -72,10 +72,11 @@ def pick_row_launch(N: int, widest_bits: int, units_per_thread: int = 4,
                     max_cluster: int = MAX_CLUSTER) -> RowLaunch:
     """Default heuristic. A "unit" is one 128-bit access of the widest dtype. Rows get the
     fewest threads (a power of two, at most ``max_threads``) that leave <= ``units_per_thread``
-    units each; rows too wide for that are split over a cluster of up to 8 CTAs so that no thread
-    holds more than ``max_units_per_thread`` units. The register file is 64K a SM, so a CTA of
-    1024 threads has 64 registers a thread: families whose threads hold more than 4 units' worth
-    of live values pass a smaller ``max_threads`` (``scripts/spill_scan.py`` shows what spills)."""
+    units each; rows too wide for that are split over a cluster of up to ``max_cluster`` CTAs (8:
+    the portable size) so that no thread holds more than ``max_units_per_thread`` units. The
+    register file is 64K a SM, so a CTA of 1024 threads has 64 registers a thread: families whose
+    threads hold more than 4 units' worth of live values pass a smaller ``max_threads``
+    (``scripts/spill_scan.py`` shows what spills)."""
     vec = math.gcd(N, 128 // widest_bits)
     units = N // vec
     tpr = 1 << max(0, (math.ceil(units / units_per_thread) - 1).bit_length())

@@ -400,9 +400,10 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
 
 
 # ---- a very wide row: the row split over CTAs in two kernels -----------------------------------
-# A row wider than the registers of the largest cluster hold (x, dout and the dweight sums; 262144
-# bf16 on SM90, 73728 on SM100's portable 8) spills in the one-kernel backward, at any row count
-# (2048 x 98304 bf16 over 8 CTAs: 0.05 of the copy ceiling). Split instead: ``SplitRowDots`` gives each (row, column chunk) CTA its chunk's share
+# A row wider than the registers of the largest cluster hold (x, dout and the dweight sums: past
+# 131072 columns over SM90's 16 CTAs, past 65536 over SM100's portable 8) spills in the one-kernel
+# backward, at any row count (2048 x 98304 bf16 over 8 CTAs: 0.05 of the copy ceiling). Split
+# instead: ``SplitRowDots`` gives each (row, column chunk) CTA its chunk's share
 # of the row's sums (dot, and LayerNorm's sum of wdy); ``SplitDx`` then re-reads x and dout (from L2 at
 # few rows), adds a row's shares in a fixed order, and writes dx, each CTA keeping its columns' dweight
 # sums over its rows as one partial row. Reading the rows twice bounds it near 0.6 of the copy ceiling.
