@@ -76,7 +76,8 @@ def _table_key(x_bits: int, layernorm: bool) -> tuple[str, bool]:
 
 @memo
 def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few: bool = False) -> RowLaunch:
-    """Launch heuristic for the norm backward (the one place it is chosen); SM100 reuses SM90's.
+    """Launch heuristic for the norm backward (the one place it is chosen); SM100 reuses SM90's, but
+    over at most the portable cluster of 8 (``WIDE_CLUSTER`` is SM90's).
     Where a whole number of warps covers a row exactly in at most ``upt`` accesses a thread
     (6144 = 384 threads x 2 x 8 bf16), a row takes that many threads rather than the next power
     of two, whose last access would be idle on a quarter of the threads (512 x 2 x 8 > 6144).
