@@ -44,6 +44,7 @@ class Config:
     keep_cubin: bool  # OINK_KEEP_CUBIN: keep cubins on compiled functions (kernel profiles)
     fwd_upt: int | None  # OINK_FWD_UPT: norm forward units a thread (sweeps)
     fwd_late: bool | None  # OINK_FWD_LATE=0/1: norm forward loads weight/bias after the reduction (A/B)
+    fwd_stage: bool | None  # OINK_FWD_STAGE=0/1: norm forward stages x (and residual) in shared memory (A/B)
     fp4_upt: int | None  # OINK_FP4_UPT: FP4 scale blocks a thread (sweeps)
     bwd_upt: int | None  # OINK_BWD_UPT / _TPSM / _DEPTH: norm backward knobs (sweeps)
     bwd_tpsm: int | None
@@ -70,7 +71,7 @@ def _from_env() -> Config:
     return Config(
         force_reference=truthy(env("OINK_FORCE_REFERENCE")), arch=env("OINK_ARCH") or None,
         keep_cubin=truthy(env("OINK_KEEP_CUBIN")), fwd_upt=_int("OINK_FWD_UPT"),
-        fwd_late=_flag("OINK_FWD_LATE"), fp4_upt=_int("OINK_FP4_UPT"),
+        fwd_late=_flag("OINK_FWD_LATE"), fwd_stage=_flag("OINK_FWD_STAGE"), fp4_upt=_int("OINK_FP4_UPT"),
         bwd_upt=_int("OINK_BWD_UPT"), bwd_tpsm=_int("OINK_BWD_TPSM"), bwd_depth=_int("OINK_BWD_DEPTH"),
         bwd_split=_flag("OINK_BWD_SPLIT"),
         bwd_partial_sum=env("OINK_BWD_PARTIAL_SUM", "kernel"), pdl=env("OINK_PDL", "1") != "0",

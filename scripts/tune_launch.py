@@ -34,6 +34,7 @@ from oink import config
 from oink.kernels import launch_table
 from oink.kernels.compile import CACHE
 from oink.kernels.fp8 import UNIT as FP8_UNIT
+from oink.kernels.rmsnorm import ran_staged
 from pytest_oink.bench_runner import _inputs, gate
 from pytest_oink.providers import SPECS, build
 from pytest_oink.suites import Case
@@ -62,14 +63,17 @@ def keys_of(spec, run, M, N, dtype, device) -> dict:
     return dict(launch_table.SEEN)
 
 
-def try_shape(spec, run, op, N, rows, dtype, device, key, shape, grid=None) -> tuple[bool, list, str]:
+def try_shape(spec, run, op, N, rows, dtype, device, key, shape, grid=None, stage=None) -> tuple[bool, list, str]:
     """(passed, [seconds per row count], why) with ``shape`` forced for ``key`` (and ``grid``, threads
-    a SM or 0 for the family's default, where given)."""
+    a SM or 0 for the family's default, and ``stage``, the rows staged in shared memory, where given)."""
     launch_table.OVERRIDES.clear()
     launch_table.GRID_OVERRIDES.clear()
+    launch_table.STAGE_OVERRIDES.clear()
     launch_table.OVERRIDES[key] = shape
     if grid is not None:
         launch_table.GRID_OVERRIDES[key] = grid
+    if stage is not None:
+        launch_table.STAGE_OVERRIDES[key] = stage
     config.reload()
     name = str(dtype).split(".")[-1]
     times = []
@@ -82,6 +86,8 @@ def try_shape(spec, run, op, N, rows, dtype, device, key, shape, grid=None) -> t
         ran = CACHE.used_launches()
         if shape not in ran:
             return False, [], "the shape did not run (the op took another path)"
+        if stage and not ran_staged(CACHE.used):
+            return False, [], "not staged (padding, or too big a tile for shared memory)"
         if M in rows:
             times.append(time_op(spec, run, case, dtype, device))
     return True, times, ""
@@ -98,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-gain", type=float, default=0.03, help="keep a shape only this much faster (0.03 = 3%%)")
     ap.add_argument("--grids", default="", help="persistent grid sizes to try (threads a SM), e.g. 1024,2048")
     ap.add_argument("--grid-only", action="store_true", help="size the grid of each key's current launch only")
+    ap.add_argument("--stage", action="store_true",
+                    help="also try each shape with its rows staged in shared memory (the norm forward's keys)")
     ap.add_argument("--out", default=str(launch_table.TABLE_PATH))
     ap.add_argument("--log", default=None, help="also write every trial as JSON lines here")
     a = ap.parse_args(argv)
@@ -140,17 +148,20 @@ def main(argv=None) -> int:
                     continue
                 # the FP8 kernels keep a 128-wide group on aligned lanes: try only such shapes
                 lanes = 128 // FP8_UNIT if key.startswith("fp8/") and key.endswith("/group") else 1
+                stages = (False, True) if a.stage and key.startswith(launch_table.STAGEABLE) else (False,)
                 trials = []
                 for L in launch_table.candidates(default, a.max_iters, lanes, clusters):
-                    shape = (L.threads_per_row, L.num_threads, L.cluster_n)
-                    # the heuristic's own shape is forced too: unforced, the op would take the table's entry
-                    ok, times, why = try_shape(spec, run, op, N, rows, dtype, device, (key, arch, width), shape)
-                    geo = math.exp(sum(map(math.log, times)) / len(times)) if ok else None
-                    trials.append((L, geo))
-                    trial_line(log, {"op": op, "N": N, "key": key, "arch": arch, "launch": list(shape),
-                                     "iters": L.iters, "default": L == default, "passed": ok,
-                                     "us": [t * 1e6 for t in times], "why": why})
-                best, base, best_t = launch_table.choose(trials, default, a.min_gain)
+                    for stage in stages:
+                        shape = (L.threads_per_row, L.num_threads, L.cluster_n)
+                        # the heuristic's own shape is forced too: unforced, the op would take the table's entry
+                        ok, times, why = try_shape(spec, run, op, N, rows, dtype, device, (key, arch, width), shape,
+                                                   stage=stage)
+                        geo = math.exp(sum(map(math.log, times)) / len(times)) if ok else None
+                        trials.append(((L, stage), geo))
+                        trial_line(log, {"op": op, "N": N, "key": key, "arch": arch, "launch": list(shape),
+                                         "stage": stage, "iters": L.iters, "default": L == default and not stage,
+                                         "passed": ok, "us": [t * 1e6 for t in times], "why": why})
+                best, base, best_t = launch_table.choose(trials, (default, False), a.min_gain)
                 if base is None:
                     print(f"# {key} N={width}: the heuristic's shape failed its gate: no entry", flush=True)
                     continue
@@ -158,7 +169,7 @@ def main(argv=None) -> int:
                 print(f"# {key} N={width}: heuristic {base * 1e6:.1f} us, best {best_t * 1e6:.1f} us: {verdict}",
                       flush=True)
                 if sized:
-                    L = best or default
+                    L = best[0] if best else default
                     search_grid(a, grids, log, entries, spec, run, op, N, rows, dtype, device, (key, arch, width),
                                 (L.threads_per_row, L.num_threads, L.cluster_n),
                                 (base, base if best is None else best_t), card)
@@ -189,9 +200,13 @@ def record_shape(entries, width, op, rows, dtype, card, default, best, base, bes
     old = entries.pop(str(width), None)
     heuristic = [default.threads_per_row, default.num_threads, default.cluster_n]
     if best is not None:
+        best, stage = best
         launch = [best.threads_per_row, best.num_threads, best.cluster_n]
         entries[str(width)] = new_entry(op, rows, dtype, card, launch, best_t, heuristic, base)
         verdict = f"tuned {launch}"
+        if stage:
+            entries[str(width)]["stage"] = True
+            verdict += ", staged"
     else:
         launch, verdict = heuristic, "heuristic kept"
     if old and "grid" in old and old["launch"] == launch:

@@ -486,6 +486,27 @@ def test_forward_parameter_load_variants_compile(arch, late, monkeypatch):
     assert callable(compiled_forward("bfloat16", 128, arch, "bfloat16", None, None, None, False, heads=4))
 
 
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_forward_stages_rows_where_the_tile_fits(arch, monkeypatch):
+    """OINK_FWD_STAGE=1 stages the forward's rows in shared memory (RMSNorm, a wider weight, a residual
+    in place, LayerNorm with its statistics) wherever the tile has no padding and fits STAGE_MAX_BYTES
+    (the cases tests/test_wide_rows_gpu.py runs on a GPU), and never otherwise; =0 never."""
+    from oink.kernels.profile import ROW_FAMILIES
+    from oink.kernels.rmsnorm import ran_staged
+
+    set_knob(monkeypatch, "OINK_FWD_STAGE", "1")
+    for family in ("rmsnorm_fwd", "rmsnorm_fwd_w32", "rmsnorm_fwd_res", "layernorm_fwd"):
+        for dtype, N in (("bfloat16", 4096), ("bfloat16", 262144), ("float32", 262144), ("bfloat16", 1000)):
+            CACHE.clear_used()
+            assert callable(ROW_FAMILIES[family](dtype, N, arch))
+            fits = N != 1000 and not (family == "rmsnorm_fwd_res" and dtype == "float32")
+            assert ran_staged(CACHE.used) == fits, (family, dtype, N, CACHE.used_launches())
+    set_knob(monkeypatch, "OINK_FWD_STAGE", "0")
+    CACHE.clear_used()
+    ROW_FAMILIES["layernorm_fwd"]("bfloat16", 4096, arch)
+    assert not ran_staged(CACHE.used)
+
+
 from oink.kernels.rmsnorm_bwd import compiled_split_backward, split_rows  # noqa: E402
 
 

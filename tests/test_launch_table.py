@@ -18,6 +18,7 @@ def override():
     yield launch_table.OVERRIDES
     launch_table.OVERRIDES.clear()
     launch_table.GRID_OVERRIDES.clear()
+    launch_table.STAGE_OVERRIDES.clear()
     config.reload()
 
 
@@ -68,6 +69,24 @@ def test_grid_belongs_to_its_entrys_launch(override, monkeypatch):
     assert grid("test/k", "sm_90a", 65536) == 1024
     launch_table.GRID_OVERRIDES[("test/k", "sm_90a", 65536)] = 0  # a trial of the default
     assert grid("test/k", "sm_90a", 65536) is None
+
+
+def test_stage_belongs_to_its_entrys_launch(override, monkeypatch):
+    """An entry's "stage" (rows staged in shared memory) goes with its launch, as "grid" does: not for a
+    trial of another shape or under a knob; a trial may set it; "/few" looks at its own entry first."""
+    staged = launch_table.staged
+    monkeypatch.setattr(launch_table, "table", lambda: {"sm_90a": {
+        "test/k": {262144: {"launch": [512, 512, 8], "stage": True}, 131072: {"launch": [128, 128, 16]}},
+        "test/k/few": {131072: {"launch": [256, 256, 16], "stage": True}}}})
+    assert staged("test/k", "sm_90a", 262144) and not staged("test/k", "sm_90a", 131072)
+    assert not staged("test/k", "sm_100a", 262144) and not staged("test/none", "sm_90a", 262144)
+    assert not staged("test/k", "sm_90a", 262144, knob=4)
+    assert staged("test/k", "sm_90a", 262144, few=True)  # no "/few" entry: the key's
+    assert staged("test/k", "sm_90a", 131072, few=True)
+    override[("test/k", "sm_90a", 262144)] = (256, 256, 8)  # a trial of another launch: not its stage
+    assert not staged("test/k", "sm_90a", 262144)
+    launch_table.STAGE_OVERRIDES[("test/k", "sm_90a", 262144)] = True
+    assert staged("test/k", "sm_90a", 262144)
 
 
 def test_backward_grid_takes_the_knob_then_the_table_then_the_default(override, monkeypatch):
@@ -147,6 +166,7 @@ def test_shape_search_keeps_a_grid_only_with_its_launch():
                                  150e-6, 114e-6)
         return entries.get("12288"), said
 
+    found, other = (found, False), (other, False)  # (launch, staged) as the search tries them
     same, said = verdict({"launch": [384, 384, 2], **grid}, found)
     assert same["launch"] == [384, 384, 2] and same["us"] == 114.0 and {k: same[k] for k in grid} == grid
     assert said == "tuned [384, 384, 2], its grid 512 kept"
@@ -224,10 +244,12 @@ def test_table_file_is_well_formed():
         assert arch in ("sm_90a", "sm_100a") and key.count("/") >= 1
         tpr, nt, cl = e["launch"]
         RowLaunch(N=N, vec=1, threads_per_row=tpr, num_threads=nt, cluster_n=cl)  # raises if not a launch shape
-        if e["launch"] != e["heuristic"]:
+        if e["launch"] != e["heuristic"] or e.get("stage"):
             assert e["us"] < e["heuristic_us"], "an entry is kept only where it beat the heuristic"
         else:
             assert "grid" in e, "an entry at the heuristic's shape is kept only for its grid"
+        if "stage" in e:  # rows staged in shared memory: said only where true, and only by the norm forward
+            assert e["stage"] is True and key.startswith(launch_table.STAGEABLE)
         if "grid" in e:  # a persistent grid's size, in threads a SM: kept where it beat the default's
             assert key.startswith(launch_table.PERSISTENT) and e["grid"] >= nt
             assert e["grid_us"][1] < e["grid_us"][0] and e["grid_rows"]
@@ -292,10 +314,13 @@ def test_entry_compiles_for_its_arch(arch, key, N, entry):
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
     from oink.kernels.compile import CACHE
 
+    from oink.kernels.rmsnorm import ran_staged
+
     CACHE.clear_used()
     assert callable(_compile(arch, key, N))
     shapes = CACHE.used_launches()
     assert tuple(entry["launch"]) in shapes, f"the compiled kernel did not take the table's shape: {shapes}"
+    assert ran_staged(CACHE.used) == bool(entry.get("stage")), "the kernel did not stage as the entry says"
 
 
 @pytest.mark.gpu

@@ -111,3 +111,33 @@ def test_split_backward_all_inputs_with_correlated_dout(weight, layernorm):
         if g is not None:
             assert torch.isfinite(g).all(), name
             torch.testing.assert_close(g.double(), r.double(), rtol=2e-2, atol=2e-2 * r.abs().max().item(), msg=name)
+
+
+STAGED_OPS = ("rmsnorm_forward", "rmsnorm_forward_w32", "fused_add_rmsnorm_", "layernorm")
+
+
+@pytest.mark.gpu
+@pytest.mark.sm(90, exact=True)
+@pytest.mark.parametrize("M", [1, 37, 1000])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("N", [4096, 65536, 262144])
+@pytest.mark.parametrize("op", STAGED_OPS)
+def test_staged_forward_runs_correctly(op, N, dtype, M, monkeypatch):
+    """The norm forward with its rows staged in shared memory (OINK_FWD_STAGE=1: every even tile that
+    fits, so the table's and the heuristic's launches both), against the reference at one row, a
+    partial CTA and many rows; it must have run staged where the tile allows it."""
+    import torch
+
+    from tests.helpers import set_knob
+    from oink.kernels.compile import CACHE
+    from oink.kernels.rmsnorm import ran_staged
+    from pytest_oink.bench_runner import gate
+    from pytest_oink.providers import SPECS, build
+
+    set_knob(monkeypatch, "OINK_FWD_STAGE", "1")
+    device = torch.device("cuda")
+    CACHE.clear_used()
+    result = gate(SPECS[op], build(op, "oink", device), Case("test", op, M, N, dtype), getattr(torch, dtype), device)
+    assert result["passed"], result.get("report")
+    if not (op == "fused_add_rmsnorm_" and N == 262144 and dtype == "float32"):  # 256 KB of x and residual a CTA
+        assert ran_staged(CACHE.used), CACHE.used_launches()

@@ -26,6 +26,10 @@ OVERRIDES: dict = {}
 GRID_OVERRIDES: dict = {}
 # keys whose kernels run a persistent grid, which an entry may size ("grid"): the norm backward's
 PERSISTENT = ("rmsnorm_bwd/", "layernorm_bwd/")
+# (key, arch, N) -> whether the forward stages its rows in shared memory: the search tool's trial
+STAGE_OVERRIDES: dict = {}
+# keys whose kernels may stage their rows in shared memory, which an entry may ask for ("stage"): the norm forward's
+STAGEABLE = ("rmsnorm_fwd/", "layernorm_fwd/")
 # (key, arch, N) -> the heuristic's RowLaunch, for every lookup since the last clear (the search
 # tool runs an op once to learn which keys and widths it uses)
 SEEN: dict = {}
@@ -33,8 +37,9 @@ SEEN: dict = {}
 
 @functools.cache
 def table() -> dict:
-    """{arch: {key: {N: entry}}}; an entry's "launch" is [threads_per_row, num_threads, cluster_n], and
-    a persistent kernel's entry may add "grid": the threads a SM its grid is sized for."""
+    """{arch: {key: {N: entry}}}; an entry's "launch" is [threads_per_row, num_threads, cluster_n], a
+    persistent kernel's entry may add "grid": the threads a SM its grid is sized for, and a norm forward's
+    "stage": true, its rows staged in shared memory."""
     if not TABLE_PATH.exists():
         return {}
     data = json.loads(TABLE_PATH.read_text())
@@ -88,6 +93,20 @@ def grid(key: str, arch: str, N: int, knob: int | None = None, few: bool = False
         if entry:
             return entry.get("grid")
     return None
+
+
+def staged(key: str, arch: str, N: int, knob: int | None = None, few: bool = False) -> bool:
+    """Whether ``key``'s launch at N stages its rows in shared memory: a trial override, else the entry's
+    "stage" (it belongs to the entry's launch, so it follows ``pick`` as ``grid`` does), else not."""
+    for k in ((f"{key}/few", key) if few else (key,)):
+        if (k, arch, N) in STAGE_OVERRIDES:
+            return STAGE_OVERRIDES[(k, arch, N)]
+        if (k, arch, N) in OVERRIDES or knob:
+            return False
+        entry = table().get(arch, {}).get(k, {}).get(N)
+        if entry:
+            return bool(entry.get("stage"))
+    return False
 
 
 def candidates(default: RowLaunch, max_iters: int = 8, lanes: int = 1, clusters=(1,)) -> list[RowLaunch]:

@@ -183,7 +183,7 @@ class RowKernelBase:
     def cta_setup(self, tc):
         """Per-CTA prologue, traced inline into each kernel: the block index (row tile) and the
         cluster rank (y), the reduction buffer and cluster barriers, and ``part(tensor, tile)``
-        giving this thread's slice of a row tile."""
+        giving this thread's slice of a row tile (``tile`` None: of a tensor one tile big)."""
         if const_expr(self.pdl):  # launched early (PDL): no read before the kernel ahead has ended
             cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
@@ -197,6 +197,8 @@ class RowKernelBase:
         tiler = self.tiler()
 
         def part(t, tile):
+            if tile is None:  # a tensor of one tile's shape (shared memory)
+                return thr.partition_S(t)
             return thr.partition_S(cute.local_tile(t, tiler, (tile, cy)))
 
         return bidx, cy, buf, mbar, part

@@ -13,12 +13,13 @@ from __future__ import annotations
 from typing import Optional
 
 import cuda.bindings.driver as cuda
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
-from .launch_table import pick
+from .launch_table import pick, staged
 from .reduction import MAX_N, RowKernelBase, RowLaunch, add, pick_row_launch, whole_warp_rows
 
 
@@ -70,6 +71,33 @@ def late_params(launch: RowLaunch, layernorm: bool, wide: bool, few: bool) -> bo
     return wide and (launch.num_threads == 1024 or (few and launch.N >= 131072))
 
 
+# The most bytes of a row tile (x and residual) the forward stages in shared memory: a SM has 227 KB,
+# and two CTAs of the widest tiles (1024 threads x 4 units of 128 bits, x and residual) should fit.
+STAGE_MAX_BYTES = 128 * 1024
+
+
+def stage_rows(launch: RowLaunch, x_bits: int, res_bits: int, tuned: bool) -> bool:
+    """Whether the forward stages x (and the residual) in shared memory (``RMSNormForward.stage``):
+    OINK_FWD_STAGE where set, else the launch table's choice (``tuned``; without an entry, not: it
+    pays only with the launch searched for it, H100 1024 x 262144 bf16 with an fp32 weight 393 against
+    422 us, and costs 2-13% elsewhere); never for a tile with padding or too big a tile."""
+    tile_bytes = launch.rows_per_cta * launch.cols_per_cta * (x_bits + res_bits) // 8
+    if not launch.even_n or tile_bytes > STAGE_MAX_BYTES:
+        return False
+    forced = config.get().fwd_stage
+    return tuned if forced is None else forced
+
+
+FORWARD_KINDS = ("rmsnorm_fwd", "layernorm_fwd")  # the first item of a forward's compile-cache key
+
+
+def ran_staged(keys) -> bool:
+    """Whether any of the compile-cache keys (``CACHE.used``: (key, launch flags...)) is a staged
+    forward's (its key ends with the stage flag)."""
+    return any(isinstance(k, tuple) and isinstance(k[0], tuple) and k[0][0] in FORWARD_KINDS and k[0][-1] is True
+               for k in keys)
+
+
 class RMSNormForward(RowKernelBase):
     """RMSNorm forward; with ``layernorm`` it subtracts the row mean first (LayerNorm), in two
     reduction rounds: the mean, then the sum of the centred values (a correction to the mean) with
@@ -77,7 +105,7 @@ class RMSNormForward(RowKernelBase):
 
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, b_dtype, res_dtype, out_dtype, res_out_dtype,
                  store_rstd: bool, layernorm: bool = False, weight_offset: float = 0.0, heads: int = 1,
-                 late_params: bool = False):
+                 late_params: bool = False, stage: bool = False):
         super().__init__(launch, num_reductions=3 if layernorm else 1)
         self.x_dtype, self.w_dtype, self.b_dtype = x_dtype, w_dtype, b_dtype
         self.res_dtype, self.out_dtype, self.res_out_dtype = res_dtype, out_dtype, res_out_dtype
@@ -88,6 +116,10 @@ class RMSNormForward(RowKernelBase):
         # weight and bias loaded after the reduction, and x converted to fp32 again where it is used,
         # so that neither is held in registers across the reduction's barriers
         self.late_params = late_params
+        # x (and the residual) copied into shared memory (cp.async) and read from there again after the
+        # reduction, so that no register holds them across its barriers (``stage_rows``)
+        self.stage = stage
+        assert not stage or launch.even_n, launch
 
     @cute.jit
     def weight_values(self, rW: cute.Tensor):
@@ -162,42 +194,46 @@ class RMSNormForward(RowKernelBase):
         L = self.launch
         tXgX = part(mX, bidx)
 
-        # Loads: rows past M load nothing (their values stay 0 and are never stored).
+        # Loads: rows past M load nothing (their values stay 0, or staged, undefined; never stored).
         rX = cute.make_rmem_tensor_like(tXgX)
-        rX.fill(0)
-        rRes = None
+        rRes, tXgRes = None, None
         if const_expr(mRes is not None):
             tXgRes = part(mRes, bidx)
             rRes = cute.make_rmem_tensor_like(tXgRes)
-            rRes.fill(0)
-        if row < M:
-            self.copy_row(tXgX, rX, tXcX, self.x_dtype)
+        smem_rows = None
+        if const_expr(self.stage):
+            smem_rows = self.stage_loads(tXgX, tXgRes, part, row, M)
+        else:
+            rX.fill(0)
             if const_expr(mRes is not None):
-                self.copy_row(tXgRes, rRes, tXcX, self.res_dtype)
+                rRes.fill(0)
+            if row < M:
+                self.copy_row(tXgX, rX, tXcX, self.x_dtype)
+                if const_expr(mRes is not None):
+                    self.copy_row(tXgRes, rRes, tXcX, self.res_dtype)
         if const_expr(not self.late_params):
             rW, rB = self.load_params(mW, mB, part, tXcX, row)
 
-        src = rX  # the registers the normalized values are computed from
-        h = rX.load().to(Float32)
+        rResO = None
         if const_expr(mRes is not None):
-            h = h + rRes.load().to(Float32)
-            # The stored sum is rounded to its dtype; the norm is of that rounded value.
             rResO = cute.make_rmem_tensor_like(rRes, self.res_out_dtype)
-            rResO.store(h.to(self.res_out_dtype))
-            src = rResO
-            h = rResO.load().to(Float32)
-            if const_expr(mResO is not None):
-                tXgResO = part(mResO, bidx)
-                if row < M:
-                    self.copy_row(rResO, tXgResO, tXcX, self.res_out_dtype)
+        h = self.row_values(rX, rRes, rResO, smem_rows)
+        if const_expr(mResO is not None):
+            tXgResO = part(mResO, bidx)
+            if row < M:
+                self.copy_row(rResO, tXgResO, tXcX, self.res_out_dtype)
+        # what the values are computed from again after a reduction round (``reload``)
+        src = rX if const_expr(mRes is None) else rResO
+        if const_expr(self.stage):
+            src = None
 
         self.wait_cluster()
         mean = Float32(0.0)
         if const_expr(self.layernorm):
             total = h.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
             mean = self.row_allreduce(total, add, Float32(0.0), buf, mbar, 0) / L.N
-            if const_expr(self.late_params):
-                h = src.load().to(Float32)  # converted again rather than held in fp32 across the round
+            if const_expr(self.late_params or self.stage):
+                h = self.reload(src, rX, rRes, rResO, smem_rows)  # rather than held in fp32 across the round
             h = h - mean
             if const_expr(not L.even_n):
                 # padding columns hold 0 - mean after centring: zero them before the squares (subtracting
@@ -210,8 +246,8 @@ class RMSNormForward(RowKernelBase):
             dsum, ss = self.row_allreduce_pair(dsum, ss, add, Float32(0.0), buf, mbar, 1, 2)
             corr = dsum / L.N
             mean = mean + corr
-            if const_expr(self.late_params):
-                h = src.load().to(Float32) - mean  # padding columns are not stored
+            if const_expr(self.late_params or self.stage):
+                h = self.reload(src, rX, rRes, rResO, smem_rows) - mean  # padding columns are not stored
             else:
                 h = h - corr
             var = cute.arch.fmax(ss / L.N - corr * corr, Float32(0.0))
@@ -222,14 +258,60 @@ class RMSNormForward(RowKernelBase):
 
         if const_expr(self.late_params):
             rW, rB = self.load_params(mW, mB, part, tXcX, row)
-            if const_expr(not self.layernorm):
-                h = src.load().to(Float32)
+        if const_expr((self.late_params or self.stage) and not self.layernorm):
+            h = self.reload(src, rX, rRes, rResO, smem_rows)
         y = h * rstd
         if const_expr(mW is not None):
             y = y * self.weight_values(rW)
         if const_expr(mB is not None):
             y = y + rB.load().to(Float32)
         return y, rX, rstd, mean
+
+    @cute.jit
+    def stage_loads(self, tXgX: cute.Tensor, tXgRes, part, row: Int32, M: Int32):
+        """Copy this thread's slice of x (and the residual) into shared memory (cp.async, waited for:
+        each thread reads back only what it copied). -> (x's, residual's or None) slices there."""
+        L = self.launch
+        smem = cutlass.memory.SmemAllocator()
+        tile = cute.make_ordered_layout((L.rows_per_cta, L.cols_per_cta), order=(1, 0))
+        tXsX = part(smem.allocate_tensor(self.x_dtype, tile, byte_alignment=16), None)
+        tXsRes = None
+        if const_expr(tXgRes is not None):
+            tXsRes = part(smem.allocate_tensor(self.res_dtype, tile, byte_alignment=16), None)
+        if row < M:
+            cute.copy(self.async_atom(self.x_dtype), tXgX, tXsX)
+            if const_expr(tXgRes is not None):
+                cute.copy(self.async_atom(self.res_dtype), tXgRes, tXsRes)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        return tXsX, tXsRes
+
+    def async_atom(self, dtype):
+        bits = min(128, self.launch.vec * dtype.width)
+        return cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), dtype, num_bits_per_copy=bits)
+
+    @cute.jit
+    def row_values(self, rX: cute.Tensor, rRes, rResO, smem_rows):
+        """This thread's row values in fp32: x, or x + residual rounded to the residual output's dtype
+        (the stored sum; the norm is of that rounded value), kept in ``rResO``; read from ``smem_rows``
+        (``stage_loads``) where staged."""
+        if const_expr(smem_rows is not None):
+            cute.autovec_copy(smem_rows[0], rX)
+            if const_expr(rRes is not None):
+                cute.autovec_copy(smem_rows[1], rRes)
+        h = rX.load().to(Float32)
+        if const_expr(rRes is not None):
+            rResO.store((h + rRes.load().to(Float32)).to(self.res_out_dtype))
+            h = rResO.load().to(Float32)
+        return h
+
+    @cute.jit
+    def reload(self, src, rX: cute.Tensor, rRes, rResO, smem_rows):
+        """The row values in fp32 again after a reduction round: converted again from the registers
+        they were computed from (``src``), or read again from shared memory (``smem_rows``)."""
+        if const_expr(smem_rows is not None):
+            return self.row_values(rX, rRes, rResO, smem_rows)
+        return src.load().to(Float32)
 
     @cute.jit
     def load_params(self, mW: Optional[cute.Tensor], mB: Optional[cute.Tensor], part, tXcX: cute.Tensor, row):
@@ -263,18 +345,21 @@ def compiled_forward(x_dtype: str, N: int, arch: str, w_dtype: str | None = None
     xd = cute_dtype(x_dtype)
     out_dtype = out_dtype or x_dtype
     wide = max([cute_dtype(d).width for d in (w_dtype, res_dtype, res_out_dtype) if d is not None], default=0)
-    launch = pick(f"{'layernorm' if layernorm else 'rmsnorm'}_fwd/x{xd.width}w{wide}", arch,
-                  forward_launch(N, xd.width, arch, wide, layernorm), config.get().fwd_upt, few)
+    table_key = f"{'layernorm' if layernorm else 'rmsnorm'}_fwd/x{xd.width}w{wide}"
+    knob = config.get().fwd_upt
+    launch = pick(table_key, arch, forward_launch(N, xd.width, arch, wide, layernorm), knob, few)
     late = config.get().fwd_late
     if late is None:
         late = late_params(launch, layernorm, wide > xd.width, few)
-    key = ("layernorm_fwd" if layernorm else "rmsnorm_fwd", x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype,
-           out_dtype, store_rstd, store_mean, float(weight_offset), heads, N, arch, launch, late)
+    stage = stage_rows(launch, xd.width, cute_dtype(res_dtype).width if res_dtype else 0,
+                       staged(table_key, arch, N, knob, few))
+    key = (FORWARD_KINDS[layernorm], x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype,
+           out_dtype, store_rstd, store_mean, float(weight_offset), heads, N, arch, launch, late, stage)
 
     def build():
         dts = [_cute(d) for d in (w_dtype, b_dtype, res_dtype, res_out_dtype, out_dtype)]
         kernel = RMSNormForward(launch, xd, *dts[:3], dts[4], dts[3], store_rstd, layernorm, float(weight_offset),
-                                heads, late)
+                                heads, late, stage)
         ptr = lambda dt: None if dt is None else gmem_ptr(dt)  # noqa: E731
         one = Int64(launch.vec)
         return compile_kernel(
