@@ -10,6 +10,8 @@ and arches in the table are kept. ``--grids`` then sizes a persistent kernel's g
 backward's, ``launch_table.PERSISTENT``) for the launch the key now takes: each size (threads a SM)
 gated and timed the same way, kept as the entry's "grid" where it beats the family's default by
 more than ``--min-gain``; ``--grid-only`` skips the shape search and sizes the current launch's grid.
+``--stage`` tries each norm forward shape three ways: rows in registers, and staged in shared memory with
+the weight and bias loaded before or after the reduction (the entry's "stage": "early" / "late").
 Row counts of at most ``launch_table.FEW_ROWS`` tune the ops' "/few" keys (the launches calls of so
 few rows take), larger ones the keys themselves.
 
@@ -65,7 +67,8 @@ def keys_of(spec, run, M, N, dtype, device) -> dict:
 
 def try_shape(spec, run, op, N, rows, dtype, device, key, shape, grid=None, stage=None) -> tuple[bool, list, str]:
     """(passed, [seconds per row count], why) with ``shape`` forced for ``key`` (and ``grid``, threads
-    a SM or 0 for the family's default, and ``stage``, the rows staged in shared memory, where given)."""
+    a SM or 0 for the family's default, and ``stage``: False, or rows staged in shared memory with the
+    parameters loaded "early" or "late", where given)."""
     launch_table.OVERRIDES.clear()
     launch_table.GRID_OVERRIDES.clear()
     launch_table.STAGE_OVERRIDES.clear()
@@ -105,7 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--grids", default="", help="persistent grid sizes to try (threads a SM), e.g. 1024,2048")
     ap.add_argument("--grid-only", action="store_true", help="size the grid of each key's current launch only")
     ap.add_argument("--stage", action="store_true",
-                    help="also try each shape with its rows staged in shared memory (the norm forward's keys)")
+                    help="also try each shape with its rows staged in shared memory, its parameters loaded before "
+                         "and after the reduction (the norm forward's keys)")
     ap.add_argument("--out", default=str(launch_table.TABLE_PATH))
     ap.add_argument("--log", default=None, help="also write every trial as JSON lines here")
     a = ap.parse_args(argv)
@@ -148,7 +152,8 @@ def main(argv=None) -> int:
                     continue
                 # the FP8 kernels keep a 128-wide group on aligned lanes: try only such shapes
                 lanes = 128 // FP8_UNIT if key.startswith("fp8/") and key.endswith("/group") else 1
-                stages = (False, True) if a.stage and key.startswith(launch_table.STAGEABLE) else (False,)
+                stages = (False, *launch_table.STAGINGS) if a.stage and key.startswith(launch_table.STAGEABLE) \
+                    else (False,)
                 trials = []
                 for L in launch_table.candidates(default, a.max_iters, lanes, clusters):
                     for stage in stages:
@@ -205,8 +210,8 @@ def record_shape(entries, width, op, rows, dtype, card, default, best, base, bes
         entries[str(width)] = new_entry(op, rows, dtype, card, launch, best_t, heuristic, base)
         verdict = f"tuned {launch}"
         if stage:
-            entries[str(width)]["stage"] = True
-            verdict += ", staged"
+            entries[str(width)]["stage"] = stage
+            verdict += f", staged ({stage} parameters)"
     else:
         launch, verdict = heuristic, "heuristic kept"
     if old and "grid" in old and old["launch"] == launch:

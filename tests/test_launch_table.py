@@ -72,21 +72,24 @@ def test_grid_belongs_to_its_entrys_launch(override, monkeypatch):
 
 
 def test_stage_belongs_to_its_entrys_launch(override, monkeypatch):
-    """An entry's "stage" (rows staged in shared memory) goes with its launch, as "grid" does: not for a
-    trial of another shape or under a knob; a trial may set it; "/few" looks at its own entry first."""
+    """An entry's "stage" (rows staged in shared memory, parameters loaded early or late) goes with its
+    launch, as "grid" does: not for a trial of another shape or under a knob; a trial may set it (False:
+    not staged); "/few" looks at its own entry first."""
     staged = launch_table.staged
     monkeypatch.setattr(launch_table, "table", lambda: {"sm_90a": {
-        "test/k": {262144: {"launch": [512, 512, 8], "stage": True}, 131072: {"launch": [128, 128, 16]}},
-        "test/k/few": {131072: {"launch": [256, 256, 16], "stage": True}}}})
-    assert staged("test/k", "sm_90a", 262144) and not staged("test/k", "sm_90a", 131072)
-    assert not staged("test/k", "sm_100a", 262144) and not staged("test/none", "sm_90a", 262144)
-    assert not staged("test/k", "sm_90a", 262144, knob=4)
-    assert staged("test/k", "sm_90a", 262144, few=True)  # no "/few" entry: the key's
-    assert staged("test/k", "sm_90a", 131072, few=True)
+        "test/k": {262144: {"launch": [512, 512, 8], "stage": "early"}, 131072: {"launch": [128, 128, 16]}},
+        "test/k/few": {131072: {"launch": [256, 256, 16], "stage": "late"}}}})
+    assert staged("test/k", "sm_90a", 262144) == "early" and staged("test/k", "sm_90a", 131072) is None
+    assert staged("test/k", "sm_100a", 262144) is None and staged("test/none", "sm_90a", 262144) is None
+    assert staged("test/k", "sm_90a", 262144, knob=4) is None
+    assert staged("test/k", "sm_90a", 262144, few=True) == "early"  # no "/few" entry: the key's
+    assert staged("test/k", "sm_90a", 131072, few=True) == "late"
     override[("test/k", "sm_90a", 262144)] = (256, 256, 8)  # a trial of another launch: not its stage
-    assert not staged("test/k", "sm_90a", 262144)
-    launch_table.STAGE_OVERRIDES[("test/k", "sm_90a", 262144)] = True
-    assert staged("test/k", "sm_90a", 262144)
+    assert staged("test/k", "sm_90a", 262144) is None
+    launch_table.STAGE_OVERRIDES[("test/k", "sm_90a", 262144)] = "late"
+    assert staged("test/k", "sm_90a", 262144) == "late"
+    launch_table.STAGE_OVERRIDES[("test/k", "sm_90a", 262144)] = False
+    assert staged("test/k", "sm_90a", 262144) is None
 
 
 def test_backward_grid_takes_the_knob_then_the_table_then_the_default(override, monkeypatch):
@@ -176,6 +179,9 @@ def test_shape_search_keeps_a_grid_only_with_its_launch():
     assert verdict(for_grid, None) == (for_grid, "heuristic kept, its grid 512 kept")
     assert verdict({"launch": [384, 384, 2], **grid}, None) == (None, "heuristic kept")
     assert verdict(None, found)[0]["launch"] == [384, 384, 2] and "grid" not in verdict(None, found)[0]
+    staged, said = verdict(None, (found[0], "late"))  # rows staged, parameters loaded after the reduction
+    assert staged["stage"] == "late" and said == "tuned [384, 384, 2], staged (late parameters)"
+    assert "stage" not in verdict(None, found)[0]
 
 
 def test_ops_sharing_a_key_search_it_once(capsys):
@@ -248,8 +254,8 @@ def test_table_file_is_well_formed():
             assert e["us"] < e["heuristic_us"], "an entry is kept only where it beat the heuristic"
         else:
             assert "grid" in e, "an entry at the heuristic's shape is kept only for its grid"
-        if "stage" in e:  # rows staged in shared memory: said only where true, and only by the norm forward
-            assert e["stage"] is True and key.startswith(launch_table.STAGEABLE)
+        if "stage" in e:  # rows staged in shared memory, parameters loaded early or late: the norm forward's
+            assert e["stage"] in launch_table.STAGINGS and key.startswith(launch_table.STAGEABLE)
         if "grid" in e:  # a persistent grid's size, in threads a SM: kept where it beat the default's
             assert key.startswith(launch_table.PERSISTENT) and e["grid"] >= nt
             assert e["grid_us"][1] < e["grid_us"][0] and e["grid_rows"]

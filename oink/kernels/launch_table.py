@@ -26,8 +26,10 @@ OVERRIDES: dict = {}
 GRID_OVERRIDES: dict = {}
 # keys whose kernels run a persistent grid, which an entry may size ("grid"): the norm backward's
 PERSISTENT = ("rmsnorm_bwd/", "layernorm_bwd/")
-# (key, arch, N) -> whether the forward stages its rows in shared memory: the search tool's trial
+# (key, arch, N) -> the forward's staging (False: none; "early" / "late": rows staged in shared memory,
+# parameters loaded before / after the reduction): the search tool's trial
 STAGE_OVERRIDES: dict = {}
+STAGINGS = ("early", "late")
 # keys whose kernels may stage their rows in shared memory, which an entry may ask for ("stage"): the norm forward's
 STAGEABLE = ("rmsnorm_fwd/", "layernorm_fwd/")
 # (key, arch, N) -> the heuristic's RowLaunch, for every lookup since the last clear (the search
@@ -39,7 +41,7 @@ SEEN: dict = {}
 def table() -> dict:
     """{arch: {key: {N: entry}}}; an entry's "launch" is [threads_per_row, num_threads, cluster_n], a
     persistent kernel's entry may add "grid": the threads a SM its grid is sized for, and a norm forward's
-    "stage": true, its rows staged in shared memory."""
+    "stage": "early" or "late", its rows staged in shared memory (``staged``)."""
     if not TABLE_PATH.exists():
         return {}
     data = json.loads(TABLE_PATH.read_text())
@@ -95,18 +97,19 @@ def grid(key: str, arch: str, N: int, knob: int | None = None, few: bool = False
     return None
 
 
-def staged(key: str, arch: str, N: int, knob: int | None = None, few: bool = False) -> bool:
-    """Whether ``key``'s launch at N stages its rows in shared memory: a trial override, else the entry's
-    "stage" (it belongs to the entry's launch, so it follows ``pick`` as ``grid`` does), else not."""
+def staged(key: str, arch: str, N: int, knob: int | None = None, few: bool = False) -> str | None:
+    """How ``key``'s launch at N stages its rows in shared memory: "early" or "late" (the parameters'
+    loads before or after the reduction), or None (not staged): a trial override, else the entry's
+    "stage" (it belongs to the entry's launch, so it follows ``pick`` as ``grid`` does), else None."""
     for k in ((f"{key}/few", key) if few else (key,)):
         if (k, arch, N) in STAGE_OVERRIDES:
-            return STAGE_OVERRIDES[(k, arch, N)]
+            return STAGE_OVERRIDES[(k, arch, N)] or None
         if (k, arch, N) in OVERRIDES or knob:
-            return False
+            return None
         entry = table().get(arch, {}).get(k, {}).get(N)
         if entry:
-            return bool(entry.get("stage"))
-    return False
+            return entry.get("stage")
+    return None
 
 
 def candidates(default: RowLaunch, max_iters: int = 8, lanes: int = 1, clusters=(1,)) -> list[RowLaunch]:

@@ -79,8 +79,8 @@ STAGE_MAX_BYTES = 128 * 1024
 def stage_rows(launch: RowLaunch, x_bits: int, res_bits: int, tuned: bool) -> bool:
     """Whether the forward stages x (and the residual) in shared memory (``RMSNormForward.stage``):
     OINK_FWD_STAGE where set, else the launch table's choice (``tuned``; without an entry, not: it
-    pays only with the launch searched for it, H100 1024 x 262144 bf16 with an fp32 weight 393 against
-    422 us, and costs 2-13% elsewhere); never for a tile with padding or too big a tile."""
+    pays only with a launch searched for it, and cost 2-13% with the heuristic's, bench/RESULTS.md);
+    never for a tile with padding or too big a tile."""
     tile_bytes = launch.rows_per_cta * launch.cols_per_cta * (x_bits + res_bits) // 8
     if not launch.even_n or tile_bytes > STAGE_MAX_BYTES:
         return False
@@ -348,11 +348,11 @@ def compiled_forward(x_dtype: str, N: int, arch: str, w_dtype: str | None = None
     table_key = f"{'layernorm' if layernorm else 'rmsnorm'}_fwd/x{xd.width}w{wide}"
     knob = config.get().fwd_upt
     launch = pick(table_key, arch, forward_launch(N, xd.width, arch, wide, layernorm), knob, few)
+    tuned = staged(table_key, arch, N, knob, few)  # None, or where a staged launch loads its parameters
+    stage = stage_rows(launch, xd.width, cute_dtype(res_dtype).width if res_dtype else 0, tuned is not None)
     late = config.get().fwd_late
     if late is None:
-        late = late_params(launch, layernorm, wide > xd.width, few)
-    stage = stage_rows(launch, xd.width, cute_dtype(res_dtype).width if res_dtype else 0,
-                       staged(table_key, arch, N, knob, few))
+        late = tuned == "late" if stage and tuned else late_params(launch, layernorm, wide > xd.width, few)
     key = (FORWARD_KINDS[layernorm], x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype,
            out_dtype, store_rstd, store_mean, float(weight_offset), heads, N, arch, launch, late, stage)
 
