@@ -71,8 +71,9 @@ def late_params(launch: RowLaunch, layernorm: bool, wide: bool, few: bool) -> bo
     return wide and (launch.num_threads == 1024 or (few and launch.N >= 131072))
 
 
-# The most bytes of a row tile (x and residual) the forward stages in shared memory: a SM has 227 KB,
-# and two CTAs of the widest tiles (1024 threads x 4 units of 128 bits, x and residual) should fit.
+# The most bytes of a row tile (x and residual) the forward stages in shared memory: a SM has 227 KB, so
+# such a tile (1024 threads x 4 units of 128 bits, x and a residual) still leaves one CTA a SM room for
+# the reduction buffers; fp32 x and residual over 1024 threads x 8 units (256 KB) are never staged.
 STAGE_MAX_BYTES = 128 * 1024
 
 
