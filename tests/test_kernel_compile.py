@@ -513,6 +513,29 @@ def test_forward_stages_rows_where_the_tile_fits(arch, monkeypatch):
 from oink.kernels.rmsnorm_bwd import compiled_split_backward, split_rows  # noqa: E402
 
 
+def test_direct_sums_only_for_one_cta_of_one_row():
+    from oink.kernels.rmsnorm_bwd import direct_sums
+
+    one = RowLaunch(N=4096, vec=8, threads_per_row=256, num_threads=256)
+    assert direct_sums(one, 1)
+    assert direct_sums(RowLaunch(N=131072, vec=8, threads_per_row=512, num_threads=512, cluster_n=16), 1)
+    assert not direct_sums(one, 2)  # two CTAs: two partial rows to add
+    assert not direct_sums(RowLaunch(N=512, vec=8, threads_per_row=64, num_threads=128), 1)  # two rows a CTA
+    assert not direct_sums(one, 1, heads=2)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_one_row_backward_storing_dweight_compiles(arch):
+    """The backward that stores dweight / dbias in the weight's dtype (one row, ``direct_sums``): RMSNorm
+    with a bf16, an fp32 or no weight and a bias, LayerNorm, per-row and clustered widths."""
+    for N in (4096, 131072):
+        for w in ("bfloat16", "float32", None):
+            assert callable(compiled_backward("bfloat16", N, arch, w, "bfloat16", "bfloat16", True, few=True,
+                                              direct=True))
+        assert callable(compiled_backward("float32", N, arch, "float32", "float32", None, True, layernorm=True,
+                                          few=True, direct=True))
+
+
 def test_split_backward_takes_rows_too_wide_for_one_kernel(monkeypatch):
     """The split where a thread of the largest cluster the arch takes would hold too much of a row:
     SM90's cluster of 16 holds 131072 columns (bf16 and fp32), SM100's portable 8 only 65536."""

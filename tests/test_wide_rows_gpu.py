@@ -142,3 +142,58 @@ def test_staged_forward_runs_correctly(op, N, dtype, M, monkeypatch):
     (tpr, nt, cluster_n), = CACHE.used_launches()
     tile_bytes = nt // tpr * N // cluster_n * getattr(torch, dtype).itemsize * (2 if op == "fused_add_rmsnorm_" else 1)
     assert ran_staged(CACHE.used) == (tile_bytes <= STAGE_MAX_BYTES), (tile_bytes, CACHE.used_launches())
+
+
+@pytest.mark.gpu
+@pytest.mark.sm(90, exact=True)
+@pytest.mark.parametrize("path", ["plan", "runner"])
+@pytest.mark.parametrize("N", [4096, 7168, 65536, 131072])
+@pytest.mark.parametrize("layernorm,weight", [(False, "none"), (False, "bfloat16"), (False, "float32"),
+                                              (True, "bfloat16"), (True, "float32")])
+def test_one_row_backward_writes_dweight_directly(layernorm, weight, N, path):
+    """One row: the backward's one CTA (or cluster) stores dweight and dbias in the weight's dtype and
+    no partials' sum runs (``direct_sums``), through the public call's plan and through the runner;
+    every output against the float64 reference, with dout close to xhat * weight (as above) so that
+    the row's sums carry dx, and RMSNorm's dresidual_out, bias and weight offset."""
+    import torch
+
+    import oink
+    from oink.kernels import rmsnorm_ops
+    from oink.kernels.compile import CACHE
+    from oink.reference import norms
+
+    torch.manual_seed(N + layernorm)
+    dev = "cuda"
+    x = torch.randn(1, N, device=dev, dtype=torch.bfloat16) * 2 + 0.5
+    w = None if weight == "none" else torch.randn(N, device=dev, dtype=getattr(torch, weight)) + 1
+    xf = x.double()
+    mean = xf.mean(-1) if layernorm else torch.zeros(1, device=dev, dtype=torch.float64)
+    rstd = ((xf - mean[:, None]).pow(2).mean(-1) + 1e-6).rsqrt()
+    xhat = (xf - mean[:, None]) * rstd[:, None]
+    dout = (xhat * (1 if w is None else w.double()) + 0.05 * torch.randn_like(xhat)).to(x.dtype)
+    rstd, mean = rstd.float(), mean.float()
+    CACHE.clear_used()
+    if layernorm:
+        b = torch.randn(N, device=dev, dtype=w.dtype)
+        args = (dout, x, w, rstd, mean, b)
+        got = (oink.layernorm_backward(*args) if path == "plan"
+               else rmsnorm_ops.run_layernorm_backward("sm_90a", *args))
+        want = norms.layernorm_backward(dout.double(), xf, w.double(), rstd.double(), mean.double(), b.double())
+        names = ("dx", "dw", "db")
+    else:
+        dres = torch.randn_like(x)
+        kw = dict(has_bias=True, has_residual=True, weight_offset=1.0)
+        got = (oink.rmsnorm_backward(x, w, dout, rstd, dres, **kw) if path == "plan"
+               else rmsnorm_ops.run_backward("sm_90a", x, w, dout, rstd, dres, **kw))
+        want = norms.rmsnorm_backward(xf, None if w is None else w.double(), dout.double(), rstd.double(),
+                                      dres.double(), **kw)
+        names = ("dx", "dw", "db", "dresidual")
+    for g, r, name in zip(got, want, names):
+        assert (g is None) == (r is None), name
+        if g is not None:
+            assert torch.isfinite(g).all(), name
+            if name in ("dw", "db"):
+                assert g.dtype == (w.dtype if w is not None else x.dtype), name
+            torch.testing.assert_close(g.double(), r.double(), rtol=2e-2, atol=2e-2 * r.abs().max().item(), msg=name)
+    ran = [k[0][0] for k in CACHE.used if k]
+    assert "partial_sum" not in ran and any(kind.endswith("_bwd") for kind in ran), ran

@@ -135,7 +135,7 @@ class RMSNormBackward(RMSNormForward):
 
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, dout_dtype, dres_dtype, has_dw: bool, has_db: bool,
                  layernorm: bool = False, depth: int = 1, weight_offset: float = 0.0,
-                 heads: int = 1):
+                 heads: int = 1, direct: bool = False):
         RMSNormForward.__init__(self, launch, x_dtype, w_dtype, None, None, x_dtype, None, False, layernorm,
                                 weight_offset, heads)
         # per head, a thread's rows must all be of one head (its partial row is that head's)
@@ -144,6 +144,10 @@ class RMSNormBackward(RMSNormForward):
         self.dout_dtype, self.dres_dtype = dout_dtype, dres_dtype
         self.has_dw, self.has_db = has_dw, has_db
         self.depth = depth  # self.pdl: from the config (RowKernelBase)
+        # one CTA (a cluster) and one row a CTA: its sums are dweight and dbias themselves, stored in the
+        # weight's dtype (x's without a weight), with no partials to add up (``direct_sums``)
+        self.direct = direct
+        self.sums_dtype = (w_dtype or x_dtype) if direct else Float32
 
     @cute.jit
     def load_tile(self, mX: cute.Tensor, mDout: cute.Tensor, mRstd: cute.Tensor, mMean: Optional[cute.Tensor],
@@ -202,7 +206,7 @@ class RMSNormBackward(RMSNormForward):
         mW = self.broadcast_rows(pw) if const_expr(pw is not None) else None
         mRstd = cute.make_tensor(prstd, cute.make_layout((M,)))
         mMean = cute.make_tensor(pmean, cute.make_layout((M,))) if const_expr(pmean is not None) else None
-        parts = num_ctas * L.rows_per_cta
+        parts = num_ctas * L.rows_per_cta  # direct: 1, dweight and dbias themselves
         row_major = cute.make_layout((parts, L.N), stride=(cute.assume(ldpart, divby=L.vec), 1))
         mDw = cute.make_tensor(pdw, row_major) if const_expr(pdw is not None) else None
         mDb = cute.make_tensor(pdb, row_major) if const_expr(pdb is not None) else None
@@ -356,21 +360,34 @@ class RMSNormBackward(RMSNormForward):
     @cute.jit
     def store_partials(self, acc_dw: cute.Tensor, acc_db: cute.Tensor, mDw: Optional[cute.Tensor],
                        mDb: Optional[cute.Tensor], part, ident: cute.Tensor, bidx: Int32):
-        """This CTA's dweight/dbias sums as its partial rows: row bidx * rows_per_cta + the thread's row."""
+        """This CTA's dweight/dbias sums as its partial rows: row bidx * rows_per_cta + the thread's row
+        (``direct``: the one such row is dweight / dbias, stored in their dtype)."""
         pc = part(ident, bidx)  # coordinates with the row tile of this CTA's own partial rows
-        if const_expr(self.has_dw):
-            self.copy_row(acc_dw, part(mDw, bidx), pc, Float32)
-        if const_expr(self.has_db):
-            self.copy_row(acc_db, part(mDb, bidx), pc, Float32)
+        for acc, mD, wanted in ((acc_dw, mDw, self.has_dw), (acc_db, mDb, self.has_db)):
+            if const_expr(wanted):
+                if const_expr(self.direct):
+                    out = cute.make_rmem_tensor_like(acc, self.sums_dtype)
+                    out.store(acc.load().to(self.sums_dtype))
+                    self.copy_row(out, part(mD, bidx), pc, self.sums_dtype)
+                else:
+                    self.copy_row(acc, part(mD, bidx), pc, Float32)
+
+
+def direct_sums(launch: RowLaunch, ctas: int, heads: int = 1) -> bool:
+    """Whether the backward's grid writes dweight and dbias itself, in the weight's dtype: one CTA (or
+    cluster) of one row, so that its sums are the whole sums, and the partials' sum, a second launch,
+    is left out (one row; H100 1 x 4096: the two launches took 3.3 us, torch.compile's one 2.0)."""
+    return ctas == 1 and launch.rows_per_cta == 1 and heads == 1
 
 
 @memo
 def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout_dtype: str,
                       dres_dtype: str | None, has_db: bool, layernorm: bool = False, weight_offset: float = 0.0,
-                      heads: int = 1, few: bool = False):
+                      heads: int = 1, few: bool = False, direct: bool = False):
     """Compile (or fetch) the RMSNorm (or, with ``layernorm``, LayerNorm) backward; M is runtime,
     ``weight_offset`` (dx's weight is w + offset; dw is unchanged) and ``heads`` (per-head weights,
-    rows_per_cta a multiple of them: ``head_launch``) compiled in."""
+    rows_per_cta a multiple of them: ``head_launch``) compiled in; ``direct``: dweight and dbias stored
+    in the weight's dtype (x's without a weight) instead of fp32 partial rows (``direct_sums``)."""
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the norm kernels handle 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
@@ -381,20 +398,21 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
             raise ValueError(f"N={N} with {heads} heads: no backward launch has a whole number of heads a CTA")
     depth = _knobs(layernorm)[2]
     key = ("layernorm_bwd" if layernorm else "rmsnorm_bwd", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N,
-           arch, launch, depth, float(weight_offset), heads)
+           arch, launch, depth, float(weight_offset), heads, direct)
 
     def build():
         wd = None if w_dtype is None else cute_dtype(w_dtype)
         gd = cute_dtype(dout_dtype)
         rd = None if dres_dtype is None else cute_dtype(dres_dtype)
         kernel = RMSNormBackward(launch, xd, wd, gd, rd, w_dtype is not None, has_db, layernorm, depth,
-                                 float(weight_offset), heads)
+                                 float(weight_offset), heads, direct)
+        sums = kernel.sums_dtype
         one = Int64(launch.vec)
         return compile_kernel(
             kernel, gmem_ptr(xd), None if wd is None else gmem_ptr(wd), gmem_ptr(gd), gmem_ptr(Float32, 4),
             gmem_ptr(Float32, 4) if layernorm else None,
             None if rd is None else gmem_ptr(rd), gmem_ptr(xd),
-            gmem_ptr(Float32) if w_dtype is not None else None, gmem_ptr(Float32) if has_db else None,
+            gmem_ptr(sums) if w_dtype is not None else None, gmem_ptr(sums) if has_db else None,
             Int32(1), one, one, one, one, one, Int32(1), fake_stream(), arch=arch)
 
     return CACHE.get(key, build)

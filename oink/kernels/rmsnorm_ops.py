@@ -11,7 +11,8 @@ from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld
 from .launch_table import few_rows
 from .rmsnorm import compiled_forward
 from .rmsnorm_bwd import (backward_launch, backward_tpsm, compiled_backward, compiled_partial_sum,
-                          compiled_split_backward, head_launch, persistent_ctas, split_groups, split_rows)
+                          compiled_split_backward, direct_sums, head_launch, persistent_ctas, split_groups,
+                          split_rows)
 
 
 def heads_of(weight, bias) -> int:
@@ -144,6 +145,12 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
         if heads > 1:
             launch = head_launch(launch, heads)
         ctas, parts = backward_grid(launch, M, x.device, backward_tpsm(N, bits, arch, layernorm, few))
+    wdtype = weight.dtype if weight is not None else x.dtype
+    if not split and M > 0 and direct_sums(launch, ctas, heads):  # one row: the kernel writes dw and db
+        dw, db = (torch.empty(N, device=x.device, dtype=wdtype) if want else None
+                  for want in (weight is not None, has_bias))
+        launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw, db, ctas, mean, weight_offset, heads, direct=True)
+        return dx.view(x.shape), dw, db
     buf, dw_part, db_part = partial_buffers(parts, N, weight is not None, has_bias, x.device, torch.empty)
     if split:
         launch_split_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, mean, weight_offset)
@@ -151,7 +158,6 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
         launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean, weight_offset, heads)
     else:
         buf.zero_()
-    wdtype = weight.dtype if weight is not None else x.dtype
     if heads > 1:  # partial row p holds rows of head p % H: one torch sum per head
         total = buf.view(parts // heads, heads, buf.shape[1], buf.shape[2]).sum(0)
         dw, db = (total[:, i, :N].to(wdtype).contiguous() for i in (0, -1))
@@ -202,17 +208,18 @@ def sum_partials(arch: str, buf, has_dw: bool, has_db: bool, N: int, dtype):
 
 
 def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean=None, weight_offset=0.0,
-                    heads=1):
+                    heads=1, direct=False):
     """Launch into given outputs; dw_part/db_part have ctas * rows_per_cta rows (unit column stride,
-    both with the same row stride). With ``mean`` (per-row fp32) it is the LayerNorm backward."""
+    both with the same row stride), or with ``direct`` are dweight and dbias (``direct_sums``). With
+    ``mean`` (per-row fp32) it is the LayerNorm backward."""
     M, N = x2.shape
     fn = compiled_backward(dtype_name(x2), N, arch, dtype_name(w), dtype_name(g2), dtype_name(dr2),
-                           db_part is not None, mean is not None, float(weight_offset), heads, few_rows(M))
+                           db_part is not None, mean is not None, float(weight_offset), heads, few_rows(M), direct)
     # per-row statistics as flat fp32 (a copy only if strided), held here until the launch is enqueued
     rstd = None if rstd is None else rstd.reshape(-1).contiguous()
     mean = None if mean is None else mean.reshape(-1).contiguous()
     part = dw_part if dw_part is not None else db_part
-    ldpart = part.stride(0) if part is not None else N
+    ldpart = part.stride(0) if part is not None and not direct else N
     fn(ptr(x2), ptr(w), ptr(g2), ptr(rstd, 4), ptr(mean, 4), ptr(dr2), ptr(dx), ptr(dw_part),
        ptr(db_part), M, ld(x2), ld(g2), ld(dr2), ld(dx), ldpart, ctas, current_stream(x2.device))
 
@@ -346,25 +353,27 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
              float(weight_offset))
     bits = x.element_size() * 8
     split = split_rows(N, bits, arch, layernorm)
+    direct = False
     if split:
         fn_a, fn, chunks = compiled_split_backward(*names)
         ctas = parts = split_groups(M)
         new_shares = allocator((M, chunks, 2), torch.float32, device)
     else:
         few = few_rows(M)
-        fn = compiled_backward(*names, 1, few)
         launch = backward_launch(N, bits, arch, layernorm, few)
         ctas, parts = backward_grid(launch, M, device, backward_tpsm(N, bits, arch, layernorm, few))
+        direct = direct_sums(launch, ctas)  # one row: the kernel writes dw and db, no partials' sum
+        fn = compiled_backward(*names, 1, few, direct)
     has_dw = weight is not None
     kinds = int(has_dw) + int(has_bias)
     Np = partial_width(N)
     wdtype = weight.dtype if has_dw else x.dtype
     fn_sum = None
-    if kinds:
+    if kinds and not direct:
         fn_sum = compiled_partial_sum(N, kinds, dtype_name(wdtype), arch)
     ldx, ldg, lddr, ldpart = ld(x2), ld(g2), ld(dr2), kinds * Np if kinds else N
     second = (kinds - 1) * Np * 4  # bytes from the dweight partials to the dbias ones (interleaved rows)
-    new_buf = allocator((parts, kinds, Np), torch.float32, device) if kinds else None
+    new_buf = allocator((parts, kinds, Np), torch.float32, device) if kinds and not direct else None
     new_out = allocator((N,), wdtype, device)
 
     def run(a):
@@ -373,8 +382,7 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         m, dr = (a["mean"] if layernorm else None), a.get("dresidual_out")
         dx = torch.empty_like(x, memory_format=DENSE)
         stream = current()
-        buf = new_buf() if kinds else None
-        bp = buf.data_ptr() if kinds else 0
+        outs = [new_out() for _ in range(kinds)]
         wp, mp = None if w is None else w.data_ptr(), None if m is None else m.data_ptr()
         lead = (x.data_ptr(), wp, g.data_ptr(), r.data_ptr(), mp)
         if split:
@@ -382,10 +390,15 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
             CACHE.note(fn_a)
             fn_a(*lead, shares.data_ptr(), M, ldx, ldg, stream)
             lead += (shares.data_ptr(),)
-        fn(*lead, None if dr is None else dr.data_ptr(), dx.data_ptr(), bp if has_dw else None,
-           bp + second if has_bias else None, M, ldx, ldg, lddr, N, ldpart, ctas, stream)
-        outs = [new_out() for _ in range(kinds)]
-        if kinds:
+        if direct:  # dweight and dbias themselves
+            dwp, dbp = (outs[0].data_ptr() if has_dw else None), (outs[-1].data_ptr() if has_bias else None)
+        else:
+            buf = new_buf() if kinds else None
+            bp = buf.data_ptr() if kinds else 0
+            dwp, dbp = (bp if has_dw else None), (bp + second if has_bias else None)
+        fn(*lead, None if dr is None else dr.data_ptr(), dx.data_ptr(), dwp, dbp, M, ldx, ldg, lddr, N, ldpart, ctas,
+           stream)
+        if kinds and not direct:
             CACHE.note(fn_sum)
             fn_sum(bp, outs[0].data_ptr(), outs[-1].data_ptr() if kinds == 2 else None, parts, stream)
         dw = outs[0] if has_dw else None
