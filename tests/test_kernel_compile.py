@@ -517,11 +517,12 @@ def test_direct_sums_only_for_one_cta_of_one_row():
     from oink.kernels.rmsnorm_bwd import direct_sums
 
     one = RowLaunch(N=4096, vec=8, threads_per_row=256, num_threads=256)
-    assert direct_sums(one, 1)
-    assert direct_sums(RowLaunch(N=131072, vec=8, threads_per_row=512, num_threads=512, cluster_n=16), 1)
-    assert not direct_sums(one, 2)  # two CTAs: two partial rows to add
-    assert not direct_sums(RowLaunch(N=512, vec=8, threads_per_row=64, num_threads=128), 1)  # two rows a CTA
-    assert not direct_sums(one, 1, heads=2)
+    two_rows = RowLaunch(N=512, vec=8, threads_per_row=64, num_threads=128)
+    assert direct_sums(one, 1, 1) and direct_sums(one, 1, 1000)  # one CTA walks every row
+    assert direct_sums(RowLaunch(N=131072, vec=8, threads_per_row=512, num_threads=512, cluster_n=16), 1, 1)
+    assert not direct_sums(one, 2, 2)  # two CTAs: two partial rows to add
+    assert direct_sums(two_rows, 1, 1) and not direct_sums(two_rows, 1, 2)  # two rows a CTA: only for one row
+    assert not direct_sums(one, 1, 1, heads=2)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)

@@ -147,7 +147,7 @@ def test_staged_forward_runs_correctly(op, N, dtype, M, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.sm(90, exact=True)
 @pytest.mark.parametrize("path", ["plan", "runner"])
-@pytest.mark.parametrize("N", [4096, 7168, 65536, 131072])
+@pytest.mark.parametrize("N", [512, 1536, 4096, 7168, 65536, 131072])  # 512, 1536: several rows a CTA
 @pytest.mark.parametrize("layernorm,weight", [(False, "none"), (False, "bfloat16"), (False, "float32"),
                                               (True, "bfloat16"), (True, "float32")])
 def test_one_row_backward_writes_dweight_directly(layernorm, weight, N, path):

@@ -144,8 +144,8 @@ class RMSNormBackward(RMSNormForward):
         self.dout_dtype, self.dres_dtype = dout_dtype, dres_dtype
         self.has_dw, self.has_db = has_dw, has_db
         self.depth = depth  # self.pdl: from the config (RowKernelBase)
-        # one CTA (a cluster) and one row a CTA: its sums are dweight and dbias themselves, stored in the
-        # weight's dtype (x's without a weight), with no partials to add up (``direct_sums``)
+        # one CTA (a cluster) whose first row holds the whole sums: dweight and dbias themselves, stored in
+        # the weight's dtype (x's without a weight), with no partials to add up (``direct_sums``)
         self.direct = direct
         self.sums_dtype = (w_dtype or x_dtype) if direct else Float32
 
@@ -368,16 +368,18 @@ class RMSNormBackward(RMSNormForward):
                 if const_expr(self.direct):
                     out = cute.make_rmem_tensor_like(acc, self.sums_dtype)
                     out.store(acc.load().to(self.sums_dtype))
-                    self.copy_row(out, part(mD, bidx), pc, self.sums_dtype)
+                    if pc[0][0] == bidx * self.launch.rows_per_cta:  # the CTA's first row: the one row
+                        self.copy_row(out, part(mD, bidx), pc, self.sums_dtype)
                 else:
                     self.copy_row(acc, part(mD, bidx), pc, Float32)
 
 
-def direct_sums(launch: RowLaunch, ctas: int, heads: int = 1) -> bool:
+def direct_sums(launch: RowLaunch, ctas: int, M: int, heads: int = 1) -> bool:
     """Whether the backward's grid writes dweight and dbias itself, in the weight's dtype: one CTA (or
-    cluster) of one row, so that its sums are the whole sums, and the partials' sum, a second launch,
-    is left out (one row; H100 1 x 4096: the two launches took 3.3 us, torch.compile's one 2.0)."""
-    return ctas == 1 and launch.rows_per_cta == 1 and heads == 1
+    cluster) whose first row's sums are the whole sums (one row a CTA, or one row in all), so that the
+    partials' sum, a second launch, is left out (H100 1 x 4096: the two launches took 3.3 us,
+    torch.compile's one 2.0)."""
+    return ctas == 1 and heads == 1 and (launch.rows_per_cta == 1 or M == 1)
 
 
 @memo

@@ -146,7 +146,7 @@ def _backward(arch, x, weight, dout, rstd, mean, dresidual_out, has_bias, weight
             launch = head_launch(launch, heads)
         ctas, parts = backward_grid(launch, M, x.device, backward_tpsm(N, bits, arch, layernorm, few))
     wdtype = weight.dtype if weight is not None else x.dtype
-    if not split and M > 0 and direct_sums(launch, ctas, heads):  # one row: the kernel writes dw and db
+    if not split and M > 0 and direct_sums(launch, ctas, M, heads):  # the kernel writes dw and db
         dw, db = (torch.empty(N, device=x.device, dtype=wdtype) if want else None
                   for want in (weight is not None, has_bias))
         launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw, db, ctas, mean, weight_offset, heads, direct=True)
@@ -362,7 +362,7 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         few = few_rows(M)
         launch = backward_launch(N, bits, arch, layernorm, few)
         ctas, parts = backward_grid(launch, M, device, backward_tpsm(N, bits, arch, layernorm, few))
-        direct = direct_sums(launch, ctas)  # one row: the kernel writes dw and db, no partials' sum
+        direct = direct_sums(launch, ctas, M)  # the kernel writes dw and db, no partials' sum
         fn = compiled_backward(*names, 1, few, direct)
     has_dw = weight is not None
     kinds = int(has_dw) + int(has_bias)
