@@ -86,29 +86,28 @@ def grid(key: str, arch: str, N: int, knob: int | None = None, few: bool = False
     the entry's "grid", else None (the family's default). It belongs to the entry's launch, so it
     follows ``pick``: a knob that makes ``pick`` ignore the table ignores it too, and ``few`` looks
     at the "/few" entry first (a call of so few rows hardly fills any grid)."""
-    for k in ((f"{key}/few", key) if few else (key,)):
-        if (k, arch, N) in GRID_OVERRIDES:
-            return GRID_OVERRIDES[(k, arch, N)] or None
-        if (k, arch, N) in OVERRIDES or knob:
-            return None
-        entry = table().get(arch, {}).get(k, {}).get(N)
-        if entry:
-            return entry.get("grid")
-    return None
+    return _launch_option("grid", GRID_OVERRIDES, key, arch, N, knob, few)
 
 
 def staged(key: str, arch: str, N: int, knob: int | None = None, few: bool = False) -> str | None:
     """How ``key``'s launch at N stages its rows in shared memory: "early" or "late" (the parameters'
     loads before or after the reduction), or None (not staged): a trial override, else the entry's
     "stage" (it belongs to the entry's launch, so it follows ``pick`` as ``grid`` does), else None."""
+    return _launch_option("stage", STAGE_OVERRIDES, key, arch, N, knob, few)
+
+
+def _launch_option(field: str, overrides: dict, key: str, arch: str, N: int, knob, few: bool):
+    """An entry's ``field``, which belongs to its launch: a trial's value in ``overrides`` (a falsy one:
+    None), None where a trial of a launch or a knob makes ``pick`` ignore the entry, else the entry's
+    (the "/few" entry first with ``few``), else None."""
     for k in ((f"{key}/few", key) if few else (key,)):
-        if (k, arch, N) in STAGE_OVERRIDES:
-            return STAGE_OVERRIDES[(k, arch, N)] or None
+        if (k, arch, N) in overrides:
+            return overrides[(k, arch, N)] or None
         if (k, arch, N) in OVERRIDES or knob:
             return None
         entry = table().get(arch, {}).get(k, {}).get(N)
         if entry:
-            return entry.get("stage")
+            return entry.get(field)
     return None
 
 

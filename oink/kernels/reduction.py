@@ -120,10 +120,11 @@ class RowKernelBase:
     def tiler(self):
         return (self.launch.rows_per_cta, self.launch.cols_per_cta)
 
-    def atom(self, dtype):
-        # a vector wider than 128 bits (the FP4 kernels' one-block units) is several 128-bit copies
+    def atom(self, dtype, op=None):
+        # a vector wider than 128 bits (the FP4 kernels' one-block units) is several 128-bit copies;
+        # ``op``: the copy's operation (default a plain load/store; cp.async for shared memory)
         bits = min(128, self.launch.vec * dtype.width)
-        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+        return cute.make_copy_atom(op or cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
 
     def tiled_copy(self, dtype):
         L = self.launch

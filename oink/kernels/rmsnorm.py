@@ -280,16 +280,12 @@ class RMSNormForward(RowKernelBase):
         if const_expr(tXgRes is not None):
             tXsRes = part(smem.allocate_tensor(self.res_dtype, tile, byte_alignment=16), None)
         if row < M:
-            cute.copy(self.async_atom(self.x_dtype), tXgX, tXsX)
+            cute.copy(self.atom(self.x_dtype, cute.nvgpu.cpasync.CopyG2SOp()), tXgX, tXsX)
             if const_expr(tXgRes is not None):
-                cute.copy(self.async_atom(self.res_dtype), tXgRes, tXsRes)
+                cute.copy(self.atom(self.res_dtype, cute.nvgpu.cpasync.CopyG2SOp()), tXgRes, tXsRes)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         return tXsX, tXsRes
-
-    def async_atom(self, dtype):
-        bits = min(128, self.launch.vec * dtype.width)
-        return cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), dtype, num_bits_per_copy=bits)
 
     @cute.jit
     def row_values(self, rX: cute.Tensor, rRes, rResO, smem_rows):
