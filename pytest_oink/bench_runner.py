@@ -148,7 +148,7 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
         label = (label + "; " if label else "") + "CPU (reference timing, not a kernel number)"
     row = Row(suite=case.suite, op=case.op, provider=provider, M=case.M, N=case.N, dtype=case.dtype,
               device=str(roofline.device), status="ok", label=label, bytes=spec.nbytes(case.M, case.N, dtype.itemsize),
-              roofline_tbs=roofline.copy_tbs, test=request.node.nodeid)
+              roofline_tbs=roofline.copy_tbs, test=request.node.nodeid, seed=case.seed)
     request.config.stash[STATE]["roofline"] = roofline
     if device.type == "cuda":
         torch.cuda.empty_cache()  # previous rows' tensors must not crowd out this one

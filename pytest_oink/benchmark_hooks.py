@@ -36,3 +36,15 @@ def _driver_version():
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    """The suite and a random suite's seed at the file's top level: a results file says what it ran."""
+    output_json["oink_run"] = run_info(config)
+
+
+def run_info(config) -> dict:
+    from . import options, suites
+
+    suite = options.get(config, "--oink-suite")
+    return {"suite": suite, "seed": int(options.get(config, "--oink-seed")) if suite in suites.SEEDED else None}

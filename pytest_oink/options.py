@@ -3,7 +3,8 @@ from __future__ import annotations
 
 OPTIONS = [
     # (flag, ini key, help, default, is_flag)
-    ("--oink-suite", "oink_suite", "run the benchmark suite NAME (quack, dsv3, nvfp4, fp8, sweep, launch, smoke; --oink-list describes them); the session then runs the benchmarks only", None, False),
+    ("--oink-suite", "oink_suite", "run the benchmark suite NAME (quack, dsv3, nvfp4, fp8, sweep, launch, smoke, random; --oink-list describes them); the session then runs the benchmarks only", None, False),
+    ("--oink-seed", "oink_seed", "the seed --oink-suite=random draws its widths and rows from (required there; recorded in the results)", None, False),
     ("--oink-configs", "oink_configs", "benchmark these shapes instead of the suite's: MxN,MxN,...", None, False),
     ("--oink-dtype", "oink_dtype", "benchmark dtype (bfloat16, float16, float32)", "bfloat16", False),
     ("--oink-ops", "oink_ops", "comma-separated ops to benchmark (default: the suite's)", None, False),
@@ -58,6 +59,16 @@ def parse_percent(text: str, flag: str = "--oink-max-regression") -> float:
     if value < 0:
         raise ValueError(f"{flag}={text!r}: a regression threshold can't be negative")
     return value
+
+
+def parse_seed(text, suite: str) -> int:
+    """The random suite's seed: required, an integer."""
+    if text in (None, ""):
+        raise ValueError(f"--oink-suite={suite} draws its shapes from a seed: give --oink-seed=N (ini oink_seed)")
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ValueError(f"--oink-seed={text!r}: expected an integer") from None
 
 
 def split_list(text) -> list[str] | None:

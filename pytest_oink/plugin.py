@@ -112,8 +112,9 @@ def selected_cases(config):
         return None
     from .providers import providers_for
 
+    seed = options.parse_seed(options.get(config, "--oink-seed"), suite) if suite in suites.SEEDED else None
     cases = suites.expand(suite, options.split_list(options.get(config, "--oink-ops")),
-                          options.get(config, "--oink-configs"), options.get(config, "--oink-dtype"))
+                          options.get(config, "--oink-configs"), options.get(config, "--oink-dtype"), seed)
     wanted = options.split_list(options.get(config, "--oink-providers"))
     pairs = [(c, p) for c in cases for p in providers_for(c.op, wanted)]
     if not pairs:
@@ -136,7 +137,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
     suite = options.get(config, "--oink-suite")
     if suite in suites.ABOUT:
-        return f"oink suite {suite}: {suites.ABOUT[suite][0]}; {suites.duration(suite)}"
+        seed = f" (seed {options.get(config, '--oink-seed')})" if suite in suites.SEEDED else ""
+        return f"oink suite {suite}{seed}: {suites.ABOUT[suite][0]}; {suites.duration(suite)}"
     return None
 
 
@@ -294,11 +296,11 @@ def pytest_sessionfinish(session, exitstatus):
         state["written"] += report.write_svg(rows, svg_dir, roof)
     target = config.getoption("benchmark_json", None) if config.pluginmanager.hasplugin("benchmark") else None
     if target and config.getoption("dist", "no") != "no":  # pytest-benchmark is off under xdist
-        from .benchmark_hooks import pytest_benchmark_update_machine_info
+        from .benchmark_hooks import pytest_benchmark_update_machine_info, run_info
 
         info: dict = {}
         pytest_benchmark_update_machine_info(config, info)
-        text = json.dumps(report.benchmark_json(rows, info), indent=1)
+        text = json.dumps(dict(report.benchmark_json(rows, info), oink_run=run_info(config)), indent=1)
         if hasattr(target, "write"):  # pytest-benchmark < 5.3 opens the file itself (argparse.FileType("wb"))
             with target as f:
                 f.write(text.encode())

@@ -229,10 +229,10 @@ def _fused_reference(a):
 
 
 MX_FUSED_GATE = ("mxfp4_block_ratio", "nvfp4_code_step")  # (code ratios, scale bytes)
-FP8_SUITES = ("fp8", "smoke", "launch")
+FP8_SUITES = ("fp8", "smoke", "launch", "random")
 # FP4 ops have no peer kernel in the quack and dsv3 suites (Quack's, DeepSeek's shapes for the norms,
 # softmax and cross-entropy): their numbers at scale are the nvfp4 suite's
-FP4_SUITES = ("nvfp4", "sweep", "smoke", "launch")
+FP4_SUITES = ("nvfp4", "sweep", "smoke", "launch", "random")
 
 SPECS = {
     "rmsnorm_forward": OpSpec("rmsnorm", _norm_inputs, _rmsnorm_forward_reference,

@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-CSV_FIELDS = ("suite", "op", "provider", "label", "M", "N", "dtype", "device", "status", "method",
+CSV_FIELDS = ("suite", "seed", "op", "provider", "label", "M", "N", "dtype", "device", "status", "method",
               "median_ms", "min_ms", "spread", "bytes", "tbs", "roofline_frac", "max_abs_err", "rel_l2_err",
               "p99_abs_err", "registers", "spill_bytes", "static_smem", "occupancy", "test")
 
@@ -35,6 +35,7 @@ class Row:
     test: str = ""
     wall_s: float = 0.0  # the row's session time: inputs, gate (first calls compile), timing
     gate_s: float = 0.0  # of which the gate
+    seed: int | None = None  # the --oink-seed of a random suite's row
 
     @property
     def key(self):
@@ -49,7 +50,7 @@ class Row:
         return self.tbs / self.roofline_tbs if self.tbs and self.roofline_tbs else None
 
     def extra_info(self) -> dict:
-        d = {"op": self.op, "provider": self.provider, "label": self.label, "M": self.M, "N": self.N,
+        d = {"suite": self.suite, "seed": self.seed, "op": self.op, "provider": self.provider, "label": self.label, "M": self.M, "N": self.N,
              "dtype": self.dtype, "device": self.device, "bytes": self.bytes, "tbs": self.tbs,
              "roofline_tbs": self.roofline_tbs, "roofline_frac": self.roofline_frac, "method": self.method,
              "spread": self.spread, "gate": self.gate}
@@ -61,7 +62,7 @@ class Row:
         g, p = self.gate or {}, self.profile or {}
         fmt = lambda v, k=1e3: "" if v is None else f"{v * k:.6g}"  # noqa: E731
         return {
-            "suite": self.suite, "op": self.op, "provider": self.provider, "label": self.label, "M": self.M,
+            "suite": self.suite, "seed": "" if self.seed is None else self.seed, "op": self.op, "provider": self.provider, "label": self.label, "M": self.M,
             "N": self.N, "dtype": self.dtype, "device": self.device, "status": self.status, "method": self.method,
             "median_ms": fmt(self.median_s), "min_ms": fmt(self.min_s), "spread": fmt(self.spread, 1),
             "bytes": self.bytes,
@@ -90,7 +91,7 @@ def read_csv(path) -> list:
                             min_s=num(d["min_ms"], scale=1e-3), spread=num(d.get("spread")),
                             bytes=int(d["bytes"] or 0),
                             roofline_tbs=tbs / frac if tbs and frac else None, gate=gate, profile=profile,
-                            test=d["test"]))
+                            test=d["test"], seed=int(d["seed"]) if d.get("seed") else None))
     return rows
 
 
@@ -179,6 +180,10 @@ def best_peer_table(rows) -> list[str]:
 
 def summary_markdown(rows, roofline=None) -> str:
     lines = ["# Oink benchmark summary", ""]
+    runs = sorted({(r.suite, r.seed) for r in rows}, key=str)
+    if runs:  # which suite (and a random suite's seed) the rows are from
+        lines += ["Suite: " + ", ".join(s + (f" (seed {seed})" if seed is not None else "") for s, seed in runs) + ".",
+                  ""]
     if roofline is not None:
         floor = (f"; launch floor (one tiny kernel, graph-replayed) {roofline.launch_floor_us:.2f} us"
                  if roofline.launch_floor_us else "")

@@ -1,6 +1,8 @@
 """The one registry of benchmark shape suites. No torch here; the ops are the bench specs' (providers.SPECS)."""
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 
 @dataclass(frozen=True)
@@ -10,6 +12,7 @@ class Case:
     M: int
     N: int
     dtype: str
+    seed: int | None = None  # the --oink-seed a random suite's shapes were drawn from
 
     @property
     def id(self) -> str:
@@ -58,8 +61,79 @@ def _sweep_shapes(op: str):
     return sorted({(M, N) for M, N in shapes if M * N <= 2**28})
 
 
+# The random suite: per op, widths drawn log-uniform from a seed (odd and non-power-of-two widths
+# that no fixed suite holds), each at the rows that move RANDOM_MIN_BYTES (a bandwidth-bound size),
+# plus decode rows at the narrowest widths.
+RANDOM_WIDTHS = (256, 262144)
+RANDOM_VOCABS = (3072, 262144)  # cross-entropy's widths are vocabularies
+RANDOM_DRAWS = 10
+RANDOM_MIN_BYTES = 64 * 2**20
+MAX_ELEMS = 2**28  # M x N of one case, so that it fits any lent GPU
+DECODE_WIDTHS, DECODE_MAX_N, DECODE_ROWS, DECODE_MAX_M = 3, 16384, 2, 1024
+ELEM_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _pow2(n: int) -> bool:
+    return n & (n - 1) == 0
+
+
+def _varied_enough(widths, block: int) -> bool:
+    """The draw holds what the suite is for: >= 2 odd widths (where the block allows), >= 2
+    multiples of 8 that are not powers of two, at most 2 powers of two, and DECODE_WIDTHS widths
+    narrow enough for the decode tier."""
+    return (len(widths) == RANDOM_DRAWS
+            and (block % 2 == 0 or sum(n % 2 for n in widths) >= 2)
+            and sum(n % 8 == 0 and not _pow2(n) for n in widths) >= 2
+            and sum(_pow2(n) for n in widths) <= 2
+            and sum(n <= DECODE_MAX_N for n in widths) >= DECODE_WIDTHS)
+
+
+def random_widths(op: str, seed: int, rng: random.Random | None = None) -> list[int]:
+    """RANDOM_DRAWS distinct widths, log-uniform over the op's range, multiples of its block (FP4
+    blocks, FP8 groups). Draws failing ``_varied_enough`` are drawn again whole, so the widths kept
+    stay log-uniform given those properties."""
+    from .providers import SPECS
+
+    rng = rng or random.Random(f"oink-random:{seed}:{op}")
+    block = SPECS[op].block
+    lo, hi = RANDOM_VOCABS if op.startswith("cross_entropy") else RANDOM_WIDTHS
+    k_lo, k_hi = math.log(-(-lo // block)), math.log(hi // block)
+    for _ in range(10000):
+        widths = {block * round(math.exp(rng.uniform(k_lo, k_hi))) for _ in range(RANDOM_DRAWS)}
+        if _varied_enough(widths, block):
+            return sorted(widths)
+    raise RuntimeError(f"random suite: no varied enough widths drawn for {op} (seed {seed})")
+
+
+def rows_moving(nbytes, N: int, elem_size: int, min_bytes: int = RANDOM_MIN_BYTES) -> int:
+    """The fewest rows at width N whose case moves ``min_bytes`` (by the spec's byte count), at
+    most MAX_ELEMS // N (kept there when the cap comes first)."""
+    lo, hi = 1, max(1, MAX_ELEMS // N)
+    if nbytes(hi, N, elem_size) < min_bytes:
+        return hi
+    while lo < hi:  # bytes grow with M
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if nbytes(mid, N, elem_size) >= min_bytes else (mid + 1, hi)
+    return lo
+
+
+def _random_shapes(op: str, seed: int, dtype: str = "bfloat16"):
+    """Deterministic in (seed, op): each op its own widths, and a re-run the same cases."""
+    from .providers import SPECS
+
+    rng = random.Random(f"oink-random:{seed}:{op}")
+    widths = random_widths(op, seed, rng)
+    rows = {N: rows_moving(SPECS[op].nbytes, N, ELEM_SIZE[dtype]) for N in widths}
+    shapes = [(M, N) for N, M in rows.items()]
+    for N in widths[:DECODE_WIDTHS]:  # the narrowest, all <= DECODE_MAX_N (_varied_enough)
+        decode = [M for M in range(1, DECODE_MAX_M + 1) if M != rows[N]]  # never the 64 MB case again
+        shapes += [(M, N) for M in rng.sample(decode, DECODE_ROWS)]
+    return sorted(shapes)
+
+
 DEDICATED = ("fp8",)  # suites that run only the ops whose spec names them (OpSpec.only_in)
 HOST_TIMED = ("launch",)  # suites timed as eager calls on the host (bench_runner), not as kernels
+SEEDED = ("random",)  # suites whose shapes are drawn from --oink-seed: called (op, seed, dtype)
 SUITES = {
     "quack": lambda op: _quack_shapes(),
     "nvfp4": _nvfp4_shapes,
@@ -68,6 +142,7 @@ SUITES = {
     "sweep": _sweep_shapes,
     "launch": lambda op: [(1, 4096), (128, 4096)],
     "smoke": lambda op: [(4, 128), (64, 1024)],
+    "random": _random_shapes,
 }
 # what each suite is, and whether it is sized for a GPU (skipped on a CPU unless asked)
 ABOUT = {
@@ -78,6 +153,9 @@ ABOUT = {
     "sweep": ("real models' widths 512-262144 and vocabularies 32000-256000 at decode and training rows", True),
     "fp8": ("the FP8 quantizers and fused ops: widths 4096-18432, rows 128-16384", True),
     "smoke": ("two tiny shapes a CPU runs in about a minute (reference timing, labelled)", False),
+    "random": ("random widths 256-262144 drawn from --oink-seed per op (vocabularies 3072-262144 for "
+               "cross-entropy; odd and non-power-of-two widths), rows moving >= 64 MB, plus decode rows 1-1024 "
+               "at the 3 narrowest", True),
 }
 
 # how long a suite took where it was measured (bench/RESULTS.md, "Suite runs"); None: not yet timed
@@ -88,6 +166,7 @@ DURATION = {
     "fp8": "73 s on one H100 for its M >= 4096 rows (oink, oink-unfused, torch.compile)",
     "smoke": "about a minute on a 2-core CPU",
     "nvfp4": None,
+    "random": None,
     "sweep": "7.5 min on one H100 for its 12 norm, softmax and cross-entropy ops with every peer (1663 rows,"
              " before its 2048 x 131072 and 1024 x 262144 shapes)",
 }
@@ -121,21 +200,26 @@ def bench_ops() -> tuple[str, ...]:
     return tuple(SPECS)
 
 
-def expand(suite: str, ops=None, configs=None, dtype: str = "bfloat16") -> list[Case]:
+def expand(suite: str, ops=None, configs=None, dtype: str = "bfloat16", seed: int | None = None) -> list[Case]:
     from .providers import SPECS
 
     if suite not in SUITES:
         raise ValueError(f"--oink-suite={suite!r}: known suites are {', '.join(SUITES)}")
+    if suite in SEEDED and seed is None:
+        raise ValueError(f"--oink-suite={suite} draws its shapes from a seed: give --oink-seed=N (ini oink_seed)")
     unknown = [op for op in (ops or []) if op not in SPECS]
     if unknown:
         raise ValueError(f"--oink-ops: unknown {unknown}; known: {', '.join(SPECS)}")
     cases = []
     for op in ops or SPECS:
-        shapes = parse_configs(configs) if configs else SUITES[suite](op)
+        if configs:
+            shapes = parse_configs(configs)
+        else:
+            shapes = SUITES[suite](op, seed, dtype) if suite in SEEDED else SUITES[suite](op)
         for M, N in shapes:
             if N % SPECS[op].block:  # FP4 blocks and FP8 groups must tile the row
                 continue
             if suite not in SPECS[op].only_in and (SPECS[op].only_in or suite in DEDICATED):
                 continue
-            cases.append(Case(suite, op, M, N, dtype))
+            cases.append(Case(suite, op, M, N, dtype, seed if suite in SEEDED else None))
     return cases
