@@ -55,6 +55,14 @@ def provider_compile_failed(e: Exception) -> bool:
     return isinstance(e, (BackendCompilerFailed, InductorError))
 
 
+def _outputs(out) -> tuple:
+    """A callable's outputs as a tuple: a single tensor returned bare is one output (``len`` of a
+    tensor would count its rows)."""
+    import torch
+
+    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
 def gate(spec, run, case, dtype, device) -> dict:
     """Worst error stats over the seeds; ``passed`` False if any output of any seed fails or the
     provider raises (the exception is the report)."""
@@ -80,6 +88,7 @@ def gate(spec, run, case, dtype, device) -> dict:
             worst["passed"] = False
             worst["report"] = f"seed {seed}: raised {type(e).__name__}: {e}"
             return worst
+        actual, expected = _outputs(actual), _outputs(expected)
         if len(actual) != len(expected):
             worst["passed"] = False
             worst["report"] = f"seed {seed}: {len(actual)} outputs, expected {len(expected)}"
@@ -88,6 +97,10 @@ def gate(spec, run, case, dtype, device) -> dict:
             actual, expected = spec.gate_view(actual), spec.gate_view(expected)
         families = spec.family if isinstance(spec.family, tuple) else (spec.family,) * len(expected)
         for i, (a, e) in enumerate(zip(actual, expected)):
+            if tuple(a.shape) != tuple(e.shape):
+                worst["passed"] = False
+                worst["report"] = f"seed {seed}: output {i} has shape {tuple(a.shape)}; expected {tuple(e.shape)}"
+                return worst
             atol, rtol = tolerance(families[i], e.dtype)
             if families[i] == "weight_grad":  # sums over rows: absolute error grows with the magnitude
                 atol *= max(1.0, float(e.float().abs().max()))
@@ -186,11 +199,13 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
         rot = Rotation([_inputs(spec, case, dtype, device, 100)])
         samples, row.method = time_host(run, rot, repeats=5, warmup=1), "cpu-perf_counter"
     row.median_s, row.min_s, row.spread = median(samples), min(samples), relative_spread(samples)
+    row.samples = list(samples)
     if profiling:
         row.profile = _profile(device)
-    benchmark.group = f"{case.op} {case.M}x{case.N} {case.dtype}"  # its table compares like with like
-    feed_benchmark(benchmark, samples)
-    benchmark.extra_info.update(row.extra_info())
+    if benchmark is not None:  # None without pytest-benchmark (-p no:benchmark): the row is ours alone
+        benchmark.group = f"{case.op} {case.M}x{case.N} {case.dtype}"  # its table compares like with like
+        feed_benchmark(benchmark, samples)
+        benchmark.extra_info.update(row.extra_info())
     row.wall_s = time.perf_counter() - started
     return row
 

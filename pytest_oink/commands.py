@@ -14,7 +14,8 @@ def listing() -> str:
     lines = ["suites (--oink-suite):"]
     for name, (about, gpu) in suites.ABOUT.items():
         seeded = name in suites.SEEDED  # its count is one seed's: another seed's differs a little
-        count = f"{len(suites.expand(name, seed=0 if seeded else None))} op x shape cases{' (seed 0)' if seeded else ''}"
+        count = len(suites.expand(name, seed=0 if seeded else None))
+        count = f"{count} op x shape cases{' (seed 0)' if seeded else ''}"
         lines.append(f"  {name:8s} {about}{' (GPU)' if gpu else ''}; {count}; {suites.duration(name)}")
     lines.append("ops (--oink-ops) and their providers:")
     lines += [f"  {op:24s} {', '.join(providers_for(op))}" for op in suites.bench_ops()]

@@ -1,6 +1,8 @@
 """Command-line options (group ``oink``) and their ini twins (``oink_*``)."""
 from __future__ import annotations
 
+import math
+
 OPTIONS = [
     # (flag, ini key, help, default, is_flag)
     ("--oink-suite", "oink_suite", "run the benchmark suite NAME (quack, dsv3, nvfp4, fp8, sweep, launch, smoke, random; --oink-list describes them); the session then runs the benchmarks only", None, False),
@@ -12,10 +14,11 @@ OPTIONS = [
     ("--oink-csv", "oink_csv", "write one CSV row per benchmark to PATH", None, False),
     ("--oink-svg", "oink_svg", "write per-suite SVG plots (TB/s per shape per provider, roofline drawn) into DIR", None, False),
     ("--oink-summary", "oink_summary", "write Markdown tables with per-op geomean speedups to PATH", None, False),
+    ("--oink-json", "oink_json", "write pytest-benchmark's JSON layout (its full stats) from Oink's rows to PATH; also without pytest-benchmark and under xdist", None, False),
     ("--oink-baseline", "oink_baseline", "compare Oink rows with this saved JSON (ours or pytest-benchmark's)", None, False),
     ("--oink-max-regression", "oink_max_regression", "slowdown vs the baseline that fails the session, with its unit (e.g. 5%)", "5%", False),
     ("--oink-gate-providers", "oink_gate_providers", "comma-separated providers whose rows the regression gate compares", "oink", False),
-    ("--oink-allow-missing", "oink_allow_missing", "let the regression gate pass when some gated rows have no baseline entry (they are still listed)", False, True),
+    ("--oink-allow-missing", "oink_allow_missing", "let the regression gate pass when some gated rows have no baseline entry (they are still listed; a gate that compared nothing still fails)", False, True),
     ("--oink-gate-cpu", "oink_gate_cpu", "gate CPU-timed rows too (off by default: CPU timings are too noisy to gate)", False, True),
     ("--oink-profile", "oink_profile", "add per-kernel resource usage (registers, spills, smem, occupancy) to results", False, True),
     ("--oink-run-on-cpu", "oink_run_on_cpu", "run a GPU-sized suite on a CPU anyway (skipped there by default)", False, True),
@@ -56,6 +59,8 @@ def parse_percent(text: str, flag: str = "--oink-max-regression") -> float:
         value = float(text[:-1]) / 100
     except ValueError:
         raise ValueError(f"{flag}={text!r}: expected a percentage with its unit, e.g. 5%") from None
+    if math.isnan(value) or value == math.inf:  # a NaN or infinite threshold would pass every row
+        raise ValueError(f"{flag}={text!r}: expected a finite, non-negative percentage, e.g. 5%")
     if value < 0:
         raise ValueError(f"{flag}={text!r}: a regression threshold can't be negative")
     return value

@@ -2,9 +2,7 @@
 the benchmark machinery loads when a benchmark actually runs."""
 from __future__ import annotations
 
-import glob
 import importlib.util
-import json
 import os
 import time
 
@@ -22,8 +20,7 @@ def pytest_configure(config):
     for line in markers.MARKERS:
         config.addinivalue_line("markers", line)
     config.stash[ROWS] = []
-    config.stash[STATE] = {"regressions": [], "regression_lines": [], "not_compared": [], "written": [],
-                           "started": time.monotonic()}
+    config.stash[STATE] = {"written": [], "started": time.monotonic()}
     try:
         options.parse_percent(options.get(config, "--oink-max-regression"))
         validate_names(config)
@@ -189,10 +186,18 @@ def oink_assert_close():
     return assert_close
 
 
+def _benchmark_fixture(request):
+    """pytest-benchmark's fixture, or None where it is not loaded (-p no:benchmark): the rows are
+    timed by pytest_oink either way, and --oink-csv/--oink-json written."""
+    return request.getfixturevalue("benchmark") if request.config.pluginmanager.hasplugin("benchmark") else None
+
+
 @pytest.fixture
-def oink_benchmark(request, benchmark, oink_device, oink_roofline):
+def oink_benchmark(request, oink_device, oink_roofline):
     """Run one (case, provider): gate on 3 seeded inputs, then time, record and report."""
     from .bench_runner import run_case
+
+    benchmark = _benchmark_fixture(request)
 
     def run(pair):
         case, provider = pair
@@ -202,7 +207,7 @@ def oink_benchmark(request, benchmark, oink_device, oink_roofline):
 
 
 @pytest.fixture
-def oink_measure(request, benchmark, oink_device, oink_roofline):
+def oink_measure(request, oink_device, oink_roofline):
     """Your own kernel through the same machinery: ``oink_measure(spec, fn, M, N, dtype="bfloat16",
     name="my_op", provider="mine")`` gates ``fn`` against ``spec.reference`` on 3 seeded inputs from
     ``spec.make_inputs``, then times it (CUDA-graph replay on a GPU) and adds the row to every output
@@ -211,6 +216,8 @@ def oink_measure(request, benchmark, oink_device, oink_roofline):
     times one thing a test): parametrize the shapes."""
     from .bench_runner import run_case
     from .suites import Case
+
+    benchmark = _benchmark_fixture(request)
 
     def measure(spec, fn, M: int, N: int, dtype: str = "bfloat16", name: str = "custom", provider: str = "mine"):
         row = run_case(Case("custom", name, M, N, dtype), provider, oink_device, oink_roofline, benchmark, request,
@@ -275,84 +282,22 @@ def pytest_sessionfinish(session, exitstatus):
 
         config.workeroutput["oink_rows"] = rows_json(config.stash[ROWS])
         return
+    from . import outputs, regression
+
     rows = config.stash[ROWS]
-    state = config.stash[STATE]
-    roof = state.get("roofline")
-    from . import report
-
-    csv_path = options.get(config, "--oink-csv")
-    if csv_path:
-        report.write_csv(rows, csv_path)
-        state["written"].append(csv_path)
-        for partial in glob.glob(glob.escape(csv_path) + "*.partial"):  # the session's CSV replaces them
-            os.remove(partial)
-    summary = options.get(config, "--oink-summary")
-    if summary:
-        with open(summary, "w") as f:
-            f.write(report.summary_markdown(rows, roof))
-        state["written"].append(summary)
-    svg_dir = options.get(config, "--oink-svg")
-    if svg_dir:
-        state["written"] += report.write_svg(rows, svg_dir, roof)
-    target = config.getoption("benchmark_json", None) if config.pluginmanager.hasplugin("benchmark") else None
-    if target and config.getoption("dist", "no") != "no":  # pytest-benchmark is off under xdist
-        from .benchmark_hooks import pytest_benchmark_update_machine_info, run_info
-
-        info: dict = {}
-        pytest_benchmark_update_machine_info(config, info)
-        text = json.dumps(dict(report.benchmark_json(rows, info), oink_run=run_info(config)), indent=1)
-        if hasattr(target, "write"):  # pytest-benchmark < 5.3 opens the file itself (argparse.FileType("wb"))
-            with target as f:
-                f.write(text.encode())
-            target = target.name
-        else:
-            with open(target, "w") as f:
-                f.write(text)
-        state["written"].append(str(target))
-    if "baseline" in state:
-        lines, bad, missing = report.regressions(
-            rows, state["baseline"], options.parse_percent(options.get(config, "--oink-max-regression")),
-            tuple(options.split_list(options.get(config, "--oink-gate-providers"))),
-            bool(options.get(config, "--oink-gate-cpu")))
-        state["regression_lines"], state["regressions"], state["not_compared"] = lines, bad, missing
-        state["compared"] = len(lines)
-        state["cpu_rows"] = any(r.device == "cpu" and r.status == "ok" for r in rows)
-        from .benchmark_hooks import pytest_benchmark_update_machine_info
-
-        here: dict = {}
-        pytest_benchmark_update_machine_info(config, here)
-        state["machine_differences"] = report.machine_differences(state.get("baseline_machine") or {}, here)
-        refused = not options.get(config, "--oink-allow-missing") and (missing or not lines)
-        if (bad or refused) and session.exitstatus == 0:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    no_rows = regression.why_no_rows(config) if config.stash.get(CASES, None) is not None and not rows else ""
+    outputs.write_outputs(config, rows, no_rows)
+    regression.judge(session)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     state = config.stash.get(STATE, None)
     if not state:
         return
-    if "baseline" in state:
-        terminalreporter.section("oink regression gate")
-        for line in state["regression_lines"]:
-            terminalreporter.write_line(line)
-        if state["regressions"]:
-            terminalreporter.write_line(f"regressed beyond {options.get(config, '--oink-max-regression')}: "
-                                        + ", ".join(state["regressions"]), red=True)
-        if state["not_compared"]:
-            terminalreporter.write_line("not compared (no baseline entry): " + ", ".join(state["not_compared"]),
-                                        red=not options.get(config, "--oink-allow-missing"))
-        if state.get("machine_differences"):
-            terminalreporter.write_line("baseline measured elsewhere (timings may not compare): "
-                                        + "; ".join(state["machine_differences"]), yellow=True)
-        if not state.get("compared"):
-            cpu_skipped = state.get("cpu_rows") and not options.get(config, "--oink-gate-cpu")
-            why = " (CPU rows are gated only with --oink-gate-cpu)" if cpu_skipped else ""
-            terminalreporter.write_line(f"the regression gate compared nothing{why}", red=True)
-        # pytest's final line then counts them: "... 4 passed, 2 regressed"
-        terminalreporter.stats.setdefault("regressed", []).extend(state["regressions"])
-        terminalreporter.stats.setdefault("not compared", []).extend(state["not_compared"])
+    from .regression import summarize
     from .report import time_by_provider
 
+    summarize(terminalreporter, config)
     spent = time_by_provider(config.stash[ROWS])
     if spent:
         terminalreporter.write_line(f"[oink] time by provider: {spent}")

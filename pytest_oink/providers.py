@@ -33,6 +33,14 @@ class OpSpec:
     block: int = 1  # N must be a multiple of it (the FP4 blocks, FP8 groups)
     only_in: tuple = ()  # the suites that run it (empty: every suite)
 
+    def __post_init__(self):
+        # a misspelt family would silently gate with the dtype's default bounds
+        from .tolerances import FAMILIES
+
+        for family in self.family if isinstance(self.family, tuple) else (self.family,):
+            if family not in FAMILIES:
+                raise ValueError(f"OpSpec: unknown tolerance family {family!r}; known: {', '.join(FAMILIES)}")
+
 
 def _fp4_code_steps(outputs):
     """(q, sf) -> (signed E2M1 magnitude index per element, scale byte as a number): one step

@@ -7,6 +7,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 CSV_FIELDS = ("suite", "seed", "op", "provider", "label", "M", "N", "dtype", "device", "status", "method",
               "median_ms", "min_ms", "spread", "bytes", "tbs", "roofline_frac", "max_abs_err", "rel_l2_err",
@@ -36,6 +37,7 @@ class Row:
     wall_s: float = 0.0  # the row's session time: inputs, gate (first calls compile), timing
     gate_s: float = 0.0  # of which the gate
     seed: int | None = None  # the --oink-seed of a random suite's row
+    samples: list = field(default_factory=list)  # per-call seconds timed (stats of the JSON written under xdist)
 
     @property
     def key(self):
@@ -50,8 +52,8 @@ class Row:
         return self.tbs / self.roofline_tbs if self.tbs and self.roofline_tbs else None
 
     def extra_info(self) -> dict:
-        d = {"suite": self.suite, "seed": self.seed, "op": self.op, "provider": self.provider, "label": self.label, "M": self.M, "N": self.N,
-             "dtype": self.dtype, "device": self.device, "bytes": self.bytes, "tbs": self.tbs,
+        d = {"suite": self.suite, "seed": self.seed, "op": self.op, "provider": self.provider, "label": self.label,
+             "M": self.M, "N": self.N, "dtype": self.dtype, "device": self.device, "bytes": self.bytes, "tbs": self.tbs,
              "roofline_tbs": self.roofline_tbs, "roofline_frac": self.roofline_frac, "method": self.method,
              "spread": self.spread, "gate": self.gate}
         if self.profile:
@@ -62,7 +64,8 @@ class Row:
         g, p = self.gate or {}, self.profile or {}
         fmt = lambda v, k=1e3: "" if v is None else f"{v * k:.6g}"  # noqa: E731
         return {
-            "suite": self.suite, "seed": "" if self.seed is None else self.seed, "op": self.op, "provider": self.provider, "label": self.label, "M": self.M,
+            "suite": self.suite, "seed": "" if self.seed is None else self.seed, "op": self.op, "provider": self.provider,
+            "label": self.label, "M": self.M,
             "N": self.N, "dtype": self.dtype, "device": self.device, "status": self.status, "method": self.method,
             "median_ms": fmt(self.median_s), "min_ms": fmt(self.min_s), "spread": fmt(self.spread, 1),
             "bytes": self.bytes,
@@ -259,23 +262,44 @@ def write_svg(rows, directory, roofline=None) -> list[str]:
     return written
 
 
+@dataclass(frozen=True)
+class BaselineEntry:
+    median_s: float
+    spread: float = 0.0  # relative spread of its samples (0: unknown)
+    suite: str | None = None  # None: a file from before rows named their suite (matches any)
+    timed: str | None = None  # what_was_timed(its method); None matches any
+
+
+def what_was_timed(method: str | None) -> str | None:
+    """What a row's time measures: the host's cost of eager calls (the launch suite), a host timer
+    on the CPU, or the kernel on a GPU (graph replays, events, synced calls). Times of two kinds
+    say nothing about each other."""
+    if not method:
+        return None
+    if method == "eager-calls":
+        return "host-eager"
+    return "cpu" if method.startswith("cpu") else "kernel"
+
+
 def load_baseline(path) -> dict:
-    """{(op, provider, M, N, dtype): (median seconds, relative spread or 0)} from our rows JSON or
-    pytest-benchmark's."""
+    """{(op, provider, M, N, dtype): [BaselineEntry, ...]} from our rows JSON or pytest-benchmark's
+    (a file may hold one shape of several suites)."""
     with open(path) as f:
         data = json.load(f)
-    out = {}
+    out: dict = {}
+
+    def add(d, median, spread):
+        entry = BaselineEntry(float(median), spread or 0.0, d.get("suite"), what_was_timed(d.get("method")))
+        out.setdefault((d["op"], d["provider"], int(d["M"]), int(d["N"]), d["dtype"]), []).append(entry)
+
     if isinstance(data, dict) and "benchmarks" in data:
         for b in data["benchmarks"]:
             info = b.get("extra_info") or {}
             if {"op", "provider", "M", "N", "dtype"} <= info.keys():
-                out[(info["op"], info["provider"], int(info["M"]), int(info["N"]), info["dtype"])] = (
-                    b["stats"]["median"], info.get("spread") or 0.0)
+                add(info, b["stats"]["median"], info.get("spread"))
     else:
-        rows = data["rows"] if isinstance(data, dict) else data
-        for r in rows:
-            out[(r["op"], r["provider"], int(r["M"]), int(r["N"]), r["dtype"])] = (float(r["median_s"]),
-                                                                                   r.get("spread") or 0.0)
+        for r in data["rows"] if isinstance(data, dict) else data:
+            add(r, r["median_s"], r.get("spread"))
     if not out:
         raise ValueError(f"{path}: no benchmark rows with op/provider/M/N/dtype found")
     return out
@@ -304,43 +328,74 @@ def machine_differences(baseline: dict, current: dict) -> list[str]:
 NOISE_SIGMAS = 3.0  # a change smaller than this many spreads (of either run) is noise, not a verdict
 
 
+class Comparison(NamedTuple):
+    lines: list  # one verdict line per compared row
+    regressed: list  # names of the rows that regressed
+    missing: list  # names of the rows the baseline has no entry for
+    mismatched: list  # "name (why)" of rows whose baseline entry is of another suite or timing
+
+
 def regressions(rows, baseline: dict, max_regression: float, providers=("oink",), gate_cpu: bool = False):
-    """Compare the timed rows of ``providers`` (GPU rows only unless ``gate_cpu``) with the baseline.
+    """Compare the timed rows of ``providers`` (GPU rows only unless ``gate_cpu``) with the baseline
+    entries of the same suite and timing (a launch suite's host time says nothing of a kernel's).
     A row regressed when its median grew by more than ``max_regression`` and by more than the noise
-    floor: NOISE_SIGMAS x the larger relative spread of the two runs' samples.
-    -> (table lines, names of regressed rows, names of rows the baseline has no entry for)."""
-    lines, bad, missing = [], [], []
+    floor: NOISE_SIGMAS x the larger relative spread of the two runs' samples. -> Comparison."""
+    out = Comparison([], [], [], [])
     gated = [r for r in rows if r.provider in providers and r.status == "ok" and r.median_s
              and (gate_cpu or r.device != "cpu")]
     for r in sorted(gated, key=lambda r: r.key):
         name = f"{r.op}-{r.M}x{r.N}-{r.dtype}-{r.provider}"
-        old = baseline.get(r.key)
-        if old is None:
-            missing.append(name)
+        entries, timed = baseline.get(r.key) or [], what_was_timed(r.method)
+        same = [e for e in entries if e.suite in (None, r.suite) and e.timed in (None, timed)]
+        if not entries:
+            out.missing.append(name)
             continue
-        old, old_spread = old
+        if not same:
+            e = entries[0]
+            out.mismatched.append(f"{name} (baseline row of suite {e.suite or '?'}, timed {e.timed or '?'}; "
+                                  f"this row of suite {r.suite}, timed {timed})")
+            continue
+        old, old_spread = same[0].median_s, same[0].spread
         ratio = r.median_s / old
         floor = NOISE_SIGMAS * max(r.spread or 0.0, old_spread)
         limit = max(max_regression, floor)
         verdict = "REGRESSED" if ratio > 1 + limit else ("improved" if ratio < 1 - limit else "same")
         noise = f", noise floor {floor * 100:.1f}%" if floor > max_regression else ""
-        lines.append(f"{r.op} {r.M}x{r.N} {r.dtype} [{r.provider}]: {old * 1e3:.4f} ms -> {r.median_s * 1e3:.4f} ms "
-                     f"({(ratio - 1) * 100:+.1f}%{noise}) {verdict}")
+        out.lines.append(f"{r.op} {r.M}x{r.N} {r.dtype} [{r.provider}]: {old * 1e3:.4f} ms -> "
+                         f"{r.median_s * 1e3:.4f} ms ({(ratio - 1) * 100:+.1f}%{noise}) {verdict}")
         if verdict == "REGRESSED":
-            bad.append(name)
-    return lines, bad, missing
+            out.regressed.append(name)
+    return out
 
 
-def benchmark_json(rows, machine_info: dict) -> dict:
+def benchmark_stats(row) -> dict:
+    """pytest-benchmark's stats of a row's samples (its own Stats class: every field its JSON holds,
+    so ``pytest-benchmark compare`` reads the file); the median and min alone where pytest-benchmark
+    is not installed or the row kept no samples (rows read back from a CSV)."""
+    try:
+        from pytest_benchmark.stats import Stats
+    except ImportError:
+        Stats = None
+    if Stats is None or not row.samples:
+        return {"median": row.median_s, "min": row.min_s}
+    stats = Stats()
+    for s in row.samples:
+        stats.update(s)
+    return dict(stats.as_dict(), iterations=1, data=list(row.samples))
+
+
+def benchmark_json(rows, machine_info: dict, commit_info: dict | None = None) -> dict:
     """pytest-benchmark's JSON layout from rows, for sessions where it can't write its own (under
-    xdist it disables itself): each benchmark's stats hold the median and min we measured (no
-    per-round data), ``extra_info`` as in its own file, so ``--oink-baseline`` reads either."""
+    xdist it disables itself; -p no:benchmark; ``--oink-json``): each benchmark's stats as its own
+    file holds them, ``extra_info`` as in its own file, so ``--oink-baseline`` and
+    ``pytest-benchmark compare`` read either."""
     import datetime
 
-    benches = [{"name": r.test.split("::")[-1], "fullname": r.test, "group": f"{r.op} {r.M}x{r.N} {r.dtype}",
-                "params": None, "stats": {"median": r.median_s, "min": r.min_s}, "extra_info": r.extra_info()}
+    benches = [{"group": f"{r.op} {r.M}x{r.N} {r.dtype}", "name": r.test.split("::")[-1], "fullname": r.test,
+                "params": None, "param": None, "extra_info": r.extra_info(), "options": {"timer": r.method},
+                "stats": benchmark_stats(r)}
                for r in rows if r.status == "ok" and r.median_s]
-    return {"machine_info": machine_info, "commit_info": {}, "benchmarks": benches,
+    return {"machine_info": machine_info, "commit_info": commit_info or {}, "benchmarks": benches,
             "datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": "pytest_oink"}
 
 

@@ -185,9 +185,12 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
             continue
         try:
             m, n = part.split("x")
-            shapes.append((int(m), int(n)))
+            shape = (int(m), int(n))
         except ValueError:
             raise ValueError(f"--oink-configs: {part!r} is not MxN") from None
+        if min(shape) < 1:  # refused here: not as one failed row per (op, provider) at run time
+            raise ValueError(f"--oink-configs: {part!r}: M and N must be at least 1")
+        shapes.append(shape)
     if not shapes:
         raise ValueError("--oink-configs: no shapes given")
     return shapes

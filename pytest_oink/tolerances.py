@@ -34,6 +34,10 @@ _OVERRIDES = {
 }
 
 
+# every family the table knows: the plain ones take the dtype's bounds, the others their overrides
+FAMILIES = ("default", "rmsnorm", "layernorm", "softmax", *dict.fromkeys(f for f, _ in _OVERRIDES))
+
+
 def tolerance(family: str, dtype) -> tuple[float, float]:
     """(atol, rtol) for an output of ``dtype`` from an op of ``family``; exact for integer and
     byte outputs (quantized codes, scales)."""

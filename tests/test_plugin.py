@@ -218,7 +218,7 @@ def test_regression_gate_refuses_to_compare_nothing(smoke_run, tmp_path):
     # CPU rows without --oink-gate-cpu: nothing is compared, which fails and says why
     res = run("--oink-providers=oink", f"--oink-baseline={part}")
     assert res.ret == pytest.ExitCode.TESTS_FAILED
-    res.stdout.fnmatch_lines(["*the regression gate compared nothing (CPU rows are gated only with --oink-gate-cpu)*"])
+    res.stdout.fnmatch_lines(["*the regression gate compared nothing: CPU rows are gated only with --oink-gate-cpu*"])
     # another provider's rows are gated when asked (the torch rows have no baseline entry here)
     res = run("--oink-providers=oink,torch", "--oink-gate-cpu", "--oink-gate-providers=torch",
               f"--oink-baseline={_doctored(data, tmp_path / 'all.json', 1e6)}")
@@ -595,14 +595,14 @@ def test_gate_noise_floor():
         return report.Row(suite="s", op="rmsnorm_forward", provider="oink", M=4, N=128, dtype="bfloat16",
                           device="cuda:0", status="ok", median_s=median, spread=spread)
 
-    base = {("rmsnorm_forward", "oink", 4, 128, "bfloat16"): (1.0, 0.02)}
-    lines, bad, _ = report.regressions([row(1.2, 0.10)], base, 0.05)  # floor 30%: +20% is noise
+    base = {("rmsnorm_forward", "oink", 4, 128, "bfloat16"): [report.BaselineEntry(1.0, 0.02)]}
+    lines, bad, *_ = report.regressions([row(1.2, 0.10)], base, 0.05)  # floor 30%: +20% is noise
     assert not bad and "noise floor 30.0%" in lines[0] and lines[0].endswith("same")
-    lines, bad, _ = report.regressions([row(1.5, 0.10)], base, 0.05)
+    lines, bad, *_ = report.regressions([row(1.5, 0.10)], base, 0.05)
     assert bad and "REGRESSED" in lines[0]
-    lines, bad, _ = report.regressions([row(1.1, None)], base, 0.05)  # the baseline's own 2% spread: floor 6%
+    lines, bad, *_ = report.regressions([row(1.1, None)], base, 0.05)  # the baseline's own 2% spread: floor 6%
     assert bad and "noise floor 6.0%" in lines[0]
-    lines, bad, _ = report.regressions([row(1.1, 0.001)], {k: (1.0, 0.0) for k in base}, 0.05)
+    lines, bad, *_ = report.regressions([row(1.1, 0.001)], {k: [report.BaselineEntry(1.0)] for k in base}, 0.05)
     assert bad and "noise floor" not in lines[0]  # below the threshold, the floor is not mentioned
     assert timing.relative_spread([1.0, 1.0, 1.0]) == 0.0
     assert abs(timing.relative_spread([1.0, 1.1, 0.9, 1.0, 1.0]) - 0.0) < 1e-12  # MAD ignores the two outliers

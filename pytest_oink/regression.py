@@ -1,0 +1,91 @@
+"""The regression gate's session side (``--oink-baseline``): compare the session's rows with the
+baseline, fail the session on a regression or on a gate that compared nothing, and say why."""
+from __future__ import annotations
+
+import pytest
+
+from . import markers, options, report, suites
+from .state import CASES, ROWS, STATE
+
+
+def why_no_rows(config) -> str:
+    """Why a session measured no row (said in the summary and by a gate that compared nothing)."""
+    pairs = config.stash.get(CASES, None)
+    if pairs is None:
+        return "no --oink-suite given, and no test called oink_measure"
+    suite = options.get(config, "--oink-suite")
+    if (suites.ABOUT[suite][1] and markers.device_capability() is None
+            and not options.get(config, "--oink-run-on-cpu")):
+        return (f"suite {suite!r} is sized for a GPU and there is none ({len(pairs)} rows skipped; "
+                "--oink-run-on-cpu forces them)")
+    return f"none of the suite's {len(pairs)} rows was timed (skipped or failed: see the test summary)"
+
+
+def why_nothing_compared(config, rows, comparison) -> str:
+    if not rows:
+        return "no rows measured: " + why_no_rows(config)
+    providers = tuple(options.split_list(options.get(config, "--oink-gate-providers")))
+    timed = [r for r in rows if r.provider in providers and r.status == "ok" and r.median_s]
+    if not timed:
+        return f"no row of the gated providers ({', '.join(providers)}) was timed"
+    if not options.get(config, "--oink-gate-cpu") and all(r.device == "cpu" for r in timed):
+        return "CPU rows are gated only with --oink-gate-cpu"
+    if comparison.mismatched and not comparison.missing:
+        return "the baseline's rows of these shapes are of another suite or timing"
+    return "no gated row has a baseline entry"
+
+
+def judge(session) -> None:
+    """Compare (at session finish) and fail the session on a regression, on rows without a
+    baseline entry (unless --oink-allow-missing: it tolerates some), and on a gate that compared
+    nothing (always: a gate that compared nothing proved nothing)."""
+    config = session.config
+    state, rows = config.stash[STATE], config.stash[ROWS]
+    if "baseline" not in state:
+        return
+    comparison = report.regressions(
+        rows, state["baseline"], options.parse_percent(options.get(config, "--oink-max-regression")),
+        tuple(options.split_list(options.get(config, "--oink-gate-providers"))),
+        bool(options.get(config, "--oink-gate-cpu")))
+    state["comparison"] = comparison
+    if not comparison.lines:
+        state["nothing_compared"] = why_nothing_compared(config, rows, comparison)
+    from .outputs import machine_info
+
+    state["machine_differences"] = report.machine_differences(state.get("baseline_machine") or {},
+                                                              machine_info(config))
+    uncompared = comparison.missing or comparison.mismatched
+    refused = not comparison.lines or (uncompared and not options.get(config, "--oink-allow-missing"))
+    if (comparison.regressed or refused) and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def summarize(terminalreporter, config) -> None:
+    """The gate's section of the terminal summary (and the note of a session that measured nothing)."""
+    state = config.stash[STATE]
+    if config.stash.get(CASES, None) is not None and not config.stash[ROWS]:
+        terminalreporter.write_line(f"[oink] no rows measured: {why_no_rows(config)}", yellow=True)
+    comparison = state.get("comparison")
+    if comparison is None:
+        return
+    tr = terminalreporter
+    tr.section("oink regression gate")
+    for line in comparison.lines:
+        tr.write_line(line)
+    if comparison.regressed:
+        tr.write_line(f"regressed beyond {options.get(config, '--oink-max-regression')}: "
+                      + ", ".join(comparison.regressed), red=True)
+    strict = not options.get(config, "--oink-allow-missing")
+    if comparison.missing:
+        tr.write_line("not compared (no baseline entry): " + ", ".join(comparison.missing), red=strict)
+    if comparison.mismatched:
+        tr.write_line("not compared (the baseline's row is of another suite or timing): "
+                      + ", ".join(comparison.mismatched), red=strict)
+    if state.get("machine_differences"):
+        tr.write_line("baseline measured elsewhere (timings may not compare): "
+                      + "; ".join(state["machine_differences"]), yellow=True)
+    if state.get("nothing_compared"):
+        tr.write_line(f"the regression gate compared nothing: {state['nothing_compared']}", red=True)
+    # pytest's final line then counts them: "... 4 passed, 2 regressed"
+    tr.stats.setdefault("regressed", []).extend(comparison.regressed)
+    tr.stats.setdefault("not compared", []).extend(comparison.missing + comparison.mismatched)

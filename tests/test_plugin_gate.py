@@ -1,0 +1,94 @@
+"""The regression gate's edge cases through pytester (issue #34): a gate that compared nothing,
+rows of another suite or timing, thresholds that are no numbers, a GPU suite on a CPU runner,
+and the baseline's machine. Every run here is one tiny CPU row (or none)."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+PLUGIN = ("-p", "pytest_oink.plugin", "-p", "no:cacheprovider")
+BENCH = '''
+def test_benchmark(oink_case, oink_benchmark):
+    oink_benchmark(oink_case)
+'''
+# one CPU row, gated: smoke softmax_forward 4x128 through torch
+ONE_ROW = ("--oink-suite=smoke", "--oink-ops=softmax_forward", "--oink-providers=torch", "--oink-configs=4x128",
+           "--oink-gate-cpu", "--oink-gate-providers=torch")
+
+
+@pytest.fixture(autouse=True)
+def _plugin_runs_see_no_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("OINK_FAKE_SM", raising=False)
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _baseline(path, **row):
+    """Our rows JSON with one row (a softmax_forward 4x128 torch row of the smoke suite unless told)."""
+    base = {"suite": "smoke", "op": "softmax_forward", "provider": "torch", "M": 4, "N": 128, "dtype": "bfloat16",
+            "median_s": 1.0, "method": "cpu-perf_counter"}
+    path.write_text(json.dumps({"rows": [dict(base, **row)]}))
+    return path
+
+
+def test_allow_missing_does_not_pass_a_gate_that_compared_nothing(pytester, tmp_path):
+    pytester.makepyfile(BENCH)
+    other = _baseline(tmp_path / "other.json", M=8)  # matches no row of this run
+    res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={other}", "--oink-allow-missing", *PLUGIN)
+    assert res.ret == pytest.ExitCode.TESTS_FAILED
+    res.stdout.fnmatch_lines(["*the regression gate compared nothing*"])
+    # some rows missing is what --oink-allow-missing tolerates
+    two = tmp_path / "two.json"
+    two.write_text(json.dumps({"rows": [json.loads(other.read_text())["rows"][0],
+                                        json.loads(_baseline(tmp_path / "x.json", M=4).read_text())["rows"][0]]}))
+    res = pytester.runpytest_subprocess(*ONE_ROW[:3], "--oink-configs=4x128,2x128", *ONE_ROW[4:],
+                                        f"--oink-baseline={two}", "--oink-allow-missing", *PLUGIN)
+    assert res.ret == 0, res.stdout.str()[-2000:]
+    res.stdout.fnmatch_lines(["*softmax_forward 4x128 bfloat16 [[]torch[]]: * improved*",
+                              "*not compared (no baseline entry): softmax_forward-2x128-bfloat16-torch*"])
+
+
+def test_rows_of_another_suite_or_timing_are_not_compared(pytester, tmp_path):
+    """A launch-suite baseline (host time of eager calls) says nothing about a smoke row: not
+    compared, never a verdict (its tiny time would read as a regression)."""
+    pytester.makepyfile(BENCH)
+    for i, row in enumerate(({"suite": "launch", "method": "eager-calls", "median_s": 1e-12},
+                             {"suite": "smoke", "method": "eager-calls", "median_s": 1e-12},
+                             {"suite": "launch", "median_s": 1e-12})):
+        base = _baseline(tmp_path / f"b{i}.json", **row)
+        res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={base}", *PLUGIN)
+        out = res.stdout.str()
+        assert "REGRESSED" not in out and res.ret == pytest.ExitCode.TESTS_FAILED, out[-2000:]
+        res.stdout.fnmatch_lines(["*not compared (*): softmax_forward-4x128-bfloat16-torch*",
+                                  "*the regression gate compared nothing*"])
+        assert "baseline row of suite " + row["suite"] in out or "baseline row timed " in out
+
+
+@pytest.mark.parametrize("value", ["nan%", "inf%", "1e400%"])
+def test_threshold_must_be_a_finite_percentage(pytester, value):
+    pytester.makepyfile(BENCH)
+    res = pytester.runpytest_subprocess("--collect-only", *ONE_ROW, f"--oink-max-regression={value}", *PLUGIN)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*--oink-max-regression=*: expected a finite, non-negative percentage*"])
+
+
+def test_gpu_suite_on_a_cpu_runner_says_why_and_writes_valid_files(pytester, tmp_path):
+    pytester.makepyfile(BENCH)
+    base = _baseline(tmp_path / "base.json", suite="dsv3", M=4096, N=6144)
+    outputs = (f"--oink-csv={tmp_path / 'r.csv'}", f"--benchmark-json={tmp_path / 'b.json'}",
+               f"--oink-summary={tmp_path / 's.md'}")
+    args = ("--oink-suite=dsv3", "--oink-ops=softmax_forward", "--oink-providers=torch", *outputs, *PLUGIN)
+    res = pytester.runpytest_subprocess(*args)
+    assert res.ret == 0  # no gate asked: skipped rows are no failure, but the run says so
+    res.stdout.fnmatch_lines(["*no rows measured: suite 'dsv3' is sized for a GPU and there is none*9 rows skipped*"])
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["benchmarks"] == [] and data["oink_run"]["suite"] == "dsv3"
+    assert list(csv.reader(open(tmp_path / "r.csv"))) == [list(__import__("pytest_oink.report").report.CSV_FIELDS)]
+    res = pytester.runpytest_subprocess(*args, f"--oink-baseline={base}", "--oink-allow-missing")
+    assert res.ret == pytest.ExitCode.TESTS_FAILED
+    res.stdout.fnmatch_lines(["*the regression gate compared nothing: no rows measured: suite 'dsv3' is sized "
+                              "for a GPU and there is none*"])
+    assert json.loads((tmp_path / "b.json").read_text())["benchmarks"] == []
