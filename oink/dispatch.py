@@ -53,7 +53,21 @@ def _kernel_module(op: str):
 def device_arch(index: int) -> tuple[str | None, str]:
     """(CuTeDSL target or None, "major.minor") of CUDA device ``index``."""
     major, minor = torch.cuda.get_device_capability(index)
-    return arch_for_capability(major, minor), f"{major}.{minor}"
+    arch = arch_for_capability(major, minor)
+    if arch is not None:
+        _use_card(torch.cuda.get_device_name(index))
+    return arch, f"{major}.{minor}"
+
+
+def _use_card(name: str) -> None:
+    """Launch-table entries are chosen for one card a process: the first supported GPU routed to (a
+    second model of card beside it runs the first's entries, or the rules, and says so once)."""
+    from .kernels import launch_table
+
+    if launch_table.CARD not in (None, name):
+        log.warning("launch table: entries chosen for %s, not for %s in this process", launch_table.CARD, name)
+        return
+    launch_table.use_card(name)
 
 
 def route(op: str, args: dict) -> Route:

@@ -143,18 +143,13 @@ def test_resident_clusters_asks_the_driver_and_falls_back_to_the_division(monkey
 
 
 def _tune_script():
-    import importlib.util
-    from pathlib import Path
+    from oink import tune
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "tune_launch.py"
-    spec = importlib.util.spec_from_file_location("tune_launch", path)
-    tune = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune)
     return tune
 
 
 def test_shape_search_keeps_a_grid_only_with_its_launch():
-    """scripts/tune_launch.py's shape verdict: an old entry's grid stays where the key's launch is
+    """oink.tune's shape verdict: an old entry's grid stays where the key's launch is
     unchanged (re-found, or the heuristic's shape the entry was kept for), and goes with a new launch."""
     pytest.importorskip("torch")
     tune = _tune_script()
@@ -185,7 +180,7 @@ def test_shape_search_keeps_a_grid_only_with_its_launch():
 
 
 def test_ops_sharing_a_key_search_it_once(capsys):
-    """scripts/tune_launch.py: rmsnorm_forward and fused_add_rmsnorm_ share rmsnorm_fwd's keys; the
+    """oink.tune: rmsnorm_forward and fused_add_rmsnorm_ share rmsnorm_fwd's keys; the
     second op named does not search a key the first searched (its verdict would replace the entry)."""
     pytest.importorskip("torch")
     tune = _tune_script()
@@ -198,7 +193,7 @@ def test_ops_sharing_a_key_search_it_once(capsys):
 
 
 def test_search_keeps_a_grid_only_where_it_beats_the_default(monkeypatch):
-    """scripts/tune_launch.py's grid step on canned timings: kept in the entry where it won by more
+    """oink.tune's grid step on canned timings: kept in the entry where it won by more
     than --min-gain, an old one dropped where none did, an entry made at the heuristic's shape."""
     import argparse
 
@@ -248,6 +243,8 @@ def test_candidates_are_valid_and_hold_the_heuristic(N, bits):
 def test_table_file_is_well_formed():
     for arch, key, N, e in ENTRIES:
         assert arch in ("sm_90a", "sm_100a") and key.count("/") >= 1
+        lo, hi = e["n"]  # a range of widths around the one measured, on the card measured
+        assert lo <= N <= hi and e["card"] and e["iters"] >= 1
         tpr, nt, cl = e["launch"]
         RowLaunch(N=N, vec=1, threads_per_row=tpr, num_threads=nt, cluster_n=cl)  # raises if not a launch shape
         if e["launch"] != e["heuristic"] or e.get("stage"):
@@ -315,13 +312,21 @@ def _compile(arch: str, key: str, N: int):
     raise AssertionError(f"{key}: add its compile call to tests/test_launch_table.py")
 
 
+@pytest.fixture
+def card():
+    """Launches chosen for a card (the dispatch sets the GPU's); back to none (the rules) after."""
+    yield launch_table.use_card
+    launch_table.use_card(None)
+
+
 @pytest.mark.parametrize("arch,key,N,entry", ENTRIES, ids=IDS)
-def test_entry_compiles_for_its_arch(arch, key, N, entry):
+def test_entry_compiles_for_its_arch(arch, key, N, entry, card):
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
     from oink.kernels.compile import CACHE
 
     from oink.kernels.rmsnorm import ran_staged
 
+    card(entry.get("card"))
     CACHE.clear_used()
     assert callable(_compile(arch, key, N))
     shapes = CACHE.used_launches()
@@ -343,6 +348,8 @@ def test_entry_runs_correctly(arch, key, N, entry, rows, dtype):
 
     import torch
 
+    if entry.get("card", torch.cuda.get_device_name()) != torch.cuda.get_device_name():
+        pytest.skip(f"an entry for {entry['card']}: this GPU takes the rules")
     width = re.search(r"/x(\d+)", key)  # keys naming x's width serve that width only (FP8's serve every dtype)
     if width and getattr(torch, dtype).itemsize * 8 != int(width.group(1)):
         pytest.skip(f"{key} serves {width.group(1)}-bit x, not {dtype}")
@@ -376,3 +383,107 @@ def test_search_keeps_only_a_passing_shape_that_beats_the_heuristic():
     assert launch_table.choose([(default, 1.0), (b, 2.0)], default, 0.03) == (None, 1.0, 1.0)
     # the heuristic's own shape failed: no verdict (the tool reports it)
     assert launch_table.choose([(default, None), (b, 2.0)], default, 0.03) == (None, None, None)
+
+
+def _tables(monkeypatch, tables: dict) -> None:
+    def table():
+        return tables
+
+    table.cache_clear = lambda: None  # config.reload() (a change of card) clears the real one's cache
+    monkeypatch.setattr(launch_table, "table", table)
+
+
+def test_an_entry_serves_a_range_of_widths_on_its_card(override, monkeypatch, card):
+    """No lookup by exact width alone: an entry serves the widths within ``RANGE`` of its own (or its
+    "n"), on its card only (none: any card), the nearest measured width first."""
+    _tables(monkeypatch, {"sm_90a": {"test/k": {
+        18432: {"launch": [192, 192, 4], "iters": 3, "card": "H100"},
+        20480: {"launch": [128, 128, 4], "iters": 5, "card": "H100", "n": [19968, 20480]},
+        65536: {"launch": [64, 128, 16], "iters": 8}}}})
+    at = lambda N: launch_table.entry("test/k", "sm_90a", N)  # noqa: E731
+    assert at(18432) is None  # the CPU, no card: entries for a card do not apply
+    card("H100")
+    assert at(18432)[0] == at(17408)[0] == at(19584)[0] == 18432
+    assert at(19968)[0] == 20480 and at(20481) is None and at(17279) is None
+    assert at(65536 + 4096)[0] == 65536  # an entry without a card serves any
+    card("H200")
+    assert at(18432) is None and at(65536)[0] == 65536
+
+
+def test_an_entry_scales_to_the_widths_it_serves(override, monkeypatch, card):
+    """Away from its own width an entry keeps its cluster and rows a CTA and tiles the row's share exactly
+    with the accesses a thread nearest its own; where no tiling is exact, the rule's launch."""
+    _tables(monkeypatch, {"sm_90a": {"test/k": {18432: {"launch": [192, 192, 4], "iters": 3},
+                                                131072: {"launch": [128, 128, 16], "iters": 8}}}})
+    rule = lambda N: pick_row_launch(N, 16)  # noqa: E731
+    assert launch_table.pick("test/k", "sm_90a", rule(18432)).threads_per_row == 192  # as measured
+    near = launch_table.pick("test/k", "sm_90a", rule(19456))  # 2432 units over 4 CTAs: 608 = 32 x 19
+    assert (near.cluster_n, near.rows_per_cta, near.even_n) == (4, 1, True) and near.iters in (1, 2, 19)
+    near = launch_table.pick("test/k", "sm_90a", rule(18944))  # 2368 units: 592 a CTA, 37 x 16
+    assert near == rule(18944)  # no whole-warp tiling of 592: the rule's
+    near = launch_table.pick("test/k", "sm_90a", rule(135168))  # 16896 units: 1056 = 96 x 11 or 352 x 3 a CTA
+    assert (near.threads_per_row, near.cluster_n, near.iters, near.even_n) == (96, 16, 11, True)
+
+
+def test_the_users_overlay_is_read_over_the_shipped_table(tmp_path, monkeypatch):
+    """``python -m oink.tune`` writes beside the kernel cache; the library reads it over the shipped
+    table (an overlay entry replaces the one measured at the same width), and a damaged one is ignored."""
+    import json
+
+    from tests.helpers import set_knob
+
+    set_knob(monkeypatch, "OINK_CACHE_DIR", str(tmp_path))
+    assert launch_table.overlay_path() == tmp_path / "launch_table.json"
+    shipped = launch_table.table()
+    key, (at, e) = next((k, next(iter(v.items()))) for k, v in shipped["sm_90a"].items())
+    mine = {**e, "launch": [32, 128, 1]}
+    overlay = {"tables": {"sm_90a": {key: {str(at): mine}, "test/mine": {"4096": mine}}}}
+    launch_table.overlay_path().write_text(json.dumps(overlay))
+    config.reload()
+    merged = launch_table.table()
+    assert merged["sm_90a"][key][at]["launch"] == [32, 128, 1] and merged["sm_90a"]["test/mine"][4096] == mine
+    assert len(merged["sm_90a"][key]) == len(shipped["sm_90a"][key])
+    launch_table.overlay_path().write_text("{not json")
+    config.reload()
+    assert launch_table.table() == shipped
+    set_knob(monkeypatch, "OINK_CACHE_DIR", "0")
+    assert launch_table.overlay_path() is None and launch_table.table() == shipped
+
+
+def test_the_table_has_fewer_entries_than_before_the_rules():
+    assert len(ENTRIES) < 90  # the exact-width table of the nineteenth session had 90
+
+
+# searched winners on the H100 (launch_table.json before the rules) that the wide-row rule gives unaided
+SEARCHED = [(18432, 8, 16, (192, 192, 4)), (131072, 8, 16, (128, 128, 16)), (262144, 8, 16, (256, 256, 16))]
+
+
+@pytest.mark.parametrize("N,vec,cluster,shape", SEARCHED)
+def test_the_wide_row_rule_finds_the_searched_winners(N, vec, cluster, shape):
+    from oink.kernels.reduction import cluster_rows
+
+    L = cluster_rows(N, vec, cluster)
+    assert (L.threads_per_row, L.num_threads, L.cluster_n) == shape
+
+
+@pytest.mark.parametrize("cluster", [8, 16])
+@pytest.mark.parametrize("vec", [1, 4, 8])
+def test_the_wide_row_rule_between_measured_widths(vec, cluster):
+    """At every width (odd ones too): a valid launch within the cluster limit and 1024 threads; a CTA's
+    share tiled exactly wherever a whole-warp tiling of at most 8 accesses exists; at most 8 accesses a
+    thread unless even 1024 threads of the widest cluster need more."""
+    import math
+
+    from oink.kernels.reduction import CLUSTER_ROWS_UNITS, cluster_rows
+
+    for N in sorted({int(2 ** (14 + 4 * i / 97)) // vec * vec for i in range(98)}):
+        if N // vec <= CLUSTER_ROWS_UNITS:
+            continue
+        L = cluster_rows(N, vec, cluster)
+        assert L.cluster_n <= cluster and L.num_threads <= 1024 and L.rows_per_cta == 1
+        assert L.iters <= 8 or (L.threads_per_row == 1024 and L.cluster_n == cluster), L
+        share = N // vec / L.cluster_n
+        exact = share == int(share) and any(
+            share % it == 0 and (share // it) % 32 == 0 and share // it <= 1024 for it in range(1, 9))
+        assert L.even_n or not exact, L
+        assert math.ceil(N / vec / (L.threads_per_row * L.cluster_n)) == L.iters

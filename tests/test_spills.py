@@ -49,6 +49,24 @@ def test_chosen_launch_does_not_spill(keep_cubin, family, dtype, arch):
     assert all(r[1]["registers"] > 0 for r in found.values())  # the notes were read
 
 
+# widths between the suites' and the table's (none is an entry's or a suite's): the wide-row rule's launches
+RULE_WIDTHS = (17408, 24576, 40960, 53248, 98304, 147456, 180224, 229376)
+RULE_FAMILIES = ("rmsnorm_fwd", "rmsnorm_fwd_w32", "rmsnorm_fwd_res", "layernorm_fwd", "softmax_fwd")
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("family", RULE_FAMILIES)
+def test_wide_row_rule_does_not_spill(keep_cubin, family, dtype, arch):
+    """The launch ``reduction.cluster_rows`` gives at widths nobody searched compiles, takes the rule's
+    cluster (no table entry applies on the CPU) and keeps its values in registers."""
+    found = {N: _resources(family, dtype, N, arch) for N in RULE_WIDTHS}
+    spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"]}
+    assert not spilled, f"{family} {dtype} {arch} spills at (launch, resources) {spilled}"
+    assert all(r[1]["registers"] > 0 and not r[2] for r in found.values())
+    assert any(L[2] > 1 for r in found.values() for L in r[0]), "no launch took a cluster"
+
+
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("layernorm", [False, True], ids=["rmsnorm", "layernorm"])

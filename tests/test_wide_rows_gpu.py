@@ -39,6 +39,31 @@ def test_wide_row_launch_runs_correctly(op, N, dtype, M):
     assert CACHE.used_launches(), "no row kernel ran (the call took the reference)"
 
 
+# the wide-row rule (reduction.cluster_rows) at widths no table entry serves: whole-warp tilings of 128-416
+# threads over clusters of 4-16, a padded share (40968 = 8 x 5121), and odd widths (one element an access)
+RULE_OPS = ("rmsnorm_forward", "rmsnorm_forward_w32", "fused_add_rmsnorm_", "layernorm", "softmax_forward")
+RULE_CASES = [(op, N) for op in RULE_OPS for N in (24576, 40968, 53248, 98304, 180224, 40961, 147457)]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm(90, exact=True)
+@pytest.mark.parametrize("M", [37, 600])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("op,N", RULE_CASES, ids=[f"{op}-{N}" for op, N in RULE_CASES])
+def test_wide_row_rule_runs_correctly(op, N, dtype, M):
+    import torch
+
+    from oink.kernels.compile import CACHE
+    from pytest_oink.bench_runner import gate
+    from pytest_oink.providers import SPECS, build
+
+    device = torch.device("cuda")
+    CACHE.clear_used()
+    result = gate(SPECS[op], build(op, "oink", device), Case("test", op, M, N, dtype), getattr(torch, dtype), device)
+    assert result["passed"], result.get("report")
+    assert any(L[2] > 1 for L in CACHE.used_launches()), f"no clustered launch ran: {CACHE.used_launches()}"
+
+
 SPLIT_CASES = [(op, N) for op in ("rmsnorm_backward", "layernorm_backward") for N in (151936, 200000, 262144)]
 
 

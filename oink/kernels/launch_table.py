@@ -1,10 +1,15 @@
-"""Tuned launch shapes per arch, kept as data (``launch_table.json``).
+"""Tuned launch shapes per arch and card, kept as data (``launch_table.json``), over each family's rule.
 
-A launch heuristic computes its own choice, then asks ``pick(key, arch, default)``: the table's
-entry for (arch, key, N) wins where there is one, the heuristic's answer elsewhere (every width the
-search did not measure, and every arch no GPU of which was lent: sm_100a has no entries).
-``scripts/tune_launch.py`` fills the table: on a GPU it tries ``candidates`` for each key an op
-looks up, gates each against the op's reference, times it, and keeps the fastest that passed.
+A launch heuristic (each family's rule, ``reduction.cluster_rows`` for wide rows) computes its own
+choice, then asks ``pick(key, arch, default)``: an entry of (arch, key) whose width range ("n": [lo, hi])
+holds N and whose "card" is the GPU in use (``use_card``; an entry without one serves any card) wins,
+the rule's choice elsewhere. An entry was measured at one width ("at"); at another width of its range its
+launch keeps its cluster and rows a CTA and takes the whole-warp tiling of the row's share whose accesses
+a thread are nearest the measured ones ("iters"), or the rule's choice where no such tiling exists.
+A card with no entries (an H200 where the table was searched on an H100), and the CPU, get the rules.
+``scripts/tune_launch.py`` and ``python -m oink.tune`` fill the table: on a GPU they try ``candidates``
+for each key an op looks up, gate each against the op's reference, time it, and keep the fastest that
+passed. ``python -m oink.tune`` writes a user's overlay (``overlay_path``), read before the shipped table.
 No torch here; ``RowLaunch`` is the only kernel type used.
 """
 from __future__ import annotations
@@ -37,16 +42,91 @@ STAGEABLE = ("rmsnorm_fwd/", "layernorm_fwd/")
 SEEN: dict = {}
 
 
-@functools.cache
-def table() -> dict:
-    """{arch: {key: {N: entry}}}; an entry's "launch" is [threads_per_row, num_threads, cluster_n], a
-    persistent kernel's entry may add "grid": the threads a SM its grid is sized for, and a norm forward's
-    "stage": "early" or "late", its rows staged in shared memory (``staged``)."""
-    if not TABLE_PATH.exists():
+# the GPU the launches are chosen for (its name, as CUDA gives it): set by the dispatch for the device a
+# call runs on; None (the CPU, compile checks): only entries without a card apply
+CARD: str | None = None
+# an entry serves widths within this factor of the one it was measured at, unless it says otherwise
+RANGE = 17 / 16
+
+
+def use_card(name: str | None) -> None:
+    """Choose launches for GPU ``name`` from now on; a change drops the launches chosen for another."""
+    global CARD
+    if name != CARD:
+        CARD = name
+        config.reload()
+
+
+def overlay_path() -> Path | None:
+    """Where ``python -m oink.tune`` writes the user's tuned entries: beside the compiled kernels'
+    cache (OINK_CACHE_DIR); None where that cache is off."""
+    d = config.get().cache_dir
+    return Path(d) / "launch_table.json" if d else None
+
+
+def _read(path: Path | None) -> dict:
+    if path is None or not path.exists():
         return {}
-    data = json.loads(TABLE_PATH.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # a damaged overlay: the shipped table and the rules still serve
+        return {}
     return {arch: {key: {int(n): e for n, e in by_n.items()} for key, by_n in keys.items()}
             for arch, keys in data.get("tables", {}).items()}
+
+
+@functools.cache
+def table() -> dict:
+    """{arch: {key: {at: entry}}}: the user's overlay over the shipped table (an overlay entry replaces
+    the shipped one measured at the same width). An entry's "launch" is [threads_per_row, num_threads,
+    cluster_n]; "n" the widths it serves, "card" the GPU it was measured on, "iters" its accesses a thread
+    at "at"; a persistent kernel's entry may add "grid": the threads a SM its grid is sized for, and a norm
+    forward's "stage": "early" or "late", its rows staged in shared memory (``staged``)."""
+    merged = _read(TABLE_PATH)
+    for arch, keys in _read(overlay_path()).items():
+        for key, by_n in keys.items():
+            merged.setdefault(arch, {}).setdefault(key, {}).update(by_n)
+    return merged
+
+
+def span(at: int, entry: dict) -> tuple[int, int]:
+    """The widths ``entry`` (measured at ``at``) serves."""
+    lo, hi = entry.get("n") or (math.ceil(at / RANGE), math.floor(at * RANGE))
+    return lo, hi
+
+
+def entry(key: str, arch: str, N: int) -> tuple[int, dict] | None:
+    """(at, entry) of the entry for ``key`` whose range holds N on the card in use, the nearest
+    measured width first; None where there is none."""
+    found = None
+    for at, e in table().get(arch, {}).get(key, {}).items():
+        if e.get("card", CARD) != CARD:
+            continue
+        lo, hi = span(at, e)
+        if lo <= N <= hi and (found is None or abs(math.log(N / at)) < abs(math.log(N / found[0]))):
+            found = (at, e)
+    return found
+
+
+def scaled(at: int, e: dict, default: RowLaunch) -> RowLaunch | None:
+    """The entry's launch at ``default.N``: as measured at its own width; elsewhere its cluster and rows
+    a CTA over the whole-warp tiling of the row's share with the accesses a thread nearest its "iters";
+    None where no tiling covers the share exactly (a padded access cost more than the rule's choice)."""
+    tpr, nt, cluster_n = e["launch"]
+    N, vec = default.N, default.vec
+    if N == at:
+        return RowLaunch(N=N, vec=vec, threads_per_row=tpr, num_threads=nt, cluster_n=cluster_n)
+    units, rows = N // vec, nt // tpr
+    if units % cluster_n:
+        return None
+    share = units // cluster_n
+    want = e.get("iters") or math.ceil(at // vec / (tpr * cluster_n))
+    tilings = [(abs(math.log(it / want)), share // it) for it in range(1, 2 * want + 1)
+               if share % it == 0 and (share // it) % WARP == 0 and share // it * rows <= 1024]
+    if not tilings:
+        return None
+    t = min(tilings)[1]
+    return RowLaunch(N=N, vec=vec, threads_per_row=t, num_threads=t * rows, cluster_n=cluster_n)
 
 
 # A call of at most this many rows looks up its key's "/few" entry first: a few rows fill the GPU
@@ -72,13 +152,11 @@ def pick(key: str, arch: str, default: RowLaunch, knob: int | None = None, few: 
 def _resolved(key: str, arch: str, default: RowLaunch, knob) -> RowLaunch:
     N = default.N
     shape = OVERRIDES.get((key, arch, N))
-    if shape is None and not knob:
-        entry = table().get(arch, {}).get(key, {}).get(N)
-        shape = entry["launch"] if entry else None
-    if shape is None:
-        return default
-    tpr, nt, cluster_n = shape
-    return RowLaunch(N=N, vec=default.vec, threads_per_row=tpr, num_threads=nt, cluster_n=cluster_n)
+    if shape is not None:
+        tpr, nt, cluster_n = shape
+        return RowLaunch(N=N, vec=default.vec, threads_per_row=tpr, num_threads=nt, cluster_n=cluster_n)
+    found = None if knob else entry(key, arch, N)
+    return (found and scaled(*found, default)) or default
 
 
 def grid(key: str, arch: str, N: int, knob: int | None = None, few: bool = False) -> int | None:
@@ -105,9 +183,9 @@ def _launch_option(field: str, overrides: dict, key: str, arch: str, N: int, kno
             return overrides[(k, arch, N)] or None
         if (k, arch, N) in OVERRIDES or knob:
             return None
-        entry = table().get(arch, {}).get(k, {}).get(N)
-        if entry:
-            return entry.get(field)
+        found = entry(k, arch, N)
+        if found:
+            return found[1].get(field)
     return None
 
 

@@ -10,6 +10,7 @@ barrier and written after it, by the same thread.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -20,7 +21,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick, staged
-from .reduction import MAX_N, RowKernelBase, RowLaunch, add, pick_row_launch, whole_warp_rows
+from .reduction import (CLUSTER_ROWS_UNITS, MAX_CLUSTER, MAX_N, WIDE_CLUSTER, RowKernelBase, RowLaunch, add,
+                        cluster_rows, pick_row_launch, whole_warp_rows)
 
 
 # The forward's thread holds its units of x (and residual) live between the reduction and the
@@ -45,6 +47,9 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     OINK_FWD_UPT (units a thread) overrides, for sweeps."""
     if config.get().fwd_upt:
         return pick_row_launch(N, x_bits, units_per_thread=config.get().fwd_upt)
+    vec = math.gcd(N, 128 // x_bits)
+    if N // vec > CLUSTER_ROWS_UNITS:  # LayerNorm's two reduction rounds: a cluster of 16 cost more than 8
+        return cluster_rows(N, vec, MAX_CLUSTER if layernorm else WIDE_CLUSTER.get(arch, MAX_CLUSTER))
     if layernorm:
         return whole_warp_rows(pick_row_launch(N, x_bits, max_units_per_thread=FWD_MAX_UNITS,
                                                max_threads=LAYERNORM_MAX_THREADS), 4, LAYERNORM_MAX_THREADS)

@@ -1,0 +1,139 @@
+"""Time candidate launch rules against the current launches and a peer, at widths no table entry names.
+
+For each op and width: the op runs once to learn the launch keys it looks up; each rule then gives
+every key a launch (forced through ``launch_table.OVERRIDES``), which is gated against the op's
+reference (the benchmark gate) and timed (CUDA-graph replay, inputs cycled past L2). ``current`` is
+the library's own choice; ``--peers`` are timed the same way. One JSON line per trial, then a table.
+
+    python3 scripts/rule_probe.py --ops rmsnorm_forward,softmax_forward --widths 40960,98304 \
+        --rules current,small8,mid8 --peers quack --log $OUT/probe.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from oink import config  # noqa: E402
+from oink.kernels import launch_table  # noqa: E402
+from oink.kernels.compile import CACHE  # noqa: E402
+from oink.kernels.reduction import RowLaunch, cluster_rows  # noqa: E402
+from oink.tune import keys_of, time_op  # noqa: E402
+from pytest_oink.bench_runner import gate  # noqa: E402
+from pytest_oink.providers import SPECS, build  # noqa: E402
+from pytest_oink.suites import Case  # noqa: E402
+from pytest_oink.timing import measure_roofline  # noqa: E402
+
+
+def _quack_like(N, vec):
+    cluster = next(c for c, top in ((1, 16384), (2, 32768), (4, 65536), (8, 131072), (16, 1 << 30)) if N <= top)
+    return RowLaunch(N=N, vec=vec, threads_per_row=256, num_threads=256, cluster_n=cluster)
+
+
+RULES = {
+    "small8": lambda N, vec: cluster_rows(N, vec, 16, 128, 8),
+    "mid8": lambda N, vec: cluster_rows(N, vec, 16, 256, 8),
+    "small4": lambda N, vec: cluster_rows(N, vec, 16, 128, 4),
+    "mid4": lambda N, vec: cluster_rows(N, vec, 16, 256, 4),
+    "c8small8": lambda N, vec: cluster_rows(N, vec, 8, 128, 8),
+    "small16": lambda N, vec: cluster_rows(N, vec, 16, 128, 16),
+    "small8p": lambda N, vec: cluster_rows(N, vec, 16, 128, 8, exact=False),
+    "mid8p": lambda N, vec: cluster_rows(N, vec, 16, 256, 8, exact=False),
+    "quacklike": _quack_like,
+}
+
+
+def rows_for(spec, N, itemsize, target=256 << 20) -> int:
+    M = 1
+    while spec.nbytes(M, N, itemsize) < target and M * N < 2**28:
+        M *= 2
+    return max(33, M)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", required=True)
+    ap.add_argument("--widths", required=True)
+    ap.add_argument("--rules", default="current," + ",".join(RULES))
+    ap.add_argument("--peers", default="quack")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rows", type=int, default=0, help="rows (default: the case moves ~256 MB)")
+    ap.add_argument("--log", default=None)
+    a = ap.parse_args(argv)
+    device, dtype = torch.device("cuda"), getattr(torch, a.dtype)
+    roof = measure_roofline(device)
+    card = torch.cuda.get_device_name()
+    print(f"# {card}: copy {roof.copy_tbs:.2f} TB/s", flush=True)
+    log = open(a.log, "a") if a.log else None
+    table = []
+    for op in a.ops.split(","):
+        spec, run = SPECS[op], build(op, "oink", device)
+        peers = {}
+        for p in a.peers.split(","):
+            try:
+                peers[p] = build(op, p, device) if p else None
+            except Exception as e:  # noqa: BLE001  (a peer not installed or not offering the op)
+                print(f"# {op}: no {p} ({e})", flush=True)
+        for N in (int(n) for n in a.widths.split(",")):
+            M = a.rows or rows_for(spec, N, dtype.itemsize)
+            case = Case("probe", op, M, N, a.dtype)
+            keys = keys_of(spec, run, M, N, dtype, device)
+            row = {"op": op, "N": N, "M": M, "card": card, "copy_tbs": roof.copy_tbs}
+            for rule in a.rules.split(","):
+                launch_table.OVERRIDES.clear()
+                shapes = {}
+                if rule.startswith("file:"):  # launches saved by another tree: {"key|arch|N": shape}
+                    saved = json.loads(Path(rule[5:]).read_text())
+                    for (key, arch, width) in keys:
+                        if f"{key}|{arch}|{width}" in saved:
+                            launch_table.OVERRIDES[(key, arch, width)] = tuple(saved[f"{key}|{arch}|{width}"])
+                elif rule != "current":
+                    for (key, arch, width), default in keys.items():
+                        L = RULES[rule](width, default.vec)
+                        shapes[key] = launch_table.OVERRIDES[(key, arch, width)] = (
+                            L.threads_per_row, L.num_threads, L.cluster_n)
+                config.reload()
+                CACHE.clear_used()
+                try:
+                    g = gate(spec, run, case, dtype, device)
+                    ok = g["passed"]
+                    us = time_op(spec, run, case, dtype, device) * 1e6 if ok else None
+                    why = "" if ok else g.get("report", "gate failed")[:200]
+                except Exception as e:  # noqa: BLE001
+                    ok, us, why = False, None, f"{type(e).__name__}: {e}"[:200]
+                ran = sorted(CACHE.used_launches())
+                frac = spec.nbytes(M, N, dtype.itemsize) / (us * 1e-6) / (roof.copy_tbs * 1e12) if us else None
+                line = {**row, "rule": rule, "passed": ok, "us": us, "copy": frac, "ran": ran, "why": why}
+                row[rule] = us
+                print(json.dumps(line), flush=True)
+                if log:
+                    log.write(json.dumps(line) + "\n")
+                    log.flush()
+            launch_table.OVERRIDES.clear()
+            config.reload()
+            for p, prun in peers.items():
+                try:
+                    g = gate(spec, prun, case, dtype, device)
+                    us = time_op(spec, prun, case, dtype, device) * 1e6 if g["passed"] else None
+                except Exception as e:  # noqa: BLE001
+                    us = None
+                    print(f"# {op} {N}: {p} raised {type(e).__name__}: {str(e)[:120]}", flush=True)
+                row[p] = us
+                line = {"op": op, "N": N, "M": M, "card": card, "rule": p, "us": us}
+                if log:
+                    log.write(json.dumps(line) + "\n")
+                    log.flush()
+            table.append(row)
+    cols = a.rules.split(",") + [p for p in a.peers.split(",") if p]
+    print("op N M " + " ".join(cols) + "   (us; copy fraction of 'current' and best)")
+    for r in table:
+        ts = [r.get(c) for c in cols]
+        print(r["op"], r["N"], r["M"], " ".join(f"{t:.1f}" if t else "-" for t in ts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
