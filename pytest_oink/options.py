@@ -18,6 +18,7 @@ OPTIONS = [
     ("--oink-baseline", "oink_baseline", "compare Oink rows with this saved JSON (ours or pytest-benchmark's)", None, False),
     ("--oink-max-regression", "oink_max_regression", "slowdown vs the baseline that fails the session, with its unit (e.g. 5%)", "5%", False),
     ("--oink-gate-providers", "oink_gate_providers", "comma-separated providers whose rows the regression gate compares", "oink", False),
+    ("--oink-accept-machine", "oink_accept_machine", "gate against a baseline measured on another machine (GPU, driver, CUDA, torch or CuTeDSL differ: refused otherwise)", False, True),
     ("--oink-allow-missing", "oink_allow_missing", "let the regression gate pass when some gated rows have no baseline entry (they are still listed; a gate that compared nothing still fails)", False, True),
     ("--oink-gate-cpu", "oink_gate_cpu", "gate CPU-timed rows too (off by default: CPU timings are too noisy to gate)", False, True),
     ("--oink-profile", "oink_profile", "add per-kernel resource usage (registers, spills, smem, occupancy) to results", False, True),

@@ -54,8 +54,9 @@ def _write(target, text: str) -> str:
     return str(target)
 
 
-def write_outputs(config, rows, no_rows_note: str = "") -> None:
-    """Every output asked for; ``no_rows_note`` says in the summary why there are no rows."""
+def write_outputs(config, rows, notes=()) -> None:
+    """Every output asked for; ``notes`` end the Markdown summary (why there are no rows, the
+    baseline's machine and this one)."""
     state = config.stash[STATE]
     roof = state.get("roofline")
     csv_path = options.get(config, "--oink-csv")
@@ -66,9 +67,8 @@ def write_outputs(config, rows, no_rows_note: str = "") -> None:
             os.remove(partial)
     summary = options.get(config, "--oink-summary")
     if summary:
-        note = f"\nNo rows measured: {no_rows_note}.\n" if no_rows_note else ""
         with open(summary, "w") as f:
-            f.write(report.summary_markdown(rows, roof) + note)
+            f.write(report.summary_markdown(rows, roof) + "".join(f"\n{note}\n" for note in notes))
         state["written"].append(summary)
     svg_dir = options.get(config, "--oink-svg")
     if svg_dir:

@@ -36,6 +36,9 @@ def pytest_configure(config):
             config.stash[STATE]["baseline_machine"] = load_baseline_machine(baseline)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise pytest.UsageError(f"--oink-baseline={baseline}: not a readable results file ({e})") from None
+        from .machine import check_baseline
+
+        check_baseline(config, baseline, config.stash[STATE]["baseline_machine"])
     given = [str(a).split("=")[0] for a in config.invocation_params.args]
     ignored = [a for a in given if a in BENCHMARK_TIMING_OPTIONS]
     if ignored and config.stash[CASES] is not None:
@@ -282,11 +285,12 @@ def pytest_sessionfinish(session, exitstatus):
 
         config.workeroutput["oink_rows"] = rows_json(config.stash[ROWS])
         return
-    from . import outputs, regression
+    from . import machine, outputs, regression
 
     rows = config.stash[ROWS]
-    no_rows = regression.why_no_rows(config) if config.stash.get(CASES, None) is not None and not rows else ""
-    outputs.write_outputs(config, rows, no_rows)
+    no_rows, machines = regression.no_rows_note(config), machine.summary_line(config)
+    notes = ([f"No rows measured: {no_rows}."] if no_rows else []) + ([machines + "."] if machines else [])
+    outputs.write_outputs(config, rows, notes)
     regression.judge(session)
 
 

@@ -21,6 +21,13 @@ def why_no_rows(config) -> str:
     return f"none of the suite's {len(pairs)} rows was timed (skipped or failed: see the test summary)"
 
 
+def no_rows_note(config) -> str | None:
+    """Why a session that ran a suite (not just collected it) has no rows; None where it has rows."""
+    if config.stash.get(CASES, None) is None or config.stash[ROWS] or config.option.collectonly:
+        return None
+    return why_no_rows(config)
+
+
 def why_nothing_compared(config, rows, comparison) -> str:
     if not rows:
         return "no rows measured: " + why_no_rows(config)
@@ -41,7 +48,7 @@ def judge(session) -> None:
     nothing (always: a gate that compared nothing proved nothing)."""
     config = session.config
     state, rows = config.stash[STATE], config.stash[ROWS]
-    if "baseline" not in state:
+    if "baseline" not in state or config.option.collectonly:  # nothing timed, nothing to judge
         return
     comparison = report.regressions(
         rows, state["baseline"], options.parse_percent(options.get(config, "--oink-max-regression")),
@@ -50,10 +57,6 @@ def judge(session) -> None:
     state["comparison"] = comparison
     if not comparison.lines:
         state["nothing_compared"] = why_nothing_compared(config, rows, comparison)
-    from .outputs import machine_info
-
-    state["machine_differences"] = report.machine_differences(state.get("baseline_machine") or {},
-                                                              machine_info(config))
     uncompared = comparison.missing or comparison.mismatched
     refused = not comparison.lines or (uncompared and not options.get(config, "--oink-allow-missing"))
     if (comparison.regressed or refused) and session.exitstatus == 0:
@@ -63,8 +66,8 @@ def judge(session) -> None:
 def summarize(terminalreporter, config) -> None:
     """The gate's section of the terminal summary (and the note of a session that measured nothing)."""
     state = config.stash[STATE]
-    if config.stash.get(CASES, None) is not None and not config.stash[ROWS]:
-        terminalreporter.write_line(f"[oink] no rows measured: {why_no_rows(config)}", yellow=True)
+    if no_rows_note(config):
+        terminalreporter.write_line(f"[oink] no rows measured: {no_rows_note(config)}", yellow=True)
     comparison = state.get("comparison")
     if comparison is None:
         return
@@ -81,8 +84,13 @@ def summarize(terminalreporter, config) -> None:
     if comparison.mismatched:
         tr.write_line("not compared (the baseline's row is of another suite or timing): "
                       + ", ".join(comparison.mismatched), red=strict)
+    from .machine import summary_line
+
+    tr.write_line(summary_line(config))
+    if state.get("machine_mismatch"):
+        tr.write_line("accepted (--oink-accept-machine): " + "; ".join(state["machine_mismatch"]), yellow=True)
     if state.get("machine_differences"):
-        tr.write_line("baseline measured elsewhere (timings may not compare): "
+        tr.write_line("baseline measured with other versions (timings may not compare): "
                       + "; ".join(state["machine_differences"]), yellow=True)
     if state.get("nothing_compared"):
         tr.write_line(f"the regression gate compared nothing: {state['nothing_compared']}", red=True)

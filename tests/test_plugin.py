@@ -685,11 +685,14 @@ def test_baseline_machine_differences_are_reported(smoke_run, tmp_path):
     data = json.loads((out / "b.json").read_text())
     data["machine_info"]["oink_versions"]["torch"] = "0.0.1"
     data["machine_info"]["gpu"] = {"name": "NVIDIA H100 80GB HBM3"}
+    data["machine_info"]["oink_versions"]["oink"] = "0.0.2"  # Oink's own version: reported, never refused
     other = _doctored(data, tmp_path / "other.json", 1e6)
-    res = run("--oink-providers=oink", "--oink-gate-cpu", f"--oink-baseline={other}")
+    gate = ("--oink-providers=oink", "--oink-gate-cpu", f"--oink-baseline={other}")
+    assert run(*gate).ret == pytest.ExitCode.USAGE_ERROR  # another GPU and torch: refused
+    res = run(*gate, "--oink-accept-machine")
     assert res.ret == 0
-    res.stdout.fnmatch_lines(["*baseline measured elsewhere (timings may not compare): "
-                              "GPU NVIDIA H100 80GB HBM3 -> none; torch 0.0.1 -> *"])
+    res.stdout.fnmatch_lines(["*accepted (--oink-accept-machine): GPU NVIDIA H100 80GB HBM3 -> no GPU; torch 0.0.1*",
+                              "*baseline measured with other versions (timings may not compare): oink 0.0.2 -> *"])
 
 
 def test_device_specific_label_only_on_its_device():

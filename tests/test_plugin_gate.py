@@ -92,3 +92,64 @@ def test_gpu_suite_on_a_cpu_runner_says_why_and_writes_valid_files(pytester, tmp
     res.stdout.fnmatch_lines(["*the regression gate compared nothing: no rows measured: suite 'dsv3' is sized "
                               "for a GPU and there is none*"])
     assert json.loads((tmp_path / "b.json").read_text())["benchmarks"] == []
+
+
+def _benchmark_baseline(path, machine_info):
+    """pytest-benchmark's JSON with one benchmark (the ONE_ROW row, 1 s) measured on ``machine_info``."""
+    info = {"suite": "smoke", "op": "softmax_forward", "provider": "torch", "M": 4, "N": 128, "dtype": "bfloat16",
+            "method": "cpu-perf_counter"}
+    bench = {"name": "test_benchmark[softmax_forward-4x128-bfloat16-torch]", "stats": {"median": 1.0},
+             "extra_info": info}
+    path.write_text(json.dumps({"machine_info": machine_info, "benchmarks": [bench]}))
+    return path
+
+
+H100 = {"gpu": {"name": "NVIDIA H100 80GB HBM3", "driver": "570.86", "cuda": "12.8"},
+        "oink_versions": {"torch": "2.9.0", "nvidia-cutlass-dsl": "4.2.0", "oink": "0.1.0"}}
+
+
+def test_machine_identity_differences():
+    from pytest_oink import machine
+
+    h100 = machine.identity(H100)
+    assert machine.describe(h100) == "NVIDIA H100 80GB HBM3, driver 570.86, CUDA 12.8, torch 2.9.0, CuTeDSL 4.2.0"
+    for field, change in (("driver", {"gpu": dict(H100["gpu"], driver="575.1")}),
+                          ("CUDA", {"gpu": dict(H100["gpu"], cuda="13.0")}),
+                          ("GPU", {"gpu": dict(H100["gpu"], name="NVIDIA H200")}),
+                          ("torch", {"oink_versions": dict(H100["oink_versions"], torch="2.10.0")}),
+                          ("CuTeDSL", {"oink_versions": dict(H100["oink_versions"], **{"nvidia-cutlass-dsl": "4.3"})})):
+        diff = machine.mismatches(h100, machine.identity(dict(H100, **change)))
+        assert len(diff) == 1 and diff[0].startswith(field + " "), diff
+    # Oink's own version is what a regression gate compares: never a refusal; nor a file naming no machine
+    assert machine.mismatches(h100, machine.identity(dict(H100, oink_versions=dict(H100["oink_versions"],
+                                                                                   oink="0.2.0")))) == []
+    assert machine.identity({}) is None and machine.mismatches(None, h100) == []
+    cpu = machine.identity({"gpu": None, "oink_versions": {"torch": "2.9.0"}})
+    assert machine.mismatches(h100, cpu) == ["GPU NVIDIA H100 80GB HBM3 -> no GPU"]
+
+
+def test_baseline_of_another_machine_is_refused_unless_accepted(pytester, tmp_path):
+    import importlib.metadata as md
+
+    pytester.makepyfile(BENCH)
+    other = _benchmark_baseline(tmp_path / "h100.json", H100)
+    res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={other}", *PLUGIN)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR  # before any row is timed
+    res.stderr.fnmatch_lines([
+        "*--oink-baseline=*h100.json: measured on another machine (GPU NVIDIA H100 80GB HBM3 -> no GPU*",
+        "*baseline: NVIDIA H100 80GB HBM3, driver 570.86, CUDA 12.8, torch 2.9.0, CuTeDSL 4.2.0*",
+        f"*this run: no GPU, torch {md.version('torch')}*",
+        "*--oink-accept-machine*"])
+    res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={other}", "--oink-accept-machine", *PLUGIN)
+    assert res.ret == 0, res.stdout.str()[-2000:]
+    res.stdout.fnmatch_lines(["*softmax_forward 4x128 bfloat16 [[]torch[]]: * improved*",
+                              "Baseline machine: NVIDIA H100 80GB HBM3, driver 570.86, CUDA 12.8, torch 2.9.0, "
+                              f"CuTeDSL 4.2.0; this machine: no GPU, torch {md.version('torch')}*",
+                              "*accepted (--oink-accept-machine): GPU NVIDIA H100 80GB HBM3 -> no GPU*"])
+    # this machine's own baseline needs no flag
+    here = {"gpu": None, "oink_versions": {"torch": md.version("torch"),
+                                           "nvidia-cutlass-dsl": md.version("nvidia-cutlass-dsl")}}
+    res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={_benchmark_baseline(tmp_path / 'h.json', here)}",
+                                        f"--oink-summary={tmp_path / 's.md'}", *PLUGIN)
+    assert res.ret == 0, res.stdout.str()[-2000:]
+    assert "Baseline machine: no GPU, torch" in (tmp_path / "s.md").read_text()
