@@ -474,10 +474,10 @@ def test_the_wide_row_rule_between_measured_widths(vec, cluster):
     thread unless even 1024 threads of the widest cluster need more."""
     import math
 
-    from oink.kernels.reduction import CLUSTER_ROWS_UNITS, cluster_rows
+    from oink.kernels.reduction import CLUSTER_ROWS_MIN_N, cluster_rows
 
     for N in sorted({int(2 ** (14 + 4 * i / 97)) // vec * vec for i in range(98)}):
-        if N // vec <= CLUSTER_ROWS_UNITS:
+        if N <= CLUSTER_ROWS_MIN_N:
             continue
         L = cluster_rows(N, vec, cluster)
         assert L.cluster_n <= cluster and L.num_threads <= 1024 and L.rows_per_cta == 1

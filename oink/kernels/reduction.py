@@ -87,9 +87,11 @@ def pick_row_launch(N: int, widest_bits: int, units_per_thread: int = 4,
     return RowLaunch(N=N, vec=vec, threads_per_row=tpr, num_threads=max(128, tpr), cluster_n=cluster_n)
 
 
-# Rows of more 128-bit units than this (16384 bf16 columns) take ``cluster_rows``' launch in the forward
-# families: one CTA would need more than 512 threads at 4 units a thread.
-CLUSTER_ROWS_UNITS = 2048
+# Rows wider than this take ``cluster_rows``' launch in the norm and softmax forwards: a bf16 row would need
+# more than 512 threads of one CTA at 4 units a thread. Counted in columns, not units, so rows whose width
+# is not a multiple of 8 (narrower accesses) and fp32 rows take it from the same width on, the narrowest
+# it was measured at (20480, bf16 and fp32).
+CLUSTER_ROWS_MIN_N = 16384
 
 
 def cluster_rows(N: int, vec: int, max_cluster: int, cta_threads: int = 128, max_iters: int = 8,

@@ -18,21 +18,20 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick
-from .reduction import (CLUSTER_ROWS_UNITS, MAX_CLUSTER, MAX_N, WIDE_CLUSTER, RowKernelBase, RowLaunch, add,
+from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, WIDE_CLUSTER, RowKernelBase, RowLaunch, add,
                         cluster_rows, pick_row_launch)
 
 MODES = ("forward", "backward", "fwd_bwd")
 
 
 def softmax_launch(N: int, x_bits: int, arch: str, mode: str = "forward") -> RowLaunch:
-    """Launch heuristic for the softmax family (the one place it is chosen): at most 4 units a
+    """Launch heuristic for the softmax family (the one place it is chosen): forward rows wider than
+    ``CLUSTER_ROWS_MIN_N`` take the wide-row rule (``reduction.cluster_rows``); else at most 4 units a
     thread, wider rows over a cluster; the backward modes hold two rows' values (y and dy, or x
     and dy), so their CTAs stop at 512 threads (128 registers a thread), and where the portable
     cluster leaves a thread more than ``BWD_MAX_UNITS`` they take the arch's wider cluster."""
-    if mode == "forward":
-        vec = math.gcd(N, 128 // x_bits)
-        if N // vec > CLUSTER_ROWS_UNITS:
-            return cluster_rows(N, vec, WIDE_CLUSTER.get(arch, MAX_CLUSTER))
+    if mode == "forward" and N > CLUSTER_ROWS_MIN_N:
+        return cluster_rows(N, math.gcd(N, 128 // x_bits), WIDE_CLUSTER.get(arch, MAX_CLUSTER))
     most = 1024 if mode == "forward" else 512
     launch = pick_row_launch(N, x_bits, max_units_per_thread=4, max_threads=most)
     if mode != "forward" and launch.iters > BWD_MAX_UNITS and arch in WIDE_CLUSTER:
