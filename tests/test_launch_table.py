@@ -423,6 +423,11 @@ def test_an_entry_scales_to_the_widths_it_serves(override, monkeypatch, card):
     assert near == rule(18944)  # no whole-warp tiling of 592: the rule's
     near = launch_table.pick("test/k", "sm_90a", rule(135168))  # 16896 units: 1056 = 96 x 11 or 352 x 3 a CTA
     assert (near.threads_per_row, near.cluster_n, near.iters, near.even_n) == (96, 16, 11, True)
+    _tables(monkeypatch, {"sm_90a": {"test/k": {262144: {"launch": [512, 512, 8], "stage": "early", "grid": 1024}}}})
+    assert launch_table.staged("test/k", "sm_90a", 262144) == "early"
+    assert launch_table.grid("test/k", "sm_90a", 262144) == 1024
+    # an entry's staging and grid were tuned with its launch as measured, not as scaled to another width
+    assert launch_table.staged("test/k", "sm_90a", 258048) is None and launch_table.grid("test/k", "sm_90a", 258048) is None
 
 
 def test_the_users_overlay_is_read_over_the_shipped_table(tmp_path, monkeypatch):

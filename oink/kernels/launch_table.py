@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from .. import config
-from .reduction import WARP, RowLaunch
+from .reduction import WARP, RowLaunch, share_tilings
 
 TABLE_PATH = Path(__file__).with_name("launch_table.json")
 
@@ -119,13 +119,11 @@ def scaled(at: int, e: dict, default: RowLaunch) -> RowLaunch | None:
     units, rows = N // vec, nt // tpr
     if units % cluster_n:
         return None
-    share = units // cluster_n
     want = e.get("iters") or math.ceil(at // vec / (tpr * cluster_n))
-    tilings = [(abs(math.log(it / want)), share // it) for it in range(1, 2 * want + 1)
-               if share % it == 0 and (share // it) % WARP == 0 and share // it * rows <= 1024]
+    tilings = share_tilings(units // cluster_n, 2 * want, 1024 // rows)
     if not tilings:
         return None
-    t = min(tilings)[1]
+    t = min(tilings, key=lambda f: abs(math.log(f[0] / want)))[1]
     return RowLaunch(N=N, vec=vec, threads_per_row=t, num_threads=t * rows, cluster_n=cluster_n)
 
 
@@ -184,8 +182,8 @@ def _launch_option(field: str, overrides: dict, key: str, arch: str, N: int, kno
         if (k, arch, N) in OVERRIDES or knob:
             return None
         found = entry(k, arch, N)
-        if found:
-            return found[1].get(field)
+        if found:  # tuned with the launch measured at its own width, not the one scaled to another
+            return found[1].get(field) if found[0] == N else None
     return None
 
 

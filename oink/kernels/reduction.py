@@ -126,19 +126,23 @@ def cluster_rows(N: int, vec: int, max_cluster: int, cta_threads: int = 128, max
 def exact_share(launch: RowLaunch, max_iters: int, max_threads: int = 1024) -> RowLaunch:
     """``launch`` with each CTA's share of the row covered exactly by whole warps in at most ``max_iters``
     accesses a thread, its cluster kept: the thread count nearest the launch's, at most the launch's where one
-    fits (a larger CTA shares a SM with fewer others: fp32 180224 on H200 ran 146 us over 16 CTAs of 704
-    threads, 110 over 8 of 1024); unchanged where no such tiling exists."""
+    fits (a larger CTA shares a SM with fewer others); unchanged where no such tiling exists."""
     units = launch.N // launch.vec
     if units % launch.cluster_n:
         return launch
-    share = units // launch.cluster_n
-    fits = [share // it for it in range(1, max_iters + 1)
-            if share % it == 0 and (share // it) % WARP == 0 and share // it <= max_threads
-            and (share // it >= 128 or 128 % (share // it) == 0)]
+    fits = [t for _, t in share_tilings(units // launch.cluster_n, max_iters, max_threads)
+            if t >= 128 or 128 % t == 0]
     if not fits:
         return launch
     tpr = min(fits, key=lambda t: (t > launch.threads_per_row, abs(math.log2(t / launch.threads_per_row)), -t))
     return dataclasses.replace(launch, threads_per_row=tpr, num_threads=max(tpr, 128))
+
+
+def share_tilings(share: int, max_iters: int, max_threads: int = 1024) -> list[tuple[int, int]]:
+    """(accesses a thread, threads) of every whole-warp tiling that covers ``share`` 128-bit units exactly
+    in at most ``max_iters`` accesses a thread and at most ``max_threads`` threads."""
+    return [(it, share // it) for it in range(1, max_iters + 1)
+            if share % it == 0 and (share // it) % WARP == 0 and share // it <= max_threads]
 
 
 def whole_warp_rows(launch: RowLaunch, max_iters: int, max_threads: int = 1024) -> RowLaunch:
