@@ -26,6 +26,11 @@ CASES = [(op, N) for op in OPS for N in WIDE] + [(op, N) for op in CE_OPS for N 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("op,N", CASES, ids=[f"{op}-{N}" for op, N in CASES])
 def test_wide_row_launch_runs_correctly(op, N, dtype, M):
+    assert _gated_launches(op, N, dtype, M), "no row kernel ran (the call took the reference)"
+
+
+def _gated_launches(op, N, dtype, M) -> set:
+    """The op through its public call against its reference (the benchmark gate), M x N; the launches it ran."""
     import torch
 
     from oink.kernels.compile import CACHE
@@ -36,7 +41,7 @@ def test_wide_row_launch_runs_correctly(op, N, dtype, M):
     CACHE.clear_used()
     result = gate(SPECS[op], build(op, "oink", device), Case("test", op, M, N, dtype), getattr(torch, dtype), device)
     assert result["passed"], result.get("report")
-    assert CACHE.used_launches(), "no row kernel ran (the call took the reference)"
+    return CACHE.used_launches()
 
 
 # the wide-row rule (reduction.cluster_rows) at widths no table entry serves: whole-warp tilings of 128-416
@@ -51,17 +56,8 @@ RULE_CASES = [(op, N) for op in RULE_OPS for N in (24576, 40968, 53248, 98304, 1
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("op,N", RULE_CASES, ids=[f"{op}-{N}" for op, N in RULE_CASES])
 def test_wide_row_rule_runs_correctly(op, N, dtype, M):
-    import torch
-
-    from oink.kernels.compile import CACHE
-    from pytest_oink.bench_runner import gate
-    from pytest_oink.providers import SPECS, build
-
-    device = torch.device("cuda")
-    CACHE.clear_used()
-    result = gate(SPECS[op], build(op, "oink", device), Case("test", op, M, N, dtype), getattr(torch, dtype), device)
-    assert result["passed"], result.get("report")
-    assert any(L[2] > 1 for L in CACHE.used_launches()), f"no clustered launch ran: {CACHE.used_launches()}"
+    ran = _gated_launches(op, N, dtype, M)
+    assert any(L[2] > 1 for L in ran), f"no clustered launch ran: {ran}"
 
 
 SPLIT_CASES = [(op, N) for op in ("rmsnorm_backward", "layernorm_backward") for N in (151936, 200000, 262144)]
