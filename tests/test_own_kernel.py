@@ -1,4 +1,4 @@
-"""The README's "Your own kernel" example, run as written (CPU in CI, the GPU where there is one)."""
+"""The "Your own kernel" example of docs/plugin.md, run as written (CPU in CI, the GPU where there is one)."""
 import pytest
 import torch
 
