@@ -20,7 +20,7 @@ import torch
 from oink import config  # noqa: E402
 from oink.kernels import launch_table  # noqa: E402
 from oink.kernels.compile import CACHE  # noqa: E402
-from oink.kernels.reduction import RowLaunch, cluster_rows  # noqa: E402
+from oink.kernels.reduction import RowLaunch, cluster_rows, pick_row_launch  # noqa: E402
 from oink.tune import keys_of, time_op  # noqa: E402
 from pytest_oink.bench_runner import gate  # noqa: E402
 from pytest_oink.providers import SPECS, build  # noqa: E402
@@ -33,7 +33,18 @@ def _quack_like(N, vec):
     return RowLaunch(N=N, vec=vec, threads_per_row=256, num_threads=256, cluster_n=cluster)
 
 
+def _by_values(N, vec, maxvec=8):
+    """The forward rules with their per-thread budgets counted in values, not accesses: a row whose width is
+    not a multiple of 8 (``vec`` < ``maxvec`` elements an access) takes as many values a thread as an aligned
+    one, in more, narrower accesses, instead of ``maxvec / vec`` times the threads."""
+    scale = maxvec // vec
+    if N > 16384:
+        return cluster_rows(N, vec, 16, 128, 8 * scale)
+    return pick_row_launch(N, 128 // maxvec, units_per_thread=4 * scale, max_units_per_thread=4 * scale)
+
+
 RULES = {
+    "values": _by_values,
     "small8": lambda N, vec: cluster_rows(N, vec, 16, 128, 8),
     "mid8": lambda N, vec: cluster_rows(N, vec, 16, 256, 8),
     "small4": lambda N, vec: cluster_rows(N, vec, 16, 128, 4),

@@ -492,3 +492,17 @@ def test_the_wide_row_rule_between_measured_widths(vec, cluster):
             share % it == 0 and (share // it) % 32 == 0 and share // it <= 1024 for it in range(1, 9))
         assert L.even_n or not exact, L
         assert math.ceil(N / vec / (L.threads_per_row * L.cluster_n)) == L.iters
+
+
+def test_narrow_access_rows_count_values_a_thread():
+    """A 16-bit row whose width is not a multiple of 8 takes as many values a thread as an aligned row of
+    the same width (more, narrower accesses), within ``NARROW_ROWS_N`` only; aligned rows, fp32 and rows
+    outside it keep the family's launch."""
+    from oink.kernels.reduction import NARROW_ROWS_N, narrow_rows
+
+    for N in (4097, 4619, 4750, 8077, 9116, 16383):
+        L = narrow_rows(N, 16)
+        assert L.vec < 8 and L.cluster_n == 1 and 16 < L.iters * L.vec <= 32  # values a thread: 2-4 aligned units
+    assert narrow_rows(8077, 16).threads_per_row == 256  # 32 one-element accesses, not 1024 threads over 2 CTAs
+    assert narrow_rows(8192, 16) is None and narrow_rows(8077, 32) is None
+    assert narrow_rows(NARROW_ROWS_N[0], 16) is None and narrow_rows(NARROW_ROWS_N[1] + 1, 16) is None

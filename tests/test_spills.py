@@ -71,6 +71,17 @@ def test_wide_row_rule_does_not_spill(keep_cubin, family, dtype, arch):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("family", ("rmsnorm_fwd", "rmsnorm_fwd_res", "layernorm_fwd", "softmax_fwd"))
+def test_narrow_access_rows_do_not_spill(keep_cubin, family, arch):
+    """16-bit rows whose width is not a multiple of 8 (``reduction.narrow_rows``: 32 one-element accesses a
+    thread at 8077) keep their values in registers."""
+    found = {N: _resources(family, "bfloat16", N, arch) for N in (4097, 4619, 4750, 8077, 12290, 16383)}
+    spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"]}
+    assert not spilled, f"{family} {arch} spills at (launch, resources) {spilled}"
+    assert all(r[1]["registers"] > 0 for r in found.values())
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("layernorm", [False, True], ids=["rmsnorm", "layernorm"])
 def test_wide_backward_one_kernel_does_not_spill(keep_cubin, layernorm, dtype, arch):

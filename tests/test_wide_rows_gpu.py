@@ -48,6 +48,19 @@ def _gated_launches(op, N, dtype, M) -> set:
 # threads over clusters of 4-16, a padded share (40968 = 8 x 5121), and odd widths (one element an access)
 RULE_OPS = ("rmsnorm_forward", "rmsnorm_forward_w32", "fused_add_rmsnorm_", "layernorm", "softmax_forward")
 RULE_CASES = [(op, N) for op in RULE_OPS for N in (24576, 40968, 53248, 98304, 180224, 40961, 147457)]
+# reduction.narrow_rows: 16-bit rows whose width is not a multiple of 8, one CTA of many narrow accesses a thread
+NARROW_CASES = [(op, N) for op in ("rmsnorm_forward", "fused_add_rmsnorm_", "layernorm", "softmax_forward")
+                for N in (4619, 4750, 8077, 16383)]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm(90, exact=True)
+@pytest.mark.parametrize("M", [37, 600])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op,N", NARROW_CASES, ids=[f"{op}-{N}" for op, N in NARROW_CASES])
+def test_narrow_access_rows_run_correctly(op, N, dtype, M):
+    ran = _gated_launches(op, N, dtype, M)
+    assert any(L[2] == 1 for L in ran), f"no one-CTA launch ran: {ran}"
 
 
 @pytest.mark.gpu

@@ -19,19 +19,23 @@ from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick
 from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, WIDE_CLUSTER, RowKernelBase, RowLaunch, add,
-                        cluster_rows, pick_row_launch)
+                        cluster_rows, narrow_rows, pick_row_launch)
 
 MODES = ("forward", "backward", "fwd_bwd")
 
 
 def softmax_launch(N: int, x_bits: int, arch: str, mode: str = "forward") -> RowLaunch:
     """Launch heuristic for the softmax family (the one place it is chosen): forward rows wider than
-    ``CLUSTER_ROWS_MIN_N`` take the wide-row rule (``reduction.cluster_rows``); else at most 4 units a
+    ``CLUSTER_ROWS_MIN_N`` take the wide-row rule (``reduction.cluster_rows``), 16-bit ones whose width is
+    not a multiple of 8 ``reduction.narrow_rows``; else at most 4 units a
     thread, wider rows over a cluster; the backward modes hold two rows' values (y and dy, or x
     and dy), so their CTAs stop at 512 threads (128 registers a thread), and where the portable
     cluster leaves a thread more than ``BWD_MAX_UNITS`` they take the arch's wider cluster."""
     if mode == "forward" and N > CLUSTER_ROWS_MIN_N:
         return cluster_rows(N, math.gcd(N, 128 // x_bits), WIDE_CLUSTER.get(arch, MAX_CLUSTER))
+    narrow = narrow_rows(N, x_bits) if mode == "forward" else None
+    if narrow is not None:
+        return narrow
     most = 1024 if mode == "forward" else 512
     launch = pick_row_launch(N, x_bits, max_units_per_thread=4, max_threads=most)
     if mode != "forward" and launch.iters > BWD_MAX_UNITS and arch in WIDE_CLUSTER:
