@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from . import options
+from . import options, regression
 from .gate import compare
 from .providers import LABELS, SPECS, Unavailable, build
 from .report import Row
@@ -15,6 +15,7 @@ from .suites import HOST_TIMED
 from .timing import (Rotation, copies_for_cold_cache, feed_benchmark, median, relative_spread, time_cuda_graph,
                      time_eager_calls, time_host)
 from .tolerances import tolerance
+from .verdicts import retime_while_unsure
 
 GATE_SEEDS = (1, 2, 3)
 # The gate checks at most this many elements per input: huge shapes are gated on their first
@@ -178,26 +179,11 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
     if not row.gate["passed"]:
         row.status = "failed"
         return row
-    capped = None
-    if case.suite not in HOST_TIMED and device.type == "cuda":
-        capped = _eager_cap(request, case, provider, run, spec, dtype, device)
-    if case.suite in HOST_TIMED:  # the host's cost of an eager call, not the kernel's time
-        sync = torch.cuda.synchronize if device.type == "cuda" else None
-        samples, row.method = time_eager_calls(run, _inputs(spec, case, dtype, device, 100), sync=sync), "eager-calls"
-        row.bytes = 0  # no bandwidth: the device is idle between calls
-    elif capped is not None:
-        samples, row.method = capped
-        row.label = (row.label + "; " if row.label else "") + (
-            f"capped: over {EAGER_CAP:.0f}x the fastest row, {len(samples)} synced calls timed")
-    elif device.type == "cuda":
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
-        n_sets = copies_for_cold_cache(row.bytes, l2)
-        rot = Rotation([_inputs(spec, case, dtype, device, 100 + i) for i in range(n_sets)])
-        timing = time_cuda_graph(run, rot, budget_s=REPLAY_BUDGET_S)
-        samples, row.method = timing.samples, timing.method
-    else:
-        rot = Rotation([_inputs(spec, case, dtype, device, 100)])
-        samples, row.method = time_host(run, rot, repeats=5, warmup=1), "cpu-perf_counter"
+    samples, time_once = _time_row(request, case, provider, run, spec, dtype, device, row)
+    row.median_s = median(samples)
+    verdict_of = regression.verdict_for(request.config, row)
+    if verdict_of is not None:  # a row the gate is unsure of is timed again before the session decides
+        samples, row.retimes = retime_while_unsure(samples, verdict_of, time_once)
     row.median_s, row.min_s, row.spread = median(samples), min(samples), relative_spread(samples)
     row.samples = list(samples)
     if profiling:
@@ -208,6 +194,42 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
         benchmark.extra_info.update(row.extra_info())
     row.wall_s = time.perf_counter() - started
     return row
+
+
+def _time_row(request, case, provider, run, spec, dtype, device, row):
+    """(samples, time_once): the row's first samples, by its suite's and device's timer (its method
+    set on ``row``), and a callable timing one more round the same way (None: not re-timed)."""
+    import torch
+
+    capped = None
+    if case.suite not in HOST_TIMED and device.type == "cuda":
+        capped = _eager_cap(request, case, provider, run, spec, dtype, device)
+    if case.suite in HOST_TIMED:  # the host's cost of an eager call, not the kernel's time
+        sync = torch.cuda.synchronize if device.type == "cuda" else None
+        args = _inputs(spec, case, dtype, device, 100)
+        time_once, row.method = (lambda: time_eager_calls(run, args, sync=sync)), "eager-calls"
+        row.bytes = 0  # no bandwidth: the device is idle between calls
+    elif capped is not None:
+        samples, row.method = capped
+        row.label = (row.label + "; " if row.label else "") + (
+            f"capped: over {EAGER_CAP:.0f}x the fastest row, {len(samples)} synced calls timed")
+        return samples, None
+    elif device.type == "cuda":
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        n_sets = copies_for_cold_cache(row.bytes, l2)
+        rot = Rotation([_inputs(spec, case, dtype, device, 100 + i) for i in range(n_sets)])
+        timings = []  # the method is the first round's (events where the graph would not capture)
+
+        def time_once():
+            timings.append(time_cuda_graph(run, rot, budget_s=REPLAY_BUDGET_S))
+            return timings[-1].samples
+        samples = time_once()
+        row.method = timings[0].method
+        return samples, time_once
+    else:
+        rot = Rotation([_inputs(spec, case, dtype, device, 100)])
+        time_once, row.method = (lambda: time_host(run, rot, repeats=5, warmup=1)), "cpu-perf_counter"
+    return time_once(), time_once
 
 
 def _profile(device) -> dict:

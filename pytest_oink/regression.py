@@ -42,6 +42,29 @@ def why_nothing_compared(config, rows, comparison) -> str:
     return "no gated row has a baseline entry"
 
 
+def gate_settings(config) -> tuple:
+    """(threshold, gated providers, whether CPU rows are gated)."""
+    return (options.parse_percent(options.get(config, "--oink-max-regression")),
+            tuple(options.split_list(options.get(config, "--oink-gate-providers"))),
+            bool(options.get(config, "--oink-gate-cpu")))
+
+
+def verdict_for(config, row):
+    """``samples -> Verdict`` for a row being timed (its re-timing asks while UNSURE), or None
+    where the gate will not judge it (no baseline, not gated, no entry of its suite and timing)."""
+    baseline = config.stash[STATE].get("baseline")
+    threshold, providers, gate_cpu = gate_settings(config)
+    if not baseline or not report.gated(row, providers, gate_cpu):
+        return None
+    entry = report.match_entry(row, baseline.get(row.key) or [])
+    if entry is None:
+        return None
+    from .timing import median, relative_spread
+    from .verdicts import judge
+
+    return lambda samples: judge(samples, median(samples), relative_spread(samples), entry, threshold)
+
+
 def judge(session) -> None:
     """Compare (at session finish) and fail the session on a regression, on rows without a
     baseline entry (unless --oink-allow-missing: it tolerates some), and on a gate that compared
@@ -50,10 +73,7 @@ def judge(session) -> None:
     state, rows = config.stash[STATE], config.stash[ROWS]
     if "baseline" not in state or config.option.collectonly:  # nothing timed, nothing to judge
         return
-    comparison = report.regressions(
-        rows, state["baseline"], options.parse_percent(options.get(config, "--oink-max-regression")),
-        tuple(options.split_list(options.get(config, "--oink-gate-providers"))),
-        bool(options.get(config, "--oink-gate-cpu")))
+    comparison = report.regressions(rows, state["baseline"], *gate_settings(config))
     state["comparison"] = comparison
     if not comparison.lines:
         state["nothing_compared"] = why_nothing_compared(config, rows, comparison)
@@ -75,9 +95,12 @@ def summarize(terminalreporter, config) -> None:
     tr.section("oink regression gate")
     for line in comparison.lines:
         tr.write_line(line)
-    if comparison.regressed:
-        tr.write_line(f"regressed beyond {options.get(config, '--oink-max-regression')}: "
-                      + ", ".join(comparison.regressed), red=True)
+    threshold = options.get(config, "--oink-max-regression")
+    if comparison.regressed:  # named with their intervals: what fails the session
+        tr.write_line(f"SLOWER beyond {threshold} (fails the session): " + "; ".join(comparison.regressed), red=True)
+    if comparison.unsure:
+        tr.write_line(f"UNSURE after re-timing (passes; neither within nor beyond {threshold}): "
+                      + "; ".join(comparison.unsure), yellow=True)
     strict = not options.get(config, "--oink-allow-missing")
     if comparison.missing:
         tr.write_line("not compared (no baseline entry): " + ", ".join(comparison.missing), red=strict)

@@ -37,7 +37,8 @@ class Row:
     wall_s: float = 0.0  # the row's session time: inputs, gate (first calls compile), timing
     gate_s: float = 0.0  # of which the gate
     seed: int | None = None  # the --oink-seed of a random suite's row
-    samples: list = field(default_factory=list)  # per-call seconds timed (stats of the JSON written under xdist)
+    samples: list = field(default_factory=list)  # per-call seconds timed: the JSON keeps them for the gate's verdicts
+    retimes: int = 0  # extra rounds timed because the gate was unsure of the row (verdicts.RETIME_ROUNDS at most)
 
     @property
     def key(self):
@@ -55,7 +56,7 @@ class Row:
         d = {"suite": self.suite, "seed": self.seed, "op": self.op, "provider": self.provider, "label": self.label,
              "M": self.M, "N": self.N, "dtype": self.dtype, "device": self.device, "bytes": self.bytes, "tbs": self.tbs,
              "roofline_tbs": self.roofline_tbs, "roofline_frac": self.roofline_frac, "method": self.method,
-             "spread": self.spread, "gate": self.gate}
+             "spread": self.spread, "gate": self.gate, "samples": list(self.samples), "retimes": self.retimes}
         if self.profile:
             d["profile"] = self.profile
         return d
@@ -268,6 +269,7 @@ class BaselineEntry:
     spread: float = 0.0  # relative spread of its samples (0: unknown)
     suite: str | None = None  # None: a file from before rows named their suite (matches any)
     timed: str | None = None  # what_was_timed(its method); None matches any
+    samples: tuple = ()  # its per-call seconds (none in files from before they were kept: the spread rule)
 
 
 def what_was_timed(method: str | None) -> str | None:
@@ -283,23 +285,25 @@ def what_was_timed(method: str | None) -> str | None:
 
 def load_baseline(path) -> dict:
     """{(op, provider, M, N, dtype): [BaselineEntry, ...]} from our rows JSON or pytest-benchmark's
-    (a file may hold one shape of several suites)."""
+    (a file may hold one shape of several suites). Samples are read from ``extra_info`` (where we
+    write them) or pytest-benchmark's ``stats.data`` (--benchmark-save-data)."""
     with open(path) as f:
         data = json.load(f)
     out: dict = {}
 
-    def add(d, median, spread):
-        entry = BaselineEntry(float(median), spread or 0.0, d.get("suite"), what_was_timed(d.get("method")))
+    def add(d, median, spread, samples):
+        entry = BaselineEntry(float(median), spread or 0.0, d.get("suite"), what_was_timed(d.get("method")),
+                              tuple(float(x) for x in samples or ()))
         out.setdefault((d["op"], d["provider"], int(d["M"]), int(d["N"]), d["dtype"]), []).append(entry)
 
     if isinstance(data, dict) and "benchmarks" in data:
         for b in data["benchmarks"]:
             info = b.get("extra_info") or {}
             if {"op", "provider", "M", "N", "dtype"} <= info.keys():
-                add(info, b["stats"]["median"], info.get("spread"))
+                add(info, b["stats"]["median"], info.get("spread"), info.get("samples") or b["stats"].get("data"))
     else:
         for r in data["rows"] if isinstance(data, dict) else data:
-            add(r, r["median_s"], r.get("spread"))
+            add(r, r["median_s"], r.get("spread"), r.get("samples"))
     if not out:
         raise ValueError(f"{path}: no benchmark rows with op/provider/M/N/dtype found")
     return out
@@ -325,46 +329,59 @@ def machine_differences(baseline: dict, current: dict) -> list[str]:
     return out
 
 
-NOISE_SIGMAS = 3.0  # a change smaller than this many spreads (of either run) is noise, not a verdict
-
-
 class Comparison(NamedTuple):
     lines: list  # one verdict line per compared row
-    regressed: list  # names of the rows that regressed
+    regressed: list  # "row: SLOWER, x1.12 [1.09, 1.15]" of the rows that fail the session
     missing: list  # names of the rows the baseline has no entry for
     mismatched: list  # "name (why)" of rows whose baseline entry is of another suite or timing
+    unsure: list  # "row: UNSURE, ..." of rows still unsure after their re-timing (they pass)
+
+
+def row_title(r) -> str:
+    return f"{r.op} {r.M}x{r.N} {r.dtype} {r.provider}"
+
+
+def gated(r, providers=("oink",), gate_cpu: bool = False) -> bool:
+    """Whether the regression gate judges this row: a timed row of ``providers``, on a GPU unless ``gate_cpu``."""
+    return r.provider in providers and r.status == "ok" and bool(r.median_s) and (gate_cpu or r.device != "cpu")
+
+
+def match_entry(r, entries):
+    """The baseline entry of the row's suite and timing, or None (then ``entries`` may hold others)."""
+    timed = what_was_timed(r.method)
+    same = [e for e in entries if e.suite in (None, r.suite) and e.timed in (None, timed)]
+    return same[0] if same else None
 
 
 def regressions(rows, baseline: dict, max_regression: float, providers=("oink",), gate_cpu: bool = False):
     """Compare the timed rows of ``providers`` (GPU rows only unless ``gate_cpu``) with the baseline
     entries of the same suite and timing (a launch suite's host time says nothing of a kernel's).
-    A row regressed when its median grew by more than ``max_regression`` and by more than the noise
-    floor: NOISE_SIGMAS x the larger relative spread of the two runs' samples. -> Comparison."""
-    out = Comparison([], [], [], [])
-    gated = [r for r in rows if r.provider in providers and r.status == "ok" and r.median_s
-             and (gate_cpu or r.device != "cpu")]
-    for r in sorted(gated, key=lambda r: r.key):
+    Each compared row gets a verdict (verdicts.judge): only SLOWER ones regressed. -> Comparison."""
+    from .verdicts import judge
+
+    out = Comparison([], [], [], [], [])
+    for r in sorted((r for r in rows if gated(r, providers, gate_cpu)), key=lambda r: r.key):
         name = f"{r.op}-{r.M}x{r.N}-{r.dtype}-{r.provider}"
-        entries, timed = baseline.get(r.key) or [], what_was_timed(r.method)
-        same = [e for e in entries if e.suite in (None, r.suite) and e.timed in (None, timed)]
+        entries = baseline.get(r.key) or []
         if not entries:
             out.missing.append(name)
             continue
-        if not same:
+        entry = match_entry(r, entries)
+        if entry is None:
             e = entries[0]
             out.mismatched.append(f"{name} (baseline row of suite {e.suite or '?'}, timed {e.timed or '?'}; "
-                                  f"this row of suite {r.suite}, timed {timed})")
+                                  f"this row of suite {r.suite}, timed {what_was_timed(r.method)})")
             continue
-        old, old_spread = same[0].median_s, same[0].spread
-        ratio = r.median_s / old
-        floor = NOISE_SIGMAS * max(r.spread or 0.0, old_spread)
-        limit = max(max_regression, floor)
-        verdict = "REGRESSED" if ratio > 1 + limit else ("improved" if ratio < 1 - limit else "same")
-        noise = f", noise floor {floor * 100:.1f}%" if floor > max_regression else ""
-        out.lines.append(f"{r.op} {r.M}x{r.N} {r.dtype} [{r.provider}]: {old * 1e3:.4f} ms -> "
-                         f"{r.median_s * 1e3:.4f} ms ({(ratio - 1) * 100:+.1f}%{noise}) {verdict}")
-        if verdict == "REGRESSED":
-            out.regressed.append(name)
+        verdict = judge(r.samples, r.median_s, r.spread, entry, max_regression)
+        head = f"{row_title(r)}: {verdict.describe(max_regression)}"
+        retimed = f"; re-timed {r.retimes}x" if r.retimes else ""
+        old_median = r.median_s / verdict.ratio  # the baseline's median the verdict used (of its samples, if any)
+        out.lines.append(f"{head} ({old_median * 1e3:.4f} ms -> {r.median_s * 1e3:.4f} ms, "
+                         f"{len(entry.samples)} -> {len(r.samples)} samples{retimed})")
+        if verdict.name == "SLOWER":
+            out.regressed.append(head)
+        elif verdict.name == "UNSURE":
+            out.unsure.append(head)
     return out
 
 

@@ -172,12 +172,13 @@ def test_smoke_suite_writes_every_output(smoke_run):
 
 
 def _doctored(data, path, factor, keep=None):
-    """``data`` (pytest-benchmark JSON) with every median times ``factor`` (rows whose name passes
-    ``keep`` only), written to ``path``."""
+    """``data`` (pytest-benchmark JSON) with every median and sample times ``factor`` (rows whose
+    name passes ``keep`` only), written to ``path``."""
     d = json.loads(json.dumps(data))
     d["benchmarks"] = [b for b in d["benchmarks"] if keep is None or keep(b["name"])]
     for b in d["benchmarks"]:
         b["stats"]["median"] *= factor
+        b["extra_info"]["samples"] = [x * factor for x in b["extra_info"]["samples"]]
     path.write_text(json.dumps(d))
     return path
 
@@ -190,12 +191,12 @@ def test_regression_gate(smoke_run, tmp_path):
     fast, slow = _doctored(data, tmp_path / "fast.json", 1e-6), _doctored(data, tmp_path / "slow.json", 1e6)
     res = run(*gate, f"--oink-baseline={fast}", "--oink-max-regression=5%")
     assert res.ret == pytest.ExitCode.TESTS_FAILED
-    res.stdout.fnmatch_lines(["*oink regression gate*", "*REGRESSED*",
-                              "*regressed beyond 5%: *rmsnorm_forward-4x128-bfloat16-oink*"])
+    res.stdout.fnmatch_lines(["*oink regression gate*", "*: SLOWER, x*",
+                              "*SLOWER beyond 5% (fails the session): *rmsnorm_forward 4x128 bfloat16 oink: SLOWER*"])
     assert "4 regressed" in res.stdout.lines[-1]  # pytest's final line counts them
     res = run(*gate, f"--oink-baseline={slow}")
     assert res.ret == 0
-    res.stdout.fnmatch_lines(["*improved*"])
+    res.stdout.fnmatch_lines(["*: FASTER, x*"])
     ours = tmp_path / "ours.json"
     ours.write_text(json.dumps({"rows": [{"op": "rmsnorm_forward", "provider": "oink", "M": 4, "N": 128,
                                           "dtype": "bfloat16", "median_s": 1e-12}]}))
@@ -597,9 +598,9 @@ def test_gate_noise_floor():
 
     base = {("rmsnorm_forward", "oink", 4, 128, "bfloat16"): [report.BaselineEntry(1.0, 0.02)]}
     lines, bad, *_ = report.regressions([row(1.2, 0.10)], base, 0.05)  # floor 30%: +20% is noise
-    assert not bad and "noise floor 30.0%" in lines[0] and lines[0].endswith("same")
+    assert not bad and "noise floor 30.0%" in lines[0] and ": SAME, x1.20 (spread rule" in lines[0]
     lines, bad, *_ = report.regressions([row(1.5, 0.10)], base, 0.05)
-    assert bad and "REGRESSED" in lines[0]
+    assert bad and ": SLOWER, x1.50" in lines[0]
     lines, bad, *_ = report.regressions([row(1.1, None)], base, 0.05)  # the baseline's own 2% spread: floor 6%
     assert bad and "noise floor 6.0%" in lines[0]
     lines, bad, *_ = report.regressions([row(1.1, 0.001)], {k: [report.BaselineEntry(1.0)] for k in base}, 0.05)

@@ -47,7 +47,7 @@ def test_allow_missing_does_not_pass_a_gate_that_compared_nothing(pytester, tmp_
     res = pytester.runpytest_subprocess(*ONE_ROW[:3], "--oink-configs=4x128,2x128", *ONE_ROW[4:],
                                         f"--oink-baseline={two}", "--oink-allow-missing", *PLUGIN)
     assert res.ret == 0, res.stdout.str()[-2000:]
-    res.stdout.fnmatch_lines(["*softmax_forward 4x128 bfloat16 [[]torch[]]: * improved*",
+    res.stdout.fnmatch_lines(["*softmax_forward 4x128 bfloat16 torch: FASTER, x* (spread rule*",
                               "*not compared (no baseline entry): softmax_forward-2x128-bfloat16-torch*"])
 
 
@@ -61,7 +61,7 @@ def test_rows_of_another_suite_or_timing_are_not_compared(pytester, tmp_path):
         base = _baseline(tmp_path / f"b{i}.json", **row)
         res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={base}", *PLUGIN)
         out = res.stdout.str()
-        assert "REGRESSED" not in out and res.ret == pytest.ExitCode.TESTS_FAILED, out[-2000:]
+        assert "SLOWER" not in out and res.ret == pytest.ExitCode.TESTS_FAILED, out[-2000:]
         res.stdout.fnmatch_lines(["*not compared (*): softmax_forward-4x128-bfloat16-torch*",
                                   "*the regression gate compared nothing*"])
         assert "baseline row of suite " + row["suite"] in out or "baseline row timed " in out
@@ -142,7 +142,7 @@ def test_baseline_of_another_machine_is_refused_unless_accepted(pytester, tmp_pa
         "*--oink-accept-machine*"])
     res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={other}", "--oink-accept-machine", *PLUGIN)
     assert res.ret == 0, res.stdout.str()[-2000:]
-    res.stdout.fnmatch_lines(["*softmax_forward 4x128 bfloat16 [[]torch[]]: * improved*",
+    res.stdout.fnmatch_lines(["*softmax_forward 4x128 bfloat16 torch: FASTER, x* (spread rule*",
                               "Baseline machine: NVIDIA H100 80GB HBM3, driver 570.86, CUDA 12.8, torch 2.9.0, "
                               f"CuTeDSL 4.2.0; this machine: no GPU, torch {md.version('torch')}*",
                               "*accepted (--oink-accept-machine): GPU NVIDIA H100 80GB HBM3 -> no GPU*"])

@@ -1,0 +1,101 @@
+"""Per-row verdicts of the regression gate (issue #34 item 1): FASTER / SAME / SLOWER / UNSURE
+from both runs' raw samples, by a bootstrap interval of the ratio of medians held against the
+threshold. A baseline without samples falls back to the spread rule (a change beyond the
+threshold and beyond NOISE_SIGMAS spreads). Pure Python: no torch, no scipy."""
+from __future__ import annotations
+
+import random
+from typing import NamedTuple
+
+from .timing import median, relative_spread
+
+CONFIDENCE = 0.95
+RESAMPLES = 2000  # percentile-interval ends move by well under 1% of the ratio past this many
+MIN_SAMPLES = 5  # fewer per side and the resampled medians take too few values for an interval
+NOISE_SIGMAS = 3.0  # spread rule: a change smaller than this many spreads (of either run) is noise
+RETIME_ROUNDS = 3  # an UNSURE row is timed at most this many more rounds, then judged as it stands
+
+
+class Verdict(NamedTuple):
+    name: str  # FASTER, SAME, SLOWER or UNSURE
+    ratio: float  # this run's median over the baseline's
+    interval: tuple | None  # the ratio's bootstrap CONFIDENCE interval; None: the spread rule decided
+    floor: float = 0.0  # the spread rule's noise floor (relative), where it applied
+
+    def describe(self, threshold: float) -> str:
+        """'SLOWER, x1.12 [1.09, 1.15]' (or the spread rule's reason where there were no samples)."""
+        text = f"{self.name}, x{_ratio(self.ratio)}"
+        if self.interval is not None:
+            return text + f" [{_ratio(self.interval[0])}, {_ratio(self.interval[1])}]"
+        floor = f", noise floor {self.floor * 100:.1f}%" if self.floor > threshold else ""
+        return text + f" (spread rule: the baseline kept no samples{floor})"
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}" if 0.01 <= x < 100 else f"{x:.3g}"
+
+
+def ratio_interval(new, old, confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int = 0):
+    """(median(new) / median(old), low, high): a percentile bootstrap interval of the ratio of
+    medians, both sides resampled with replacement. Seeded: the same samples give the same verdict."""
+    rng = random.Random(seed)
+    ratios = sorted(median(rng.choices(new, k=len(new))) / median(rng.choices(old, k=len(old)))
+                    for _ in range(resamples))
+    tail = (1 - confidence) / 2
+    low, high = ratios[int(tail * resamples)], ratios[min(resamples - 1, int((1 - tail) * resamples))]
+    return median(new) / median(old), low, high
+
+
+def usable(samples) -> bool:
+    return len(samples) >= MIN_SAMPLES and min(samples) > 0
+
+
+def from_samples(new, old, threshold: float) -> Verdict:
+    """SLOWER when the whole interval lies above 1 + threshold (the change is real and beyond the
+    threshold), FASTER when it lies below 1 - threshold, SAME when it lies within both bounds,
+    UNSURE otherwise (too noisy to tell, or a real change smaller than the threshold may be hiding)."""
+    ratio, low, high = ratio_interval(list(new), list(old))
+    if low > 1 + threshold:
+        name = "SLOWER"
+    elif high < 1 - threshold:
+        name = "FASTER"
+    elif low >= 1 - threshold and high <= 1 + threshold:
+        name = "SAME"
+    else:
+        name = "UNSURE"
+    return Verdict(name, ratio, (low, high))
+
+
+def from_spread(new_median: float, new_spread: float | None, old_median: float, old_spread: float,
+                threshold: float) -> Verdict:
+    """The rule for baselines without samples: SLOWER (FASTER) when the median moved beyond the
+    threshold and beyond NOISE_SIGMAS x the larger relative spread of the two runs; SAME otherwise."""
+    ratio = new_median / old_median
+    floor = NOISE_SIGMAS * max(new_spread or 0.0, old_spread or 0.0)
+    limit = max(threshold, floor)
+    name = "SLOWER" if ratio > 1 + limit else ("FASTER" if ratio < 1 - limit else "SAME")
+    return Verdict(name, ratio, None, floor)
+
+
+def judge(new_samples, new_median: float, new_spread: float | None, entry, threshold: float) -> Verdict:
+    """A row against its baseline entry (report.BaselineEntry): from samples where both sides kept
+    enough, else by the spread rule."""
+    if usable(new_samples) and usable(entry.samples):
+        return from_samples(new_samples, entry.samples, threshold)
+    if usable(new_samples):
+        new_median, new_spread = median(new_samples), relative_spread(new_samples)
+    return from_spread(new_median, new_spread, entry.median_s, entry.spread, threshold)
+
+
+def retime_while_unsure(samples, verdict_of, time_once, rounds: int = RETIME_ROUNDS):
+    """(samples, rounds re-timed): while ``verdict_of(samples)`` is UNSURE, another round of
+    ``time_once()`` is appended, at most ``rounds`` times (a row that stays unsure is judged as it
+    stands: the session fails on SLOWER only)."""
+    samples, done = list(samples), 0
+    while done < rounds and time_once is not None:
+        verdict = verdict_of(samples)
+        if verdict is None or verdict.name != "UNSURE":
+            break
+        samples += list(time_once())
+        done += 1
+    return samples, done
