@@ -72,6 +72,35 @@ def norm_param(name: str, t, x) -> None:
         raise ValueError(f"{name}: expected shape ({x.shape[-1]},){heads}, got {tuple(t.shape)}")
 
 
+def no_internal_overlap(name: str, t) -> None:
+    """An argument written in place: no two of its elements may share memory (a broadcast view, stride
+    0 over a dim of size > 1; torch's copy_ refuses the same, but only once something is written)."""
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name}: written in place, but elements share memory (stride {tuple(t.stride())} "
+                         f"for shape {tuple(t.shape)}); pass a tensor that owns each element, e.g. .contiguous()")
+
+
+def writable(name: str, t, grad: bool) -> bool:
+    """An argument written in place, checked on every call before anything is written (the grad and
+    inference modes are not part of the cached layout checks): refused where torch refuses an in-place
+    write, with its words, so an op that refuses leaves every input as it was. ``grad``: grad mode is
+    on. -> whether autograd tracks the write (grad mode on, not an inference tensor): its version is
+    then bumped, as the op's ADInplaceOrView would."""
+    if t.is_inference():
+        if not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{name}: Inplace update to inference tensor outside InferenceMode is not allowed "
+                               "(clone it first, or call inside torch.inference_mode())")
+        return False
+    if grad and t.requires_grad:
+        if t.is_leaf:
+            raise RuntimeError(f"{name}: a leaf Variable that requires grad is being used in an in-place operation.")
+        base = t._base
+        if base is not None and base.is_leaf:  # torch refuses a view of such a leaf too
+            raise RuntimeError(f"{name}: a view of a leaf Variable that requires grad is being used in an "
+                               "in-place operation.")
+    return grad
+
+
 def dtype_arg(name: str, d) -> None:
     """An optional output dtype argument: None or a float dtype the kernels store."""
     if d is not None and d not in FLOAT_DTYPES:

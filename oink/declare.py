@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from . import config, dispatch, reference
+from .checks import no_internal_overlap, writable
 
 LIB = torch.library.Library("oink", "DEF")
 PUBLIC: dict[str, "Op"] = {}  # name -> op, for every public oink.<name>
@@ -138,7 +139,7 @@ class Op:
         every call."""
         r = self._routes.get(key) if key is not None else None
         if r is None:
-            self.check(**a)
+            self._check_metadata(a)
             r = dispatch.route(self.route, args)
             if key is not None and not dispatch.log.isEnabledFor(logging.DEBUG):  # DEBUG logs every route
                 if len(self._routes) >= 4096:
@@ -152,7 +153,10 @@ class Op:
         a = self._bind_op(args)
         kw = {**a, **self.fixed} if self.fixed else a
         key = _layout_key(a.values())
-        out = dispatch.run(self._checked_route(a, kw, key if key is not False else None), kw)
+        r = self._checked_route(a, kw, key if key is not False else None)
+        if self.mutated:
+            self._check_writable(a)
+        out = dispatch.run(r, kw)
         if self.n_out == 0:
             return None
         outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -164,9 +168,22 @@ class Op:
             res = [first.new_empty(0) if t is None else t for t in res]
         return tuple(res)
 
+    def _check_metadata(self, a: dict) -> None:
+        """The declared checks, then (layout only, so cached with them) that no argument written in
+        place has elements sharing memory."""
+        self.check(**a)
+        for n in self.mutated:
+            no_internal_overlap(n, a[n])
+
+    def _check_writable(self, a: dict) -> list:
+        """Every argument the op writes, before any is written (an op that refuses changes nothing).
+        -> those whose version an eager call bumps once written."""
+        grad = torch.is_grad_enabled()
+        return [a[n] for n in self.mutated if writable(n, a[n], grad)]
+
     def _fake(self, fake: Callable) -> Callable:
         def checked_fake(*args):
-            self.check(**self._bind_op(args))
+            self._check_metadata(self._bind_op(args))
             return fake(*args)
 
         return checked_fake
@@ -179,11 +196,11 @@ class Op:
                 args, key = a, None if key is None else ("eager", key)
             else:
                 args = {**a, **self.fixed} if self.fixed else a
-            out = dispatch.run(self._checked_route(a, args, key), args)
-            if self.mutated and torch.is_grad_enabled():  # as the op's ADInplaceOrView would
-                for n in self.mutated:
-                    if not a[n].is_inference():
-                        torch.autograd.graph.increment_version(a[n])
+            r = self._checked_route(a, args, key)
+            written = self._check_writable(a) if self.mutated else ()
+            out = dispatch.run(r, args)
+            for t in written:  # as the op's ADInplaceOrView would
+                torch.autograd.graph.increment_version(t)
             if self.eager_unfixed:
                 return out  # the runner's outputs for the public arguments are the public ones
         else:

@@ -259,3 +259,91 @@ def test_rmsnorm_per_head_kernel(shape, dtype, seed):
     check(dx, gx, "norm_backward", dtype, "outlier", "dx")
     check(dw, gw, "weight_grad", torch.float32, "outlier", "dw")
     check(db, dy.double().reshape(-1, H, D).sum(0), "weight_grad", torch.float32, "outlier", "db")
+
+
+# ---------------------------------------------------------------- issue #35: non-finite rows, refused in-place calls
+def _nonfinite_rows(N, dtype, g):
+    """Rows 0-3 hold a NaN, a +inf, a -inf, +inf and -inf together; the rest are finite."""
+    x = torch.randn(M, N, device="cuda", generator=g)
+    x[0, N // 2] = float("nan")
+    x[1, 0] = float("inf")
+    x[2, N - 1] = -float("inf")
+    x[3, 0], x[3, N - 1] = float("inf"), -float("inf")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", WIDTHS)
+def test_layernorm_statistics_of_a_nonfinite_row_are_nan(dtype, N, seed):
+    """rstd is NaN on a row holding NaN or +-inf, as the reference's (the variance is undefined);
+    the kernel's clamp of the variance at 0 must not turn NaN into 0 (rstd = 1/sqrt(eps))."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = _nonfinite_rows(N, dtype, g)
+    w, b = torch.randn(N, device="cuda", generator=g), torch.randn(N, device="cuda", generator=g)
+    assert "kernel" in oink.explain("layernorm", x, w, b)
+    y, rstd, mean = oink.layernorm(x, w, b, return_rstd=True, return_mean=True)
+    assert torch.isnan(rstd[:4]).all(), f"rstd of the non-finite rows: {rstd[:4].tolist()}"
+    assert not torch.isfinite(mean[:4]).any(), f"mean of the non-finite rows: {mean[:4].tolist()}"
+    assert torch.isnan(y[:4]).all()
+    ey, erstd, emean = _ln64(x[4:].double(), w.double(), b.double())
+    check(y[4:], ey, "layernorm", dtype, "outlier", "y of the finite rows")
+    torch.testing.assert_close(rstd[4:].double(), erstd, atol=0, rtol=1e-4)
+
+
+@pytest.mark.parametrize("V", (1000, 4096, 32000, 128256))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+def test_cross_entropy_posinf_logits_give_the_limit(V, dtype, seed):
+    """+inf logits on the kernel path: the reference's limits (softmax 1/k on the k +inf logits,
+    loss log k at one of them, +inf otherwise, lse +inf), forward, backward and fused."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cases = (({2: 1}, 2), ({5: 1}, 2), ({2: 1, 6: 1}, 2), ({0: 1, 1: 1, V - 1: 1}, 4), ({3: 1, 0: -1}, 3),
+             ({0: -1, 7: -1}, 3), ({}, 1), ({4: 1}, -100), ({V // 2: 1, V // 2 + 1: 1}, V // 2 + 1))
+    logits = torch.randn(len(cases), V, device="cuda", generator=g)
+    for i, (cols, _) in enumerate(cases):
+        for c, sign in cols.items():
+            logits[i, c] = sign * float("inf")
+    logits = logits.to(dtype)
+    target = torch.tensor([t for _, t in cases], device="cuda")
+    dloss = torch.rand(len(cases), device="cuda", generator=g) + 0.5
+    assert "kernel" in oink.explain("cross_entropy_fwd_bwd", dloss, logits, target)
+    cpu = dict(logits=logits.cpu(), target=target.cpu())
+    e_loss, e_lse = R.cross_entropy_forward(**cpu)
+    e_loss2, e_d, _ = R.cross_entropy_fwd_bwd(dloss.cpu(), **cpu, return_lse=True)
+    atol, rtol = tolerance("norm_backward", dtype)
+    loss, lse = oink.cross_entropy_forward(logits, target)
+    torch.testing.assert_close(loss.cpu(), e_loss, atol=1e-4, rtol=1e-5, msg=lambda m: f"forward loss: {m}")
+    torch.testing.assert_close(lse.cpu(), e_lse, atol=1e-4, rtol=1e-5, msg=lambda m: f"forward lse: {m}")
+    loss2, d, lse2 = oink.cross_entropy_fwd_bwd(dloss, logits, target, return_lse=True)
+    torch.testing.assert_close(loss2.cpu(), e_loss2, atol=1e-4, rtol=1e-5, msg=lambda m: f"fused loss: {m}")
+    torch.testing.assert_close(lse2.cpu(), e_lse, atol=1e-4, rtol=1e-5, msg=lambda m: f"fused lse: {m}")
+    torch.testing.assert_close(d.float().cpu(), e_d.float(), atol=atol, rtol=rtol, msg=lambda m: f"fused dx: {m}")
+    db = oink.cross_entropy_backward(dloss, logits, target, e_lse.cuda())
+    torch.testing.assert_close(db.float().cpu(), e_d.float(), atol=atol, rtol=rtol, msg=lambda m: f"backward: {m}")
+
+
+@pytest.mark.parametrize("kind", ("leaf_requires_grad", "inference"))
+def test_inplace_ops_refuse_before_the_kernel_writes(kind):
+    """The kernels write in place without torch's checks: a leaf that requires grad (grad mode on)
+    or an inference tensor outside inference mode is refused before the launch, inputs unchanged."""
+    N = 4096
+    x, res = (torch.randn(8, N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = torch.rand(N, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def spoil(t):
+        if kind == "inference":
+            with torch.inference_mode():
+                return t.clone()
+        return t.clone().requires_grad_()
+
+    for name, extra, written in (("fused_add_rmsnorm_", {}, ("x", "residual")),
+                                 ("add_rmsnorm_fp8quant", {"group_size": 128}, ("residual",))):
+        fn = getattr(oink, name)
+        assert "kernel" in oink.explain(name, x, res, w, **extra)
+        for n in written:
+            a = {"x": x.clone(), "residual": res.clone()}
+            a[n] = spoil(a[n])
+            before = {k: v.detach().clone() for k, v in a.items()}
+            with pytest.raises(RuntimeError, match=f"^{n}: "):
+                fn(a["x"], a["residual"], w, **extra)
+            for k, v in before.items():
+                assert torch.equal(a[k].detach(), v), f"{name}: {k} written by a call that raised"

@@ -7,7 +7,13 @@ divides by the number of rows not ignored ("mean" over nothing is 0, not torch's
 
 Vocab-parallel use (tensor parallelism): ``lse_partial`` [M, K] holds each shard's logsumexp
 and the row's lse is their logsumexp; ``target_logit`` ([M], or [M, V] read at the target)
-supplies the target's logit where the local logits do not hold it."""
+supplies the target's logit where the local logits do not hold it.
+
+Logits of +inf give the limit of those logits growing together: with k of a row's logits at +inf,
+the softmax is 1/k on each of them and 0 elsewhere, the loss log(k) when the target is one of them
+and +inf otherwise, the lse +inf. k is counted in the logits given, so with ``lse_partial`` (the
+other shards' counts unknown) such a row's loss stays NaN, and a shard's backward counts its own
+only. Logits of -inf (masking) are ordinary: their softmax is 0."""
 from __future__ import annotations
 
 import torch
@@ -36,13 +42,26 @@ def per_row(logits: Tensor, target: Tensor, ignore_index: int, weight=None, lse_
     valid, safe = safe_target(target, ignore_index)
     lse = torch.logsumexp((lse_partial if lse_partial is not None else logits).float(), dim=-1)
     rw = row_weight(weight, valid, safe)
-    return loss_from_lse(lse, target_logit if target_logit is not None else logits, valid, safe) * rw, lse, rw
+    posinf = posinf_count(logits) if lse_partial is None else None  # the shards' counts are not in their lse
+    src = target_logit if target_logit is not None else logits
+    return loss_from_lse(lse, src, valid, safe, posinf) * rw, lse, rw
 
 
-def loss_from_lse(lse: Tensor, src: Tensor, valid: Tensor, safe: Tensor) -> Tensor:
-    """lse - the target's logit (read from ``src``: [M] as is, [M, V] at the target); 0 where ignored."""
+def posinf_count(logits: Tensor) -> Tensor:
+    """How many of each row's logits are +inf: fp32 [M] (no host sync, so CUDA graphs can hold it)."""
+    return torch.isposinf(logits).sum(-1, dtype=torch.float32)
+
+
+def loss_from_lse(lse: Tensor, src: Tensor, valid: Tensor, safe: Tensor, posinf: Tensor | None = None) -> Tensor:
+    """lse - the target's logit (read from ``src``: [M] as is, [M, V] at the target); 0 where ignored.
+    ``posinf``: each row's count k of +inf logits, where lse and the target's logit are both +inf
+    (inf - inf) the loss is the limit log(k) (see the module doc)."""
     picked = src.float() if src.dim() == 1 else src.gather(-1, safe.unsqueeze(-1)).squeeze(-1).float()
-    return torch.where(valid, lse - picked, torch.zeros_like(lse))
+    loss = lse - picked
+    if posinf is not None:
+        at_inf = torch.isposinf(lse) & torch.isposinf(picked)  # a NaN anywhere makes lse NaN: stays NaN
+        loss = torch.where(at_inf, torch.log(posinf), loss)
+    return torch.where(valid, loss, torch.zeros_like(lse))
 
 
 def reduce_loss(loss: Tensor, rw: Tensor, reduction: str) -> Tensor:
@@ -75,6 +94,10 @@ def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor, lse: T
     # logits' own (vocab-parallel: the global lse of a shard)
     own = torch.logsumexp(lf, dim=-1)
     p = torch.exp(torch.log_softmax(lf, dim=-1)) * torch.exp(own - lse.float()).unsqueeze(-1)
+    # rows holding +inf (log_softmax gives NaN there): the limit, 1/k on each of the k +inf logits
+    at = torch.isposinf(lf)
+    limit = (torch.isposinf(own) & torch.isposinf(lse.float())).unsqueeze(-1)
+    p = torch.where(limit, at / at.sum(-1, keepdim=True).clamp_min(1), p)
     g = torch.broadcast_to(dloss.float(), lse.shape) * row_weight(weight, valid, safe)
     d = p * g.unsqueeze(-1)
     d.scatter_add_(-1, safe.unsqueeze(-1), -g.unsqueeze(-1))

@@ -147,10 +147,10 @@ def add_rmsnorm_fp8quant(x: Tensor, residual: Tensor, weight: Tensor, eps: float
                          ue8m0: bool = False, scale_ub: Tensor | None = None, return_y: bool = False):
     check_args(x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
     r = (x.float() + residual.float()).to(residual.dtype)
-    residual.copy_(r)
     v = _normed(r, weight, eps, x.dtype)
     q, s = quantize_rows(v, scale, group_size, column_major_scales, ue8m0, scale_ub)
     q = q.reshape(x.shape)
+    residual.copy_(r)  # last: nothing written if anything before it raised
     return (q, s, v.to(x.dtype).reshape(x.shape)) if return_y else (q, s)
 
 

@@ -130,13 +130,13 @@ def _decode(q: Tensor, sf: Tensor, swizzled: bool, block: int):
     return table[codes].reshape(M, K, block), (unswizzle(sf, M, K) if swizzled else sf)
 
 
-def _add_rmsnorm_values(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """residual <- round(x + residual) in place; -> v = r * rstd(r) * weight, fp32 [M, N]."""
+def _add_rmsnorm_values(x: Tensor, residual: Tensor, weight: Tensor, eps: float):
+    """-> (r = round(x + residual) for the caller to store in place once all else is computed,
+    v = r * rstd(r) * weight, fp32 [M, N])."""
     r = (x.float() + residual.float()).to(residual.dtype)
-    residual.copy_(r)
     rf = r.reshape(-1, r.shape[-1]).float()
     rstd = torch.rsqrt(rf.square().mean(-1, keepdim=True) + eps)
-    return rf * rstd * weight.float()
+    return r, rf * rstd * weight.float()
 
 
 def _silu_mul_values(x: Tensor, block: int) -> Tensor:
@@ -155,8 +155,9 @@ def add_rmsnorm_fp4quant(x: Tensor, residual: Tensor, weight: Tensor, global_sca
     """residual <- round(x + residual) in place; v = r * rstd(r) * weight in fp32, quantized.
     -> (q, sf) or (q, sf, y) with y = v in x's dtype when ``return_y``."""
     _check_n(x.shape[-1])
-    v = _add_rmsnorm_values(x, residual, weight, eps)
+    r, v = _add_rmsnorm_values(x, residual, weight, eps)
     q, sf = _quantize_rows(v, global_scale, swizzled)
+    residual.copy_(r)  # last: nothing written if anything before it raised
     return (q, sf, v.to(x.dtype).reshape(x.shape)) if return_y else (q, sf)
 
 
@@ -198,8 +199,9 @@ def add_rmsnorm_mxfp4quant(x: Tensor, residual: Tensor, weight: Tensor, eps: flo
                            swizzled: bool = False, return_y: bool = False):
     """``add_rmsnorm_fp4quant`` with the MXFP4 quantizer (no global scale)."""
     _check_mx(x.shape[-1])
-    v = _add_rmsnorm_values(x, residual, weight, eps)
+    r, v = _add_rmsnorm_values(x, residual, weight, eps)
     q, sf = _mx_quantize_rows(v, swizzled)
+    residual.copy_(r)  # last: nothing written if anything before it raised
     return (q, sf, v.to(x.dtype).reshape(x.shape)) if return_y else (q, sf)
 
 
