@@ -14,21 +14,36 @@ _NN = ("rmsnorm", "RMSNorm", "LayerNorm", "softmax", "cross_entropy")
 
 _registered = False
 
+# vLLM's switches: VLLM_USE_OINK_OPS (vLLM >= 0.33 routes RMSNorm to torch.ops.oink.* under it)
+# and VLLM_USE_OINK_RMSNORM (the earlier name)
+VLLM_SWITCHES = ("VLLM_USE_OINK_OPS", "VLLM_USE_OINK_RMSNORM")
+
 
 def register(force: bool = False) -> bool:
     """vLLM general-plugin hook: registers ``torch.ops.oink.rmsnorm`` and
-    ``torch.ops.oink.fused_add_rms_norm`` (and the other ops) when ``VLLM_USE_OINK_RMSNORM`` is
-    truthy (1/true/yes/on) or ``force`` is set. Idempotent; never imports vllm.
-    Returns whether the ops are registered."""
+    ``torch.ops.oink.fused_add_rms_norm`` (and the other ops) when ``VLLM_USE_OINK_OPS`` or
+    ``VLLM_USE_OINK_RMSNORM`` is truthy (1/true/yes/on) or ``force`` is set. Idempotent; never
+    imports vllm. vLLM calls it unguarded at start-up, so it never raises: a failure is logged as
+    a warning (logger ``oink``) and vLLM runs on without the ops.
+
+    Returns:
+        Whether the ops are registered.
+    """
     global _registered
     if _registered:
         return True
-    from .config import truthy
+    try:
+        from .config import truthy
 
-    if not force and not truthy(os.environ.get("VLLM_USE_OINK_RMSNORM")):
+        if not force and not any(truthy(os.environ.get(v)) for v in VLLM_SWITCHES):
+            return False
+        from . import ops  # noqa: F401  (registration happens at import)
+    except Exception as e:  # noqa: BLE001  (anything, so that vLLM starts: said in the warning)
+        import logging
+
+        logging.getLogger("oink").warning("oink.register: torch.ops.oink.* not registered (%s: %s); vLLM "
+                                          "keeps its own kernels", type(e).__name__, e, exc_info=True)
         return False
-    from . import ops  # noqa: F401  (registration happens at import)
-
     _registered = True
     return True
 
