@@ -316,6 +316,8 @@ def test_routing_on_a_pretend_gpu(monkeypatch):
 
     dispatch.device_arch.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "pretend")
+    monkeypatch.setattr(dispatch, "_use_card", lambda name: None)  # no launch-table card chosen for the process
     cuda = torch.device("cuda", 0)
     x, w = torch.randn(4, 4096), torch.randn(4096)
     try:
