@@ -272,6 +272,9 @@ def _nonfinite_rows(N, dtype, g):
     return x.to(dtype)
 
 
+# Kernel defects #35 names, found by reading the kernels (no GPU was left to run these): strict, so a fix shows
+@pytest.mark.xfail(strict=True, reason="kernel defect (#35): rmsnorm.py's variance clamp cute.arch.fmax(..., 0) "
+                   "drops a NaN, so a NaN row gets rstd = rsqrt(eps)")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", WIDTHS)
 def test_layernorm_statistics_of_a_nonfinite_row_are_nan(dtype, N, seed):
@@ -290,6 +293,8 @@ def test_layernorm_statistics_of_a_nonfinite_row_are_nan(dtype, N, seed):
     torch.testing.assert_close(rstd[4:].double(), erstd, atol=0, rtol=1e-4)
 
 
+@pytest.mark.xfail(strict=True, reason="kernel defect (#35): the row max's shift exp2(x - m) is NaN where x = m = "
+                   "+inf (reduction.py's online merge, cross_entropy.py's streamed forward)")
 @pytest.mark.parametrize("V", (1000, 4096, 32000, 128256))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
 def test_cross_entropy_posinf_logits_give_the_limit(V, dtype, seed):
