@@ -6,14 +6,14 @@ import time
 
 import pytest
 
-from . import options, regression
+from . import modes, options, regression
 from .gate import compare
 from .providers import LABELS, SPECS, Unavailable, build
 from .report import Row
 from .state import ROWS, STATE
 from .suites import HOST_TIMED
-from .timing import (Rotation, copies_for_cold_cache, feed_benchmark, median, relative_spread, time_cuda_graph,
-                     time_eager_calls, time_host)
+from .timing import (Rotation, copies_for_cold_cache, eager_calls_for, feed_benchmark, median, relative_spread,
+                     time_cuda_graph, time_eager_calls, time_host)
 from .tolerances import tolerance
 from .verdicts import retime_while_unsure
 
@@ -118,6 +118,7 @@ def gate(spec, run, case, dtype, device) -> dict:
 # A row's timed replays take about this long at most: 15 replays of 10 calls, fewer (down to 7)
 # for calls over ~1 ms, which vary least and cost a suite most of its time.
 REPLAY_BUDGET_S = 0.15
+EAGER_SAMPLES = 15  # eager mode's samples a row (as many as graph replays), each about REPLAY_BUDGET_S / 15
 EAGER_CAP = 10.0  # the eager reference is timed briefly where one call takes this many times the fastest row
 
 
@@ -201,14 +202,23 @@ def _time_row(request, case, provider, run, spec, dtype, device, row):
     set on ``row``), and a callable timing one more round the same way (None: not re-timed)."""
     import torch
 
+    row.mode = modes.for_suite(modes.parse(options.get(request.config, "--oink-timing")), case.suite)
     capped = None
-    if case.suite not in HOST_TIMED and device.type == "cuda":
+    if row.mode != "eager" and device.type == "cuda":
         capped = _eager_cap(request, case, provider, run, spec, dtype, device)
     if case.suite in HOST_TIMED:  # the host's cost of an eager call, not the kernel's time
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         args = _inputs(spec, case, dtype, device, 100)
         time_once, row.method = (lambda: time_eager_calls(run, args, sync=sync)), "eager-calls"
         row.bytes = 0  # no bandwidth: the device is idle between calls
+    elif row.mode == "eager" and device.type == "cuda":  # what a caller pays a call: host cost and kernel
+        args = _inputs(spec, case, dtype, device, 100)
+        probe = median(time_host(run, Rotation([args]), repeats=3, warmup=1, sync=torch.cuda.synchronize))
+        calls = eager_calls_for(probe, REPLAY_BUDGET_S / EAGER_SAMPLES)
+
+        def time_once():
+            return time_eager_calls(run, args, calls=calls, repeats=EAGER_SAMPLES, sync=torch.cuda.synchronize)
+        row.method = "eager-calls"
     elif capped is not None:
         samples, row.method = capped
         row.label = (row.label + "; " if row.label else "") + (
@@ -216,7 +226,8 @@ def _time_row(request, case, provider, run, spec, dtype, device, row):
         return samples, None
     elif device.type == "cuda":
         l2 = torch.cuda.get_device_properties(device).L2_cache_size
-        n_sets = copies_for_cold_cache(row.bytes, l2)
+        # hot: one input set, so what fits stays in L2 between calls
+        n_sets = 1 if row.mode == "hot" else copies_for_cold_cache(row.bytes, l2)
         rot = Rotation([_inputs(spec, case, dtype, device, 100 + i) for i in range(n_sets)])
         timings = []  # the method is the first round's (events where the graph would not capture)
 
@@ -226,7 +237,7 @@ def _time_row(request, case, provider, run, spec, dtype, device, row):
         samples = time_once()
         row.method = timings[0].method
         return samples, time_once
-    else:
+    else:  # the CPU: every mode is the host timer (modes.CPU_NOTE)
         rot = Rotation([_inputs(spec, case, dtype, device, 100)])
         time_once, row.method = (lambda: time_host(run, rot, repeats=5, warmup=1)), "cpu-perf_counter"
     return time_once(), time_once

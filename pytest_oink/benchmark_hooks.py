@@ -44,7 +44,8 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
 
 
 def run_info(config) -> dict:
-    from . import options, suites
+    from . import modes, options, suites
 
     suite = options.get(config, "--oink-suite")
-    return {"suite": suite, "seed": int(options.get(config, "--oink-seed")) if suite in suites.SEEDED else None}
+    return {"suite": suite, "seed": int(options.get(config, "--oink-seed")) if suite in suites.SEEDED else None,
+            "timing": modes.for_suite(modes.parse(options.get(config, "--oink-timing")), suite)}

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from . import markers, options, suites
+from . import markers, modes, options, suites
 from .state import CASES, ROWS, STATE
 
 
@@ -23,6 +23,7 @@ def pytest_configure(config):
     config.stash[STATE] = {"written": [], "started": time.monotonic()}
     try:
         options.parse_percent(options.get(config, "--oink-max-regression"))
+        modes.parse(options.get(config, "--oink-timing"))
         validate_names(config)
         config.stash[CASES] = selected_cases(config)
     except ValueError as e:
@@ -261,7 +262,8 @@ def _progress(config, row):
         return
     if row.status == "ok":
         frac = f", {row.roofline_frac:.2f} of roofline" if row.roofline_frac else ""
-        msg = f"{row.median_s * 1e3:.4f} ms, {row.tbs:.3f} TB/s{frac} ({row.method})"
+        tbs = f", {row.tbs:.3f} TB/s{frac}" if row.tbs else ""  # eager host time (launch suite): no bandwidth
+        msg = f"{row.median_s * 1e3:.4f} ms{tbs} ({row.method}, {row.mode})"
     else:
         msg = "GATE FAILED (not timed)"
     done, total = len(config.stash[ROWS]), len(config.stash[CASES] or ())
@@ -302,8 +304,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     from .report import time_by_provider
 
     summarize(terminalreporter, config)
+    rows = config.stash[ROWS]
+    if rows:
+        timing = modes.describe({r.mode for r in rows}, {r.device for r in rows})
+        terminalreporter.write_line(f"[oink] timing: {timing}")
     spent = time_by_provider(config.stash[ROWS])
     if spent:
         terminalreporter.write_line(f"[oink] time by provider: {spent}")
     for path in state["written"]:
         terminalreporter.write_line(f"[oink] wrote {path}")
+

@@ -38,7 +38,7 @@ def why_nothing_compared(config, rows, comparison) -> str:
     if not options.get(config, "--oink-gate-cpu") and all(r.device == "cpu" for r in timed):
         return "CPU rows are gated only with --oink-gate-cpu"
     if comparison.mismatched and not comparison.missing:
-        return "the baseline's rows of these shapes are of another suite or timing"
+        return "the baseline's rows of these shapes are of another suite, timing or --oink-timing mode"
     return "no gated row has a baseline entry"
 
 
@@ -105,7 +105,7 @@ def summarize(terminalreporter, config) -> None:
     if comparison.missing:
         tr.write_line("not compared (no baseline entry): " + ", ".join(comparison.missing), red=strict)
     if comparison.mismatched:
-        tr.write_line("not compared (the baseline's row is of another suite or timing): "
+        tr.write_line("not compared (the baseline's row is of another suite, timing or mode): "
                       + ", ".join(comparison.mismatched), red=strict)
     from .machine import summary_line
 

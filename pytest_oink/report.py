@@ -9,7 +9,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
-CSV_FIELDS = ("suite", "seed", "op", "provider", "label", "M", "N", "dtype", "device", "status", "method",
+from .modes import DEFAULT, of_method
+from .modes import describe as describe_modes
+
+CSV_FIELDS = ("suite", "seed", "op", "provider", "label", "M", "N", "dtype", "device", "status", "method", "mode",
               "median_ms", "min_ms", "spread", "bytes", "tbs", "roofline_frac", "max_abs_err", "rel_l2_err",
               "p99_abs_err", "registers", "spill_bytes", "static_smem", "occupancy", "test")
 
@@ -26,6 +29,7 @@ class Row:
     status: str  # "ok" or "failed" (gate) — failed rows are never timed
     label: str = ""
     method: str = ""
+    mode: str = "cold"  # the --oink-timing mode it was timed in (modes.MODES)
     median_s: float | None = None
     min_s: float | None = None
     spread: float | None = None  # the samples' relative spread (timing.relative_spread): the gate's noise
@@ -56,6 +60,7 @@ class Row:
         d = {"suite": self.suite, "seed": self.seed, "op": self.op, "provider": self.provider, "label": self.label,
              "M": self.M, "N": self.N, "dtype": self.dtype, "device": self.device, "bytes": self.bytes, "tbs": self.tbs,
              "roofline_tbs": self.roofline_tbs, "roofline_frac": self.roofline_frac, "method": self.method,
+             "mode": self.mode,
              "spread": self.spread, "gate": self.gate, "samples": list(self.samples), "retimes": self.retimes}
         if self.profile:
             d["profile"] = self.profile
@@ -68,6 +73,7 @@ class Row:
             "suite": self.suite, "seed": "" if self.seed is None else self.seed, "op": self.op, "provider": self.provider,
             "label": self.label, "M": self.M,
             "N": self.N, "dtype": self.dtype, "device": self.device, "status": self.status, "method": self.method,
+            "mode": self.mode,
             "median_ms": fmt(self.median_s), "min_ms": fmt(self.min_s), "spread": fmt(self.spread, 1),
             "bytes": self.bytes,
             "tbs": fmt(self.tbs, 1), "roofline_frac": fmt(self.roofline_frac, 1),
@@ -91,7 +97,8 @@ def read_csv(path) -> list:
             profile = {k: num(d[k]) for k in ("registers", "spill_bytes", "static_smem", "occupancy") if d[k] != ""}
             rows.append(Row(suite=d["suite"], op=d["op"], provider=d["provider"], M=int(d["M"]), N=int(d["N"]),
                             dtype=d["dtype"], device=d["device"], status=d["status"], label=d["label"],
-                            method=d["method"], median_s=num(d["median_ms"], scale=1e-3),
+                            method=d["method"], mode=d.get("mode") or of_method(d["method"]) or DEFAULT,
+                            median_s=num(d["median_ms"], scale=1e-3),
                             min_s=num(d["min_ms"], scale=1e-3), spread=num(d.get("spread")),
                             bytes=int(d["bytes"] or 0),
                             roofline_tbs=tbs / frac if tbs and frac else None, gate=gate, profile=profile,
@@ -193,6 +200,8 @@ def summary_markdown(rows, roofline=None) -> str:
                  if roofline.launch_floor_us else "")
         lines += [f"Device: {roofline.device}; measured copy {roofline.copy_tbs:.3f} TB/s, triad "
                   f"{roofline.triad_tbs:.3f} TB/s ({roofline.method}){floor}.", ""]
+    if rows:
+        lines += [f"Timing: {describe_modes({r.mode for r in rows}, {r.device for r in rows})}.", ""]
     spent = time_by_provider(rows)
     if spent:
         lines += [f"Session time by provider: {spent}.", ""]
@@ -270,6 +279,7 @@ class BaselineEntry:
     suite: str | None = None  # None: a file from before rows named their suite (matches any)
     timed: str | None = None  # what_was_timed(its method); None matches any
     samples: tuple = ()  # its per-call seconds (none in files from before they were kept: the spread rule)
+    mode: str | None = None  # its --oink-timing mode (modes.of_method where the file names none); None matches any
 
 
 def what_was_timed(method: str | None) -> str | None:
@@ -293,7 +303,7 @@ def load_baseline(path) -> dict:
 
     def add(d, median, spread, samples):
         entry = BaselineEntry(float(median), spread or 0.0, d.get("suite"), what_was_timed(d.get("method")),
-                              tuple(float(x) for x in samples or ()))
+                              tuple(float(x) for x in samples or ()), d.get("mode") or of_method(d.get("method")))
         out.setdefault((d["op"], d["provider"], int(d["M"]), int(d["N"]), d["dtype"]), []).append(entry)
 
     if isinstance(data, dict) and "benchmarks" in data:
@@ -347,15 +357,16 @@ def gated(r, providers=("oink",), gate_cpu: bool = False) -> bool:
 
 
 def match_entry(r, entries):
-    """The baseline entry of the row's suite and timing, or None (then ``entries`` may hold others)."""
+    """The baseline entry of the row's suite, timing and mode, or None (then ``entries`` may hold others)."""
     timed = what_was_timed(r.method)
-    same = [e for e in entries if e.suite in (None, r.suite) and e.timed in (None, timed)]
+    same = [e for e in entries if e.suite in (None, r.suite) and e.timed in (None, timed) and e.mode in (None, r.mode)]
     return same[0] if same else None
 
 
 def regressions(rows, baseline: dict, max_regression: float, providers=("oink",), gate_cpu: bool = False):
     """Compare the timed rows of ``providers`` (GPU rows only unless ``gate_cpu``) with the baseline
-    entries of the same suite and timing (a launch suite's host time says nothing of a kernel's).
+    entries of the same suite, timing and mode (a launch suite's host time says nothing of a kernel's,
+    nor an L2-warm time of a cold one).
     Each compared row gets a verdict (verdicts.judge): only SLOWER ones regressed. -> Comparison."""
     from .verdicts import judge
 
@@ -369,8 +380,9 @@ def regressions(rows, baseline: dict, max_regression: float, providers=("oink",)
         entry = match_entry(r, entries)
         if entry is None:
             e = entries[0]
-            out.mismatched.append(f"{name} (baseline row of suite {e.suite or '?'}, timed {e.timed or '?'}; "
-                                  f"this row of suite {r.suite}, timed {what_was_timed(r.method)})")
+            out.mismatched.append(f"{name} (baseline row of suite {e.suite or '?'}, timed {e.timed or '?'}, mode "
+                                  f"{e.mode or '?'}; this row of suite {r.suite}, timed {what_was_timed(r.method)}, "
+                                  f"mode {r.mode})")
             continue
         verdict = judge(r.samples, r.median_s, r.spread, entry, max_regression)
         head = f"{row_title(r)}: {verdict.describe(max_regression)}"

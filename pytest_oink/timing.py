@@ -83,6 +83,12 @@ def time_eager_calls(fn, args, calls: int = 400, repeats: int = 5, sync=None):
     return samples
 
 
+def eager_calls_for(probe_s: float, sample_s: float, cap: int = 400) -> int:
+    """Calls per eager sample so that one sample takes about ``sample_s`` (one call at least, ``cap``
+    at most: the launch suite's count), given one synchronized call's ``probe_s``."""
+    return max(1, min(cap, int(sample_s / max(probe_s, 1e-9))))
+
+
 def time_cuda_events(fn, rotation, repeats: int = 20, warmup: int = 3):
     """Per-call seconds from CUDA events around each call (callables that can't be captured)."""
     import torch
