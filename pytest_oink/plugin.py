@@ -294,6 +294,10 @@ def pytest_sessionfinish(session, exitstatus):
     notes = ([f"No rows measured: {no_rows}."] if no_rows else []) + ([machines + "."] if machines else [])
     outputs.write_outputs(config, rows, notes)
     regression.judge(session)
+    if options.get(config, "--oink-history") and not config.option.collectonly:
+        from . import history
+
+        history.record(config, rows)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -313,4 +317,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"[oink] time by provider: {spent}")
     for path in state["written"]:
         terminalreporter.write_line(f"[oink] wrote {path}")
-
+    if state.get("history_note"):
+        terminalreporter.write_line(f"[oink] {state['history_note']}", yellow=True)

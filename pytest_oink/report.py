@@ -345,6 +345,7 @@ class Comparison(NamedTuple):
     missing: list  # names of the rows the baseline has no entry for
     mismatched: list  # "name (why)" of rows whose baseline entry is of another suite or timing
     unsure: list  # "row: UNSURE, ..." of rows still unsure after their re-timing (they pass)
+    verdicts: dict  # {row key: FASTER / SAME / SLOWER / UNSURE} of every compared row (--oink-history marks them)
 
 
 def row_title(r) -> str:
@@ -370,7 +371,7 @@ def regressions(rows, baseline: dict, max_regression: float, providers=("oink",)
     Each compared row gets a verdict (verdicts.judge): only SLOWER ones regressed. -> Comparison."""
     from .verdicts import judge
 
-    out = Comparison([], [], [], [], [])
+    out = Comparison([], [], [], [], [], {})
     for r in sorted((r for r in rows if gated(r, providers, gate_cpu)), key=lambda r: r.key):
         name = f"{r.op}-{r.M}x{r.N}-{r.dtype}-{r.provider}"
         entries = baseline.get(r.key) or []
@@ -390,6 +391,7 @@ def regressions(rows, baseline: dict, max_regression: float, providers=("oink",)
         old_median = r.median_s / verdict.ratio  # the baseline's median the verdict used (of its samples, if any)
         out.lines.append(f"{head} ({old_median * 1e3:.4f} ms -> {r.median_s * 1e3:.4f} ms, "
                          f"{len(entry.samples)} -> {len(r.samples)} samples{retimed})")
+        out.verdicts[r.key] = verdict.name
         if verdict.name == "SLOWER":
             out.regressed.append(head)
         elif verdict.name == "UNSURE":
