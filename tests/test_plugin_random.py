@@ -129,7 +129,7 @@ def test_results_name_the_seed(pytester, tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "r.csv")))
     assert [(r["suite"], r["seed"]) for r in rows] == [("random", "42")]
     data = json.loads((tmp_path / "b.json").read_text())
-    assert data["oink_run"] == {"suite": "random", "seed": 42}
+    assert data["oink_run"] == {"suite": "random", "seed": 42, "timing": "cold"}
     assert [(b["extra_info"]["suite"], b["extra_info"]["seed"]) for b in data["benchmarks"]] == [("random", 42)]
     assert "Suite: random (seed 42)." in (tmp_path / "s.md").read_text()
 
