@@ -1,6 +1,7 @@
-"""Shared test helpers: fresh random data and float64 comparisons."""
+"""Shared test helpers: fresh random data and float64 comparisons, knobs, and the plugin runs' environment."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pytest_oink.tolerances import tolerance
@@ -30,3 +31,15 @@ def set_knob(monkeypatch, name: str, value: str | None) -> None:
     else:
         monkeypatch.setenv(name, value)
     config.reload()
+
+
+@pytest.fixture(autouse=True)
+def _plugin_runs_see_no_gpu(monkeypatch):
+    """These tests check the plugin's CPU behaviour (timing rounds, gating CPU rows, the smoke
+    suite) in subprocess runs, also on a machine with GPUs: those stay hidden from the runs (the
+    GPU behaviour is what the benchmark suites exercise there). Under pytest-xdist the runs must
+    not inherit the worker's identity either: pytest-benchmark would disable itself."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("OINK_FAKE_SM", raising=False)
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)

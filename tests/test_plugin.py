@@ -33,15 +33,7 @@ def test_plugin_import_is_light_and_help_lists_options(pytester):
         res.stdout.fnmatch_lines([f"*{flag}*"])
 
 
-@pytest.fixture(autouse=True)
-def _plugin_runs_see_no_gpu(monkeypatch):
-    """These tests check the plugin's CPU behaviour (timing rounds, gating CPU rows, the smoke
-    suite) in subprocess runs, also on a machine with GPUs: those stay hidden from the runs (the
-    GPU behaviour is what the benchmark suites exercise there). Under pytest-xdist the runs must
-    not inherit the worker's identity either: pytest-benchmark would disable itself."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
-        monkeypatch.delenv(name, raising=False)
+from tests.helpers import _plugin_runs_see_no_gpu  # noqa: E402,F401  (autouse: plugin runs see no GPU)
 
 
 MARKED = '''

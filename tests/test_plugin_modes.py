@@ -19,12 +19,7 @@ ONE_ROW = ("--oink-suite=smoke", "--oink-ops=softmax_forward", "--oink-providers
            "--oink-gate-cpu", "--oink-gate-providers=torch")
 
 
-@pytest.fixture(autouse=True)
-def _plugin_runs_see_no_gpu(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.delenv("OINK_FAKE_SM", raising=False)
-    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
-        monkeypatch.delenv(name, raising=False)
+from tests.helpers import _plugin_runs_see_no_gpu  # noqa: E402,F401  (autouse: plugin runs see no GPU)
 
 
 def test_mode_names_and_old_rows():

@@ -17,12 +17,7 @@ def test_benchmark(oink_case, oink_benchmark):
 '''
 
 
-@pytest.fixture(autouse=True)
-def _plugin_runs_see_no_gpu(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.delenv("OINK_FAKE_SM", raising=False)
-    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
-        monkeypatch.delenv(name, raising=False)
+from tests.helpers import _plugin_runs_see_no_gpu  # noqa: E402,F401  (autouse: plugin runs see no GPU)
 
 
 def _by_op(cases):

@@ -23,12 +23,7 @@ BENCHMARK_STATS = {"min", "max", "mean", "stddev", "rounds", "median", "iqr", "q
                    "stddev_outliers", "outliers", "ld15iqr", "hd15iqr", "ops", "total", "iterations"}
 
 
-@pytest.fixture(autouse=True)
-def _plugin_runs_see_no_gpu(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.delenv("OINK_FAKE_SM", raising=False)
-    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
-        monkeypatch.delenv(name, raising=False)
+from tests.helpers import _plugin_runs_see_no_gpu  # noqa: E402,F401  (autouse: plugin runs see no GPU)
 
 
 def test_benchmarks_run_without_pytest_benchmark(pytester, tmp_path):
