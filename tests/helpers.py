@@ -43,3 +43,13 @@ def _plugin_runs_see_no_gpu(monkeypatch):
     monkeypatch.delenv("OINK_FAKE_SM", raising=False)
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
         monkeypatch.delenv(name, raising=False)
+
+
+# plugin runs (pytester): load the plugin, a bench file of one benchmark test, one gated CPU row
+PLUGIN = ("-p", "pytest_oink.plugin", "-p", "no:cacheprovider")
+BENCH = '''
+def test_benchmark(oink_case, oink_benchmark):
+    oink_benchmark(oink_case)
+'''
+ONE_ROW = ("--oink-suite=smoke", "--oink-ops=softmax_forward", "--oink-providers=torch", "--oink-configs=4x128",
+           "--oink-gate-cpu", "--oink-gate-providers=torch")

@@ -11,13 +11,7 @@ import pytest
 from pytest_oink import report, verdicts
 from pytest_oink.timing import median
 
-PLUGIN = ("-p", "pytest_oink.plugin", "-p", "no:cacheprovider")
-BENCH = '''
-def test_benchmark(oink_case, oink_benchmark):
-    oink_benchmark(oink_case)
-'''
-ONE_ROW = ("--oink-suite=smoke", "--oink-ops=softmax_forward", "--oink-providers=torch", "--oink-configs=4x128",
-           "--oink-gate-cpu", "--oink-gate-providers=torch")
+from tests.helpers import BENCH, ONE_ROW, PLUGIN  # the plugin runs' bench file and one gated CPU row
 
 
 from tests.helpers import _plugin_runs_see_no_gpu  # noqa: E402,F401  (autouse: plugin runs see no GPU)
