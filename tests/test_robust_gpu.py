@@ -272,9 +272,6 @@ def _nonfinite_rows(N, dtype, g):
     return x.to(dtype)
 
 
-# Kernel defects #35 names, found by reading the kernels (no GPU was left to run these): strict, so a fix shows
-@pytest.mark.xfail(strict=True, reason="kernel defect (#35): rmsnorm.py's variance clamp cute.arch.fmax(..., 0) "
-                   "drops a NaN, so a NaN row gets rstd = rsqrt(eps)")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", WIDTHS)
 def test_layernorm_statistics_of_a_nonfinite_row_are_nan(dtype, N, seed):

@@ -261,7 +261,8 @@ class RMSNormForward(RowKernelBase):
                 h = self.reload(src, rX, rRes, rResO, smem_rows) - mean  # padding columns are not stored
             else:
                 h = h - corr
-            var = cute.arch.fmax(ss / L.N - corr * corr, Float32(0.0))
+            # the clamp keeps a NaN (a row holding NaN or +-inf has no variance)
+            var = cute.arch.fmax(ss / L.N - corr * corr, Float32(0.0), nan=True)
         else:
             ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
             var = self.row_allreduce(ss, add, Float32(0.0), buf, mbar, 0) / L.N
