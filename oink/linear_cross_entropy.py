@@ -1,0 +1,345 @@
+"""Linear cross-entropy: the lm-head matmul and the loss together, chunked over rows, so that the
+logits [M, V] never exist whole (memory O(chunk x V), never O(M x V)).
+
+Each chunk of rows: logits = hidden_chunk @ weight.T (+ bias), one cuBLAS matmul into a buffer
+reused across chunks; Oink's cross-entropy forward and backward on them (loss and dlogits, the
+dlogits written over the logits where the options allow); dhidden_chunk = dlogits @ weight;
+dweight += dlogits.T @ hidden_chunk and dbias += dlogits summed over rows. The gradients are
+computed in the forward, as Liger's and Quack's are: the backward only scales them by the incoming
+gradient. With ``reduction="none"`` the forward computes the loss only and the backward runs the
+chunks again with the per-row gradient (per-row factors cannot be applied after the sum over rows
+that dweight is).
+
+Each chunk's cross-entropy goes through ``oink.cross_entropy_*`` and their dispatch: the kernels
+on SM90/SM100, the reference elsewhere (CPU tensors, other GPUs; ``oink.explain`` says why). The
+matmuls are torch's on every device.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import checks as c
+from . import ops
+from .reference.cross_entropy import REDUCTIONS
+
+log = logging.getLogger("oink.dispatch")
+
+# One chunk's logits buffer at most this large (and a quarter of the free memory at most): large
+# enough that the per-chunk costs (one read-modify-write of dweight, the matmuls' tails) stay small
+# next to the chunk's matmuls; small next to dweight itself, which every chunked method holds.
+CHUNK_LOGITS_BYTES = 256 * 2**20
+CHUNK_ROW_MULTIPLE = 128  # whole matmul tiles a chunk
+OPTION_DEFAULTS = {"label_smoothing": 0.0, "z_loss": 0.0, "softcap": None}
+
+
+def check_args(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+               z_loss=0.0, softcap=None, chunk_size=None, accum_dtype=None) -> None:
+    """Metadata checks (they run on FakeTensors too): each error names its argument."""
+    c.tensor("hidden", hidden)
+    c.tensor("weight", weight, min_dim=2)
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected 2 dims [V, H], got shape {tuple(weight.shape)}")
+    V, H = weight.shape
+    if V == 0 or H == 0:
+        raise ValueError(f"weight: expected a non-empty [V, H], got shape {tuple(weight.shape)}")
+    if hidden.shape[-1] != H:
+        raise ValueError(f"hidden: last dim {hidden.shape[-1]} must equal weight's H ({H}); weight is [V, H] "
+                         f"= {tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden: dtype {hidden.dtype} must equal weight's ({weight.dtype})")
+    c.tensor("target", target, c.INDEX_DTYPES, min_dim=0)
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"target: expected shape {tuple(hidden.shape[:-1])} (hidden's without its last dim), "
+                         f"got {tuple(target.shape)}")
+    if bias is not None:
+        c.vector("bias", bias, V)
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias: dtype {bias.dtype} must equal weight's ({weight.dtype})")
+    c.same_device(hidden=hidden, weight=weight, target=target, bias=bias)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: {reduction!r} is not one of {REDUCTIONS}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing: {label_smoothing} is outside [0, 1)")
+    if z_loss < 0:
+        raise ValueError(f"z_loss: the coefficient of lse^2 must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap: must be > 0 (or None for no capping), got {softcap}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected a positive int (rows a chunk) or None, got {chunk_size!r}")
+    if accum_dtype not in (None, torch.float32):
+        raise ValueError(f"accum_dtype: expected None (weight's dtype) or torch.float32, got {accum_dtype}")
+
+
+# ---------------------------------------------------------------- options and the chunk's cross-entropy
+def _accepts(fn, names) -> bool:
+    params = inspect.signature(fn).parameters
+    return all(n in params for n in names)
+
+
+def ce_options(label_smoothing=0.0, z_loss=0.0, softcap=None) -> dict:
+    """The options that differ from their defaults, to pass to the chunk's cross-entropy."""
+    given = {"label_smoothing": float(label_smoothing), "z_loss": float(z_loss),
+             "softcap": None if softcap is None else float(softcap)}
+    return {k: v for k, v in given.items() if v != OPTION_DEFAULTS[k]}
+
+
+def _unsupported(options: dict, op) -> NotImplementedError:
+    return NotImplementedError(
+        f"linear_cross_entropy: {', '.join(sorted(options))} need oink.{op.__name__} to take "
+        f"{', '.join(sorted(options))}, which it does not yet")
+
+
+def inplace_backward(options: dict) -> bool:
+    """Whether a chunk's dlogits can be written over its logits: the forward kernel, then the
+    in-place backward (the fused kernel reads the target's logit after its reduction, when other
+    threads of the row may already have stored dlogits over it, so it runs out of place)."""
+    # cross_entropy_backward_ is internal: ops holds its checks, with its signature
+    return _accepts(ops.cross_entropy_forward, options) and _accepts(ops.cross_entropy_backward_, options)
+
+
+def chunk_loss_and_grad(logits: Tensor, target: Tensor, dloss: Tensor | None, ignore_index: int, options: dict):
+    """-> (loss fp32 [C], dlogits or None without ``dloss``); dlogits may be ``logits`` itself."""
+    if dloss is None:
+        if not _accepts(ops.cross_entropy_forward, options):
+            raise _unsupported(options, ops.cross_entropy_forward)
+        return ops.cross_entropy_forward(logits, target, ignore_index, "none", **options)[0], None
+    if inplace_backward(options):
+        loss, lse = ops.cross_entropy_forward(logits, target, ignore_index, "none", **options)
+        torch.ops.oink.cross_entropy_backward_(dloss, logits, target, lse, ignore_index, **options)
+        return loss, logits
+    if not _accepts(ops.cross_entropy_fwd_bwd, options):
+        raise _unsupported(options, ops.cross_entropy_fwd_bwd)
+    return ops.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index, **options)
+
+
+def default_chunk_rows(M: int, V: int, elem_size: int, buffers: int, device: torch.device) -> int:
+    """Rows a chunk: its ``buffers`` [rows, V] buffers within CHUNK_LOGITS_BYTES and within a
+    quarter of the memory free now (the allocator's cached blocks included), whole
+    CHUNK_ROW_MULTIPLE tiles (one tile at least), and never more than M."""
+    budget = CHUNK_LOGITS_BYTES
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = min(budget, free // 4)
+    rows = budget // max(1, V * elem_size * buffers) // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE
+    return max(1, min(M, max(CHUNK_ROW_MULTIPLE, rows)))
+
+
+# ---------------------------------------------------------------- the chunked loop
+def _accumulate_dweight(dw: Tensor, dlogits: Tensor, h: Tensor, first: bool) -> None:
+    """dw (+)= dlogits.T @ h: the matmul's fp32 accumulator rounded once a chunk into dw's dtype
+    (fp32 with ``accum_dtype``: on CUDA cuBLAS writes fp32 from 16-bit operands; elsewhere fp32
+    operands)."""
+    a = dlogits.t()
+    if dw.dtype == a.dtype:
+        if first:
+            torch.mm(a, h, out=dw)
+        else:
+            torch.addmm(dw, a, h, out=dw)
+    elif dw.is_cuda:
+        torch.addmm(dw, a, h, beta=0 if first else 1, out_dtype=torch.float32, out=dw)
+    else:
+        dw.addmm_(a.float(), h.float(), beta=0 if first else 1)
+
+
+def fwd_bwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, dloss: Tensor | None,
+            ignore_index: int = -100, options: dict | None = None, chunk_size: int | None = None,
+            need_dhidden: bool = True, need_dweight: bool = True, need_dbias: bool = True,
+            accum_dtype: torch.dtype | None = None):
+    """The chunked loop on hidden [M, H], weight [V, H], target [M]: -> (loss fp32 [M], dhidden |
+    None, dweight | None, dbias | None). ``dloss``: None for the loss alone, else the gradient of
+    each row's loss (a scalar or [M], fp32). Gradients in their parameters' dtypes; dbias summed in
+    fp32, dweight in ``accum_dtype`` (default the weight's) then cast."""
+    options = options or {}
+    M, H = hidden.shape
+    V = weight.shape[0]
+    device = hidden.device
+    grads = dloss is not None and (need_dhidden or need_dweight or need_dbias)
+    dloss = dloss if grads else None
+    buffers = 1 if not grads or inplace_backward(options) else 2
+    C = chunk_size or default_chunk_rows(M, V, hidden.element_size(), buffers, device)
+    C = min(C, max(M, 1))
+    if M:
+        c.target_values(weight.t(), target, ignore_index)  # [H, V]: the check reads V from the last dim
+    loss = torch.empty(M, device=device, dtype=torch.float32)
+    dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if grads and need_dhidden else None
+    dw = db = None
+    if grads and need_dweight:
+        dw = torch.empty(V, H, device=device, dtype=accum_dtype or weight.dtype)
+    if grads and need_dbias:
+        db = torch.zeros(V, device=device, dtype=torch.float32)
+    buf = torch.empty(C, V, device=device, dtype=hidden.dtype) if M else None
+    wt = weight.t()
+    per_row = dloss is not None and dloss.dim() == 1
+    log.debug("linear_cross_entropy: %d rows in chunks of %d, vocabulary %d (%s)", M, C, V,
+              "loss and gradients" if grads else "loss only")
+    for i, start in enumerate(range(0, M, C)):
+        end = min(start + C, M)
+        h = hidden[start:end]
+        logits = buf[: end - start]
+        if bias is not None:
+            torch.addmm(bias, h, wt, out=logits)
+        else:
+            torch.mm(h, wt, out=logits)
+        d = dloss[start:end] if per_row else dloss
+        loss_c, dlogits = chunk_loss_and_grad(logits, target[start:end], d, ignore_index, options)
+        loss[start:end] = loss_c
+        if dlogits is None:
+            continue
+        if dh is not None:
+            torch.mm(dlogits, weight, out=dh[start:end])
+        if dw is not None:
+            _accumulate_dweight(dw, dlogits, h, first=i == 0)
+        if db is not None:
+            db += dlogits.sum(0, dtype=torch.float32)
+        del dlogits
+    if dw is not None and M == 0:
+        dw.zero_()
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    if db is not None:
+        db = db.to(bias.dtype if bias is not None else weight.dtype)
+    return loss, dh, dw, db
+
+
+def reduce(loss_rows: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    if reduction == "none":
+        return loss_rows
+    total = loss_rows.sum()
+    if reduction == "sum":
+        return total
+    count = (target != ignore_index).sum().to(total.dtype)
+    return torch.where(count > 0, total / count.clamp_min(1), torch.zeros_like(total))  # nothing counted: 0
+
+
+def row_scale(target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    """d(reduced loss) / d(row loss) for "mean" and "sum": a device scalar (no host read of the count)."""
+    if reduction == "sum":
+        return torch.ones((), device=target.device, dtype=torch.float32)
+    count = (target != ignore_index).sum().float()
+    return torch.where(count > 0, 1.0 / count.clamp_min(1), torch.zeros_like(count))
+
+
+# ---------------------------------------------------------------- the custom op (torch.compile sees one node)
+@torch.library.custom_op("oink::linear_cross_entropy_fwd_bwd", mutates_args=())
+def _op(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], dloss: Optional[Tensor],
+        ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
+        chunk_size: Optional[int], need_dhidden: bool, need_dweight: bool, need_dbias: bool,
+        accum_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (loss reduced, dhidden, dweight, dbias), gradients empty where not asked for. Without
+    ``dloss`` and with a "mean" or "sum" reduction the gradients are of the reduced loss."""
+    options = ce_options(label_smoothing, z_loss, softcap)
+    grads = need_dhidden or need_dweight or need_dbias
+    if dloss is None and grads and reduction != "none":
+        dloss = row_scale(target, ignore_index, reduction)
+    loss, dh, dw, db = fwd_bwd(hidden, weight, target, bias, dloss if grads else None, ignore_index, options,
+                               chunk_size, need_dhidden, need_dweight, need_dbias, accum_dtype)
+    empty = hidden.new_empty(0)
+    return (reduce(loss, target, ignore_index, reduction), empty if dh is None else dh,
+            empty.clone() if dw is None else dw, empty.clone() if db is None else db)
+
+
+@_op.register_fake
+def _(hidden, weight, target, bias, dloss, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size,
+      need_dhidden, need_dweight, need_dbias, accum_dtype):
+    M = hidden.shape[0]
+    loss = hidden.new_empty((M,) if reduction == "none" else (), dtype=torch.float32)
+    dh = torch.empty_like(hidden) if need_dhidden else hidden.new_empty(0)
+    dw = torch.empty_like(weight) if need_dweight else hidden.new_empty(0)
+    db = weight.new_empty(weight.shape[0], dtype=bias.dtype if bias is not None else weight.dtype) \
+        if need_dbias else hidden.new_empty(0)
+    return loss, dh, dw, db
+
+
+# ---------------------------------------------------------------- autograd
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward: the loss and (for "mean" and "sum") every gradient asked for; backward: those
+    gradients times the incoming one. "none": the backward runs the chunks with the per-row
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                chunk_size, accum_dtype, need_dhidden, need_dweight, need_dbias):
+        eager = reduction != "none"
+        loss, dh, dw, db = torch.ops.oink.linear_cross_entropy_fwd_bwd(
+            hidden, weight, target, bias, None, ignore_index, reduction, label_smoothing, z_loss, softcap,
+            chunk_size, need_dhidden and eager, need_dweight and eager, need_dbias and eager, accum_dtype)
+        ctx.eager = eager
+        ctx.need = (need_dhidden, need_dweight, need_dbias)
+        ctx.args = (ignore_index, label_smoothing, z_loss, softcap, chunk_size, accum_dtype)
+        ctx.scaled = False
+        if eager:
+            ctx.save_for_backward(dh, dw, db)
+        else:
+            ctx.save_for_backward(hidden, weight, target, bias)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        need_dh, need_dw, need_db = ctx.need
+        if not ctx.eager:
+            hidden, weight, target, bias = ctx.saved_tensors
+            ignore_index, ls, z, softcap, chunk_size, accum_dtype = ctx.args
+            _, dh, dw, db = torch.ops.oink.linear_cross_entropy_fwd_bwd(
+                hidden, weight, target, bias, dloss.float().contiguous(), ignore_index, "none", ls, z, softcap,
+                chunk_size, need_dh, need_dw, need_db, accum_dtype)
+        else:
+            dh, dw, db = ctx.saved_tensors
+            g = dloss
+            if torch.compiler.is_compiling():
+                dh, dw, db = (t * g.to(t.dtype) for t in (dh, dw, db))
+            else:  # scaled in place: the forward's buffers are ours, and a second backward would scale twice
+                if ctx.scaled:
+                    raise RuntimeError("linear_cross_entropy: backward ran twice through one forward; its "
+                                       "gradients are computed in the forward and scaled in place once")
+                ctx.scaled = True
+                for t in (dh, dw, db):
+                    if t.numel():
+                        t.mul_(g.to(t.dtype))
+        return (dh if need_dh else None, dw if need_dw else None, None, db if need_db else None,
+                None, None, None, None, None, None, None, None, None, None)
+
+
+def _needs_grad(t) -> bool:
+    return t is not None and t.requires_grad and torch.is_grad_enabled()
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
+                         ignore_index: int = -100, reduction: str = "mean", *, label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, softcap: float | None = None, chunk_size: int | None = None,
+                         accum_dtype: torch.dtype | None = None) -> Tensor:
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against int targets, without the [M, V]
+    logits: chunks of rows, memory O(chunk x V). hidden [..., H], weight [V, H] (same dtype),
+    target [...] int, bias [V]; fp32 loss ("mean" over rows not ignored, 0 if none; "sum"; "none":
+    per row, target's shape). Differentiable in hidden, weight and bias: for "mean" and "sum" the
+    gradients are computed in the forward and the backward scales them (so a second backward
+    through the same forward raises); "none" computes them in the backward.
+
+    ``label_smoothing`` in [0, 1), ``z_loss`` (coefficient of lse^2) and ``softcap`` (> 0: logits
+    -> softcap * tanh(logits / softcap)) are passed to Oink's cross-entropy (NotImplementedError
+    where it does not take them yet). ``chunk_size``: rows a chunk (default: from V and the free
+    memory, see ``default_chunk_rows``). ``accum_dtype=torch.float32`` sums dweight over chunks in
+    fp32 (V x H x 4 bytes more; default: the weight's dtype, one rounding a chunk). On CPU tensors
+    (and GPUs the kernels don't serve) each chunk's cross-entropy is the reference's."""
+    check_args(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size,
+               accum_dtype)
+    H = weight.shape[1]
+    h2, t1 = hidden.reshape(-1, H), target.reshape(-1)
+    need = (_needs_grad(hidden), _needs_grad(weight), _needs_grad(bias))
+    if any(need):
+        loss = _LinearCrossEntropy.apply(h2, weight, t1, bias, ignore_index, reduction, float(label_smoothing),
+                                         float(z_loss), softcap if softcap is None else float(softcap), chunk_size,
+                                         accum_dtype, *need)
+    else:
+        loss = torch.ops.oink.linear_cross_entropy_fwd_bwd(
+            h2, weight, t1, bias, None, ignore_index, reduction, float(label_smoothing), float(z_loss),
+            softcap if softcap is None else float(softcap), chunk_size, False, False, False, accum_dtype)[0]
+    return loss.reshape(target.shape) if reduction == "none" else loss
