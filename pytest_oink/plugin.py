@@ -124,10 +124,46 @@ def selected_cases(config):
     return pairs
 
 
-def pytest_collection_modifyitems(config, items):
-    """With a suite, the session is the benchmark and nothing else, wherever pytest is pointed."""
+class SuiteModule(pytest.Module):
+    """pytest_oink/benchmarks.py as a test module wherever pytest runs: imported as the package's
+    module (not by path: no sys.path entry for site-packages), its one test function collected
+    whatever the project's ``python_functions`` say."""
+
+    def _getobj(self):
+        import importlib
+
+        return importlib.import_module("pytest_oink.benchmarks")
+
+    def istestfunction(self, obj, name):
+        return name == "test_benchmark"
+
+    def istestclass(self, obj, name):
+        return False
+
+
+SUITE_NODEID = "pytest_oink/benchmarks.py"  # the same in this repository and in an installed package
+
+
+def suite_items(session) -> list:
+    """The plugin's own benchmark items (pytest_oink/benchmarks.py), parametrized by
+    pytest_generate_tests like any module's."""
+    from pathlib import Path
+
+    from . import benchmarks
+
+    module = SuiteModule.from_parent(session, path=Path(benchmarks.__file__), nodeid=SUITE_NODEID)
+    return list(session.genitems(module))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k / -m deselect: they apply to the suite's items too
+def pytest_collection_modifyitems(session, config, items):
+    """With a suite, the session is the benchmark and nothing else, wherever pytest is pointed. The
+    benchmark items are the plugin's own (pytest_oink/benchmarks.py), unless the paths collected
+    hold a test of their own that takes ``oink_case`` (then that one is the benchmark, run once)."""
     if config.stash.get(CASES, None) is None:
         return
+    if not any("oink_case" in getattr(it, "fixturenames", ()) for it in items):
+        items.extend(suite_items(session))
     keep = [it for it in items if "oink_case" in getattr(it, "fixturenames", ())]
     dropped = [it for it in items if "oink_case" not in getattr(it, "fixturenames", ())]
     if dropped:
