@@ -103,10 +103,30 @@ def _fake_rmsnorm_forward(x, weight, bias, residual, eps, store_rstd, out_dtype=
                                  _keep(o[2], a["residual"] is not None or a["residual_dtype"] is not None)))
 def rmsnorm_forward(x, weight=None, bias=None, residual=None, eps=1e-6, store_rstd=False, *, out_dtype=None,
                     residual_dtype=None, weight_offset=0.0):
-    """RMSNorm: -> (y, rstd | None, residual_out | None); residual_out = x + residual in
-    ``residual_dtype`` (default the residual's), and the norm is of that stored sum.
-    y = x_hat * (weight + weight_offset) + bias in ``out_dtype`` (default x's); weight and bias
-    are [N] or per head [H, D] for x [..., H, D], in any float dtype."""
+    """RMSNorm over the last dim, optionally of x + residual (vLLM's and Quack's arguments).
+
+    y = h * rsqrt(mean(h^2) + eps) * (weight + weight_offset) + bias in fp32, where h is x, or with a residual
+    the stored sum residual_out = x + residual in ``residual_dtype``.
+
+    Args:
+        x: [..., N] activations, fp32, fp16 or bf16.
+        weight, bias: [N], or [H, D] per head for x [..., H, D] (a per-head bias needs a per-head
+            weight); any float dtype; None for none.
+        residual: x's shape, any float dtype, or None.
+        eps: added to the mean of squares.
+        store_rstd: also return rstd (``rmsnorm_backward`` and autograd need it).
+        out_dtype: y's dtype (default x's).
+        residual_dtype: residual_out's dtype (default the residual's; without a residual,
+            residual_out is x in that dtype).
+        weight_offset: added to the weight (Gemma's ``1 + w``: 1.0).
+
+    Returns:
+        (y, rstd, residual_out): rstd fp32 [x.shape[:-1]], or None without ``store_rstd``;
+        residual_out None without a residual or ``residual_dtype``.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     c.rows_input("x", x)
     c.norm_param("weight", weight, x)
     c.norm_param("bias", bias, x)
@@ -129,7 +149,20 @@ def rmsnorm(x, weight, eps):
 @declare("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
          kernels=NORMS, fake=lambda *a: None)
 def fused_add_rmsnorm_(x, residual, weight, eps=1e-6):
-    """In place, vLLM semantics: residual <- x + residual; x <- rmsnorm(residual) * weight."""
+    """Fused add + RMSNorm in place, vLLM's ``fused_add_rms_norm``.
+
+    residual <- x + residual (in its dtype); x <- rmsnorm(residual) * weight.
+
+    Args:
+        x: [..., N] activations, fp32, fp16 or bf16; overwritten with the output.
+        residual: x's shape, any float dtype; overwritten with the sum.
+        weight: [N], any float dtype.
+        eps: added to the mean of squares.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+        RuntimeError: ``residual`` cannot be written in place (where torch refuses it); nothing is written.
+    """
     c.rows_input("x", x)
     c.tensor("residual", residual)
     c.same_shape("residual", residual, "x", x)
@@ -152,7 +185,25 @@ def _fake_rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias, weigh
                                  _keep(o[0], a["has_residual"])))
 def rmsnorm_backward(x, weight, dout, rstd, dresidual_out=None, has_bias=False, has_residual=False, *,
                      weight_offset=0.0):
-    """-> (dx, dw | None, db | None, dresidual | None); dresidual is dx itself."""
+    """Gradients of ``rmsnorm_forward``.
+
+    Args:
+        x: the tensor the forward normalised (its residual_out where it had a residual).
+        weight: the forward's weight, or None.
+        dout: the gradient of y, x's shape.
+        rstd: the forward's rstd, fp32, one per row.
+        dresidual_out: the gradient reaching residual_out from later layers (added to dx), or None.
+        has_bias, has_residual: also return db / dresidual.
+        weight_offset: the forward's.
+
+    Returns:
+        (dx, dw, db, dresidual): dx in x's dtype; dw and db summed over rows in fp32, in the weight's
+        shape and dtype (None without a weight / ``has_bias``); dresidual is dx (None without
+        ``has_residual``).
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     c.rows_input("x", x)
     c.norm_param("weight", weight, x)
     c.tensor("dout", dout)
@@ -179,7 +230,20 @@ def _layernorm_outputs(o, a):
          backward=(_layernorm_backward, _layernorm_setup),
          to_public=_layernorm_outputs)
 def layernorm(x, weight, bias=None, eps=1e-6, return_rstd=False, return_mean=False):
-    """-> y, or (y, rstd) / (y, mean) / (y, rstd, mean) when asked."""
+    """LayerNorm over the last dim: y = (x - mean) * rstd * weight + bias in fp32; differentiable.
+
+    Args:
+        x: [..., N] activations, fp32, fp16 or bf16.
+        weight: [N]; bias: [N] or None; any float dtype.
+        eps: added to the variance.
+        return_rstd, return_mean: also return these statistics.
+
+    Returns:
+        y in x's dtype, or (y, rstd), (y, mean), (y, rstd, mean) as asked (fp32, one per row).
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     c.rows_input("x", x)
     c.tensor("weight", weight)
     c.vector("weight", weight, x.shape[-1])
@@ -197,7 +261,20 @@ def _fake_layernorm_backward(dout, x, weight, rstd, mean, bias):
          kernels=NORMS, fake=_fake_layernorm_backward,
          to_public=lambda o, a: (o[0], o[1], _keep(o[2], a["bias"] is not None)))
 def layernorm_backward(dout, x, weight, rstd, mean, bias=None):
-    """-> (dx, dw, db | None)."""
+    """Gradients of ``layernorm``.
+
+    Args:
+        dout: the gradient of y, x's shape.
+        x, weight, bias: the forward's inputs (bias None: no db).
+        rstd, mean: the forward's statistics, fp32, one per row.
+
+    Returns:
+        (dx, dw, db): dx in x's dtype; dw and db summed over rows in fp32, in the weight's and the
+        bias's dtype (db None without a bias).
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     c.rows_input("x", x)
     c.tensor("dout", dout)
     c.same_shape("dout", dout, "x", x)
@@ -213,13 +290,34 @@ def layernorm_backward(dout, x, weight, rstd, mean, bias=None):
 @declare("softmax_forward(Tensor x) -> Tensor", kernels=SOFTMAX, fake=lambda x: torch.empty_like(x),
          backward=(_softmax_backward, _softmax_setup))
 def softmax_forward(x):
-    """Softmax over the last dim, in x's dtype."""
+    """Softmax over the last dim, fp32 arithmetic; differentiable.
+
+    Args:
+        x: [..., N], fp32, fp16 or bf16.
+
+    Returns:
+        softmax(x) in x's dtype.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     c.rows_input("x", x)
 
 
 @declare("softmax_backward(Tensor dy, Tensor y) -> Tensor", kernels=SOFTMAX, fake=lambda dy, y: torch.empty_like(y))
 def softmax_backward(dy, y):
-    """dx = y * (dy - sum(dy * y)) from the forward's output y."""
+    """Softmax's gradient from its output: dx = y * (dy - sum(dy * y)) per row, in fp32.
+
+    Args:
+        dy: the gradient of y, y's shape.
+        y: the forward's output.
+
+    Returns:
+        dx in y's dtype.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     _rows_and_grad("y", y, dy)
 
 
@@ -233,7 +331,18 @@ def _rows_and_grad(name, t, dy):
 
 @declare("softmax_fwd_bwd(Tensor dy, Tensor x) -> Tensor", kernels=SOFTMAX, fake=lambda dy, x: torch.empty_like(x))
 def softmax_fwd_bwd(dy, x):
-    """The softmax backward from x (the forward recomputed in the same pass)."""
+    """Softmax's gradient from its input: y = softmax(x) recomputed in the same pass, never stored.
+
+    Args:
+        dy: the gradient of softmax(x), x's shape.
+        x: the forward's input.
+
+    Returns:
+        dx = y * (dy - sum(dy * y)) in x's dtype.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     _rows_and_grad("x", x, dy)
 
 
@@ -384,7 +493,20 @@ def _with_y(o, a):
 @declare("nvfp4_quantize(Tensor x, Tensor global_scale, bool swizzled) -> (Tensor, Tensor)",
          kernels=FP4, fake=lambda x, g, swizzled: _fp4_fake(x, x.shape[-1], swizzled), to_public=lambda o, a: tuple(o))
 def nvfp4_quantize(x, global_scale, swizzled=False):
-    """-> (q uint8 [M, N/2], sf float8_e4m3fn); see ``oink.reference.nvfp4`` for the semantics."""
+    """NVFP4: E2M1 codes with an E4M3 scale per 16 values (rules: ``oink.reference.nvfp4``).
+
+    Args:
+        x: [..., N], fp32, fp16 or bf16, N a multiple of 16 (leading dims flattened into M).
+        global_scale: 1-element fp32 tensor on x's device (never read on the host).
+        swizzled: scales in FlashInfer's 128x4 layout instead of row-major.
+
+    Returns:
+        (q, sf): q uint8 [M, N/2], two codes a byte (element 2j in the low nibble); sf
+        float8_e4m3fn [M, N/16], or [round_up(M, 128), round_up(N/16, 4)] swizzled.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     c.rows_input("x", x)
     c.multiple_of_16("x", x.shape[-1])
     c.global_scale("global_scale", global_scale, x.device)
@@ -393,7 +515,16 @@ def nvfp4_quantize(x, global_scale, swizzled=False):
 @declare("nvfp4_dequantize(Tensor q, Tensor sf, Tensor global_scale, bool swizzled) -> Tensor", kernels=None,
          fake=lambda q, *a: q.new_empty((q.shape[0], q.shape[1] * 2), dtype=torch.float32))
 def nvfp4_dequantize(q, sf, global_scale, swizzled=False):
-    """-> fp32 [M, 2 * q.shape[1]]: the values the codes and scales stand for."""
+    """The values NVFP4 codes stand for: e2m1(code) * sf / global_scale, fp32 [M, N].
+
+    Args:
+        q, sf: codes and scales as ``nvfp4_quantize`` returns them.
+        global_scale: the 1-element fp32 tensor they were quantized with.
+        swizzled: sf is in the 128x4 layout.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     _codes_and_scales(q, sf, swizzled, 16, torch.float8_e4m3fn)
     c.global_scale("global_scale", global_scale, q.device)
 
@@ -402,7 +533,23 @@ def nvfp4_dequantize(q, sf, global_scale, swizzled=False):
          "bool swizzled, bool return_y) -> (Tensor, Tensor, Tensor)",
          kernels=FP4, fake=_fake_add_rmsnorm_fp4, to_public=_with_y)
 def add_rmsnorm_fp4quant(x, residual, weight, global_scale, eps=1e-6, swizzled=False, return_y=False):
-    """residual <- x + residual (in place); -> (q, sf) of rmsnorm(residual) * weight, or (q, sf, y)."""
+    """Fused add + RMSNorm + NVFP4: residual <- x + residual, then rmsnorm(residual) * weight quantized.
+
+    Args:
+        x: [..., N], fp32, fp16 or bf16, N a multiple of 16.
+        residual: x's shape; overwritten with the sum (in its dtype).
+        weight: [N], any float dtype.
+        global_scale, swizzled: as ``nvfp4_quantize``.
+        eps: added to the mean of squares.
+        return_y: also return the normalised values (fp32 arithmetic) in x's dtype.
+
+    Returns:
+        (q, sf) as ``nvfp4_quantize``, or (q, sf, y).
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+        RuntimeError: ``residual`` cannot be written in place (where torch refuses it); nothing is written.
+    """
     fused_add_rmsnorm_.op.check(x, residual, weight, eps)
     c.multiple_of_16("x", x.shape[-1])
     c.global_scale("global_scale", global_scale, x.device)
@@ -411,7 +558,18 @@ def add_rmsnorm_fp4quant(x, residual, weight, global_scale, eps=1e-6, swizzled=F
 @declare("silu_mul_fp4quant(Tensor x, Tensor global_scale, bool swizzled) -> (Tensor, Tensor)", kernels=FP4,
          fake=lambda x, g, swizzled: _fp4_fake(x, x.shape[-1] // 2, swizzled), to_public=lambda o, a: tuple(o))
 def silu_mul_fp4quant(x, global_scale, swizzled=False):
-    """x [..., 2K] -> (q, sf) of silu(x[..., :K]) * x[..., K:]."""
+    """Fused SiLU-and-multiply + NVFP4: silu(x[..., :K]) * x[..., K:] in fp32, quantized.
+
+    Args:
+        x: [..., 2K], fp32, fp16 or bf16 (gate, then up), K a multiple of 16.
+        global_scale, swizzled: as ``nvfp4_quantize``.
+
+    Returns:
+        (q, sf) of the [M, K] product, as ``nvfp4_quantize``.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     _gate_up("x", x, c.multiple_of_16)
     c.global_scale("global_scale", global_scale, x.device)
 
@@ -419,8 +577,19 @@ def silu_mul_fp4quant(x, global_scale, swizzled=False):
 @declare("mxfp4_quantize(Tensor x, bool swizzled) -> (Tensor, Tensor)", kernels=FP4,
          fake=lambda x, swizzled: _fp4_fake(x, x.shape[-1], swizzled, mx=True), to_public=lambda o, a: tuple(o))
 def mxfp4_quantize(x, swizzled=False):
-    """-> (q uint8 [M, N/2], sf float8_e8m0fnu): blocks of 32, power-of-two scales, no global
-    scale; see ``oink.reference.nvfp4`` for the exact scale rule."""
+    """MXFP4 (OCP MX): E2M1 codes, a power-of-two scale per 32 values, no global scale.
+
+    Args:
+        x: [..., N], fp32, fp16 or bf16, N a multiple of 32.
+        swizzled: scales in FlashInfer's 128x4 layout instead of row-major.
+
+    Returns:
+        (q, sf): q uint8 [M, N/2]; sf float8_e8m0fnu [M, N/32], or [round_up(M, 128),
+        round_up(N/32, 4)] swizzled. The scale rule: ``oink.reference.nvfp4``.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     c.rows_input("x", x)
     c.multiple_of_32("x", x.shape[-1])
 
@@ -428,7 +597,15 @@ def mxfp4_quantize(x, swizzled=False):
 @declare("mxfp4_dequantize(Tensor q, Tensor sf, bool swizzled) -> Tensor", kernels=None,
          fake=lambda q, *a: q.new_empty((q.shape[0], q.shape[1] * 2), dtype=torch.float32))
 def mxfp4_dequantize(q, sf, swizzled=False):
-    """-> fp32 [M, 2 * q.shape[1]]: the values the codes and scales stand for."""
+    """The values MXFP4 codes stand for: e2m1(code) * 2^(sf - 127), fp32 [M, N].
+
+    Args:
+        q, sf: codes and scales as ``mxfp4_quantize`` returns them.
+        swizzled: sf is in the 128x4 layout.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     _codes_and_scales(q, sf, swizzled, 32, torch.float8_e8m0fnu)
 
 
@@ -436,7 +613,21 @@ def mxfp4_dequantize(q, sf, swizzled=False):
          "bool return_y) -> (Tensor, Tensor, Tensor)",
          kernels=FP4, fake=lambda *a: _fake_add_rmsnorm_fp4(*a, mx=True), to_public=_with_y)
 def add_rmsnorm_mxfp4quant(x, residual, weight, eps=1e-6, swizzled=False, return_y=False):
-    """``add_rmsnorm_fp4quant`` quantizing to MXFP4 (blocks of 32, power-of-two scales)."""
+    """``add_rmsnorm_fp4quant`` quantizing to MXFP4 (``mxfp4_quantize``'s blocks and scales).
+
+    Args:
+        x: [..., N], fp32, fp16 or bf16, N a multiple of 32.
+        residual: x's shape; overwritten with x + residual.
+        weight: [N], any float dtype.
+        eps, swizzled, return_y: as ``add_rmsnorm_fp4quant``.
+
+    Returns:
+        (q, sf) as ``mxfp4_quantize``, or (q, sf, y).
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+        RuntimeError: ``residual`` cannot be written in place (where torch refuses it); nothing is written.
+    """
     fused_add_rmsnorm_.op.check(x, residual, weight, eps)
     c.multiple_of_32("x", x.shape[-1])
 
@@ -444,7 +635,18 @@ def add_rmsnorm_mxfp4quant(x, residual, weight, eps=1e-6, swizzled=False, return
 @declare("silu_mul_mxfp4quant(Tensor x, bool swizzled) -> (Tensor, Tensor)", kernels=FP4,
          fake=lambda x, swizzled: _fp4_fake(x, x.shape[-1] // 2, swizzled, mx=True), to_public=lambda o, a: tuple(o))
 def silu_mul_mxfp4quant(x, swizzled=False):
-    """``silu_mul_fp4quant`` quantizing to MXFP4 (blocks of 32, power-of-two scales)."""
+    """``silu_mul_fp4quant`` quantizing to MXFP4 (``mxfp4_quantize``'s blocks and scales).
+
+    Args:
+        x: [..., 2K], fp32, fp16 or bf16 (gate, then up), K a multiple of 32.
+        swizzled: scales in the 128x4 layout.
+
+    Returns:
+        (q, sf) of the [M, K] product, as ``mxfp4_quantize``.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     _gate_up("x", x, c.multiple_of_32)
 
 
@@ -475,9 +677,23 @@ _FP8_ARGS = "Tensor? scale, int group_size, bool column_major_scales, bool ue8m0
 @declare(f"fp8_quantize(Tensor x, {_FP8_ARGS}) -> (Tensor, Tensor)", kernels=FP8,
          fake=lambda x, scale, g, cm, ue, ub: _fp8_fake(x, x.shape[-1], scale, g, cm), to_public=lambda o, a: tuple(o))
 def fp8_quantize(x, scale=None, group_size=0, *, column_major_scales=False, ue8m0=False, scale_ub=None):
-    """-> (q float8_e4m3fn like x, fp32 scales): static with ``scale`` (1 element), per token by
-    default ([M, 1]), per 1 x ``group_size`` group (64 or 128: [M, N / G], column-major with
-    ``column_major_scales``, powers of two with ``ue8m0``); see ``oink.reference.fp8``."""
+    """FP8 (float8_e4m3fn) in vLLM's scale modes: static, per token (default) or per group.
+
+    Args:
+        x: [..., N], fp32, fp16 or bf16.
+        scale: 1-element fp32 tensor: a static scale (q = x * (1 / scale)); None otherwise.
+        group_size: 0, or 64 / 128 for a scale per 1 x group_size (N a multiple of it).
+        column_major_scales: per-group scales with strides (1, M) (DeepGEMM's layout).
+        ue8m0: per-group scales rounded up to powers of two.
+        scale_ub: 1-element fp32 bound on each row's amax (per token only), or None.
+
+    Returns:
+        (q, scales): q float8_e4m3fn in x's shape; scales fp32 [1] (static), [M, 1] (per token) or
+        [M, N / group_size]. Rounding, scale floors and NaN: ``oink.reference.fp8``.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     c.rows_input("x", x)
     _fp8_check("x", x, x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
 
@@ -486,8 +702,21 @@ def fp8_quantize(x, scale=None, group_size=0, *, column_major_scales=False, ue8m
          "-> (Tensor, Tensor, Tensor)", kernels=FP8, fake=_fake_fp8_norm, to_public=_with_y)
 def rmsnorm_fp8quant(x, weight, eps=1e-6, scale=None, group_size=0, *, column_major_scales=False, ue8m0=False,
                      scale_ub=None, return_y=False):
-    """-> (q, scales) of y = rmsnorm(x) * weight (rounded to x's dtype), or (q, scales, y); the
-    scale modes of ``fp8_quantize``."""
+    """Fused RMSNorm + FP8: y = rmsnorm(x) * weight, rounded to x's dtype, then quantized.
+
+    Args:
+        x: [..., N], fp32, fp16 or bf16.
+        weight: [N], any float dtype.
+        eps: added to the mean of squares.
+        scale, group_size, column_major_scales, ue8m0, scale_ub: the mode, as ``fp8_quantize``.
+        return_y: also return y.
+
+    Returns:
+        (q, scales) as ``fp8_quantize``, or (q, scales, y).
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     c.rows_input("x", x)
     c.tensor("weight", weight)
     c.vector("weight", weight, x.shape[-1])
@@ -499,8 +728,23 @@ def rmsnorm_fp8quant(x, weight, eps=1e-6, scale=None, group_size=0, *, column_ma
          "bool return_y) -> (Tensor, Tensor, Tensor)", kernels=FP8, fake=_fake_fp8_norm, to_public=_with_y)
 def add_rmsnorm_fp8quant(x, residual, weight, eps=1e-6, scale=None, group_size=0, *, column_major_scales=False,
                          ue8m0=False, scale_ub=None, return_y=False):
-    """residual <- x + residual (in place); -> (q, scales) of rmsnorm(residual) * weight, or
-    (q, scales, y); the scale modes of ``fp8_quantize``."""
+    """Fused add + RMSNorm + FP8: vLLM's ``fused_add_rms_norm``, then y quantized.
+
+    Args:
+        x: [..., N], fp32, fp16 or bf16.
+        residual: x's shape; overwritten with x + residual (in its dtype), which is normalised.
+        weight: [N], any float dtype.
+        eps: added to the mean of squares.
+        scale, group_size, column_major_scales, ue8m0, scale_ub: the mode, as ``fp8_quantize``.
+        return_y: also return y = rmsnorm(residual) * weight in x's dtype.
+
+    Returns:
+        (q, scales) as ``fp8_quantize``, or (q, scales, y).
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+        RuntimeError: ``residual`` cannot be written in place (where torch refuses it); nothing is written.
+    """
     fused_add_rmsnorm_.op.check(x, residual, weight, eps)
     _fp8_check("x", x, x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
 
@@ -509,8 +753,19 @@ def add_rmsnorm_fp8quant(x, residual, weight, eps=1e-6, scale=None, group_size=0
          fake=lambda x, scale, g, cm, ue, ub: _fp8_fake(x, x.shape[-1] // 2, scale, g, cm),
          to_public=lambda o, a: tuple(o))
 def silu_mul_fp8quant(x, scale=None, group_size=0, *, column_major_scales=False, ue8m0=False, scale_ub=None):
-    """x [..., 2K] -> (q [..., K], scales) of silu(x[..., :K]) * x[..., K:] (fp32); the scale
-    modes of ``fp8_quantize``."""
+    """Fused SiLU-and-multiply + FP8: silu(x[..., :K]) * x[..., K:] in fp32, quantized.
+
+    Args:
+        x: [..., 2K], fp32, fp16 or bf16 (gate, then up).
+        scale, group_size, column_major_scales, ue8m0, scale_ub: the mode, as ``fp8_quantize``
+            (per group: K a multiple of group_size).
+
+    Returns:
+        (q [..., K], scales) as ``fp8_quantize``.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     c.rows_input("x", x)
     if x.shape[-1] % 2:
         raise ValueError(f"x: last dim {x.shape[-1]} must be even (gate and up halves)")
