@@ -20,11 +20,15 @@ VLLM_SWITCHES = ("VLLM_USE_OINK_OPS", "VLLM_USE_OINK_RMSNORM")
 
 
 def register(force: bool = False) -> bool:
-    """vLLM general-plugin hook: registers ``torch.ops.oink.rmsnorm`` and
-    ``torch.ops.oink.fused_add_rms_norm`` (and the other ops) when ``VLLM_USE_OINK_OPS`` or
-    ``VLLM_USE_OINK_RMSNORM`` is truthy (1/true/yes/on) or ``force`` is set. Idempotent; never
-    imports vllm. vLLM calls it unguarded at start-up, so it never raises: a failure is logged as
-    a warning (logger ``oink``) and vLLM runs on without the ops.
+    """vLLM general-plugin hook: registers ``torch.ops.oink.*`` when vLLM's switch is on.
+
+    Registers ``torch.ops.oink.rmsnorm`` and ``torch.ops.oink.fused_add_rms_norm`` (and the other
+    ops) when ``VLLM_USE_OINK_OPS`` or ``VLLM_USE_OINK_RMSNORM`` is truthy (1/true/yes/on).
+    Idempotent; never imports vllm. vLLM calls it unguarded at start-up, so it never raises: a
+    failure is logged as a warning (logger ``oink``) and vLLM runs on with its own kernels.
+
+    Args:
+        force: register whatever the environment says.
 
     Returns:
         Whether the ops are registered.

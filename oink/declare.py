@@ -268,7 +268,19 @@ def declare(schema: str, **kw) -> Callable[[Callable], Callable]:
 
 
 def explain(op: str, *args, **kwargs) -> str:
-    """Why ``oink.<op>(*args, **kwargs)`` would run the kernel or the reference."""
+    """Why ``oink.<op>(*args, **kwargs)`` would run the kernel or the reference, without running it.
+
+    Args:
+        op: a public op's name (``"rmsnorm_forward"`` ...).
+        *args, **kwargs: the call's arguments, as the op takes them.
+
+    Returns:
+        One line: the op, the path it takes ("kernel" or "reference") and why.
+
+    Raises:
+        ValueError: ``op`` is not a public op.
+        TypeError: the arguments do not fit the op's signature.
+    """
     if op not in PUBLIC:
         raise ValueError(f"unknown op {op!r}; known: {', '.join(PUBLIC)}")
     return PUBLIC[op].explain(*args, **kwargs)

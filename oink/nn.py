@@ -16,10 +16,27 @@ from .reference.cross_entropy import row_weight, safe_target
 def rmsnorm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, bias: Tensor | None = None,
             residual: Tensor | None = None, out_dtype: torch.dtype | None = None,
             residual_dtype: torch.dtype | None = None, prenorm: bool = False, weight_offset: float = 0.0):
-    """Differentiable RMSNorm over the last dim (kernel forward and backward where they apply), in
-    x, weight, bias and residual. y = x_hat * (weight + weight_offset) + bias, where x_hat is the
-    norm of x + residual stored in ``residual_dtype``; weight and bias are [N] or per head [H, D].
-    -> y, or (y, residual_out) with ``prenorm`` (Quack's signature, keyword arguments past eps)."""
+    """Differentiable RMSNorm over the last dim (Quack's ``rmsnorm`` signature).
+
+    y = x_hat * (weight + weight_offset) + bias, x_hat the norm of x, or of x + residual stored in
+    ``residual_dtype``; gradients flow to x, weight, bias and residual.
+
+    Args:
+        x: [..., N] activations, fp32, fp16 or bf16.
+        weight, bias: [N], or [H, D] per head for x [..., H, D]; any float dtype; None for none.
+        eps: added to the mean of squares.
+        residual: x's shape, any float dtype, or None.
+        out_dtype: y's dtype (default x's).
+        residual_dtype: the stored sum's dtype (default the residual's).
+        prenorm: also return the stored sum (x itself without a residual).
+        weight_offset: added to the weight (Gemma's ``1 + w``: 1.0).
+
+    Returns:
+        y, or (y, residual_out) with ``prenorm``.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     store_rstd = _needs_graph((x, weight, bias, residual))  # the backward reads rstd
     y, _, res_out = ops.rmsnorm_forward(x, weight, bias, residual, eps, store_rstd, out_dtype=out_dtype,
                                         residual_dtype=residual_dtype, weight_offset=float(weight_offset))
@@ -29,7 +46,17 @@ def rmsnorm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, bias:
 
 
 def softmax(x: Tensor) -> Tensor:
-    """Differentiable softmax over the last dim."""
+    """Differentiable softmax over the last dim (``oink.softmax_forward`` with its backward).
+
+    Args:
+        x: [..., N], fp32, fp16 or bf16.
+
+    Returns:
+        softmax(x) in x's dtype.
+
+    Raises:
+        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
+    """
     return ops.softmax_forward(x)
 
 
@@ -101,7 +128,17 @@ class _LastDimsNorm(torch.nn.Module):
 
 
 class RMSNorm(_LastDimsNorm):
-    """Drop-in for ``torch.nn.RMSNorm``: same constructor, parameters and state_dict keys."""
+    """Drop-in for ``torch.nn.RMSNorm``: same constructor, parameters and state_dict keys.
+
+    Args:
+        normalized_shape: the trailing dims normalised over (an int or a tuple).
+        eps: added to the mean of squares; None: ``torch.finfo(x.dtype).eps``, as torch.
+        elementwise_affine: learn a weight of ``normalized_shape`` (ones at first).
+        device, dtype: the weight's.
+
+    Raises:
+        ValueError: (in ``forward``) x's trailing dims are not ``normalized_shape``.
+    """
 
     def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True,
                  device=None, dtype=None):
@@ -122,7 +159,19 @@ class RMSNorm(_LastDimsNorm):
 
 class LayerNorm(_LastDimsNorm):
     """Drop-in for ``torch.nn.LayerNorm``: same constructor, parameters and state_dict keys.
-    Without affine parameters the kernels get a ones weight (a buffer outside the state_dict)."""
+
+    Without affine parameters the kernels get a ones weight (a buffer outside the state_dict).
+
+    Args:
+        normalized_shape: the trailing dims normalised over (an int or a tuple).
+        eps: added to the variance.
+        elementwise_affine: learn a weight (ones at first) and, with ``bias``, a bias (zeros).
+        bias: learn a bias (with ``elementwise_affine``).
+        device, dtype: the parameters'.
+
+    Raises:
+        ValueError: (in ``forward``) x's trailing dims are not ``normalized_shape``.
+    """
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
                  device=None, dtype=None):
