@@ -291,19 +291,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             _, dh, dw, db = torch.ops.oink.linear_cross_entropy_fwd_bwd(
                 hidden, weight, target, bias, dloss.float().contiguous(), ignore_index, "none", ls, z, softcap,
                 chunk_size, need_dh, need_dw, need_db, accum_dtype)
-        else:
+        elif torch.compiler.is_compiling():
+            dh, dw, db = (t * dloss.to(t.dtype) for t in ctx.saved_tensors)
+        else:  # scaled in place: the forward's buffers are ours, and a second backward would scale twice
+            if ctx.scaled:
+                raise RuntimeError("linear_cross_entropy: backward ran twice through one forward; its "
+                                   "gradients are computed in the forward and scaled in place once")
+            ctx.scaled = True
             dh, dw, db = ctx.saved_tensors
             g = dloss
-            if torch.compiler.is_compiling():
-                dh, dw, db = (t * g.to(t.dtype) for t in (dh, dw, db))
-            else:  # scaled in place: the forward's buffers are ours, and a second backward would scale twice
-                if ctx.scaled:
-                    raise RuntimeError("linear_cross_entropy: backward ran twice through one forward; its "
-                                       "gradients are computed in the forward and scaled in place once")
-                ctx.scaled = True
-                for t in (dh, dw, db):
-                    if t.numel():
-                        t.mul_(g.to(t.dtype))
+            for t in (dh, dw, db):
+                if t.numel():
+                    t.mul_(g.to(t.dtype))
         return (dh if need_dh else None, dw if need_dw else None, None, db if need_db else None,
                 None, None, None, None, None, None, None, None, None, None)
 

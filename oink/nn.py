@@ -9,8 +9,8 @@ from torch import Tensor
 
 from . import ops
 from .declare import _needs_graph
-from .linear_cross_entropy import linear_cross_entropy  # noqa: F401  (public: oink.linear_cross_entropy)
-from .reference.cross_entropy import row_weight, safe_target
+from .chunked_linear_ce import linear_cross_entropy  # noqa: F401  (public: oink.linear_cross_entropy)
+from .reference.cross_entropy import reduction_dloss, row_weight, safe_target
 
 
 def rmsnorm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, bias: Tensor | None = None,
@@ -62,39 +62,109 @@ def softmax(x: Tensor) -> Tensor:
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction, inplace_backward, weight, lse_partial):
-        loss, lse = ops.cross_entropy_forward(logits, target, ignore_index, reduction, weight=weight,
-                                              lse_partial=lse_partial)
+    def forward(ctx, logits, target, ignore_index, reduction, inplace_backward, weight, lse_partial, label_smoothing,
+                z_loss, softcap, return_z_loss):
+        out = ops.cross_entropy_forward(logits, target, ignore_index, reduction, weight=weight, lse_partial=lse_partial,
+                                        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                                        return_z_loss=return_z_loss)
         ctx.ignore_index, ctx.reduction, ctx.inplace = ignore_index, reduction, inplace_backward
-        ctx.save_for_backward(logits, target, lse, weight)
-        return loss
+        ctx.options = dict(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+        ctx.save_for_backward(logits, target, out[1], weight)
+        if return_z_loss:  # logged, not differentiated (the loss holds it)
+            ctx.mark_non_differentiable(out[2])
+            return out[0], out[2]
+        return out[0]
 
     @staticmethod
-    def backward(ctx, dloss):
+    def backward(ctx, dloss, *_dz_loss):
         logits, target, lse, weight = ctx.saved_tensors
         if ctx.reduction == "mean":  # a device division: no host read of the count
-            count = row_weight(weight, *safe_target(target, ctx.ignore_index)).sum()
-            dloss = torch.where(count > 0, dloss / count.to(dloss.dtype), torch.zeros_like(dloss))
+            dloss = reduction_dloss(dloss, row_weight(weight, *safe_target(target, ctx.ignore_index)), "mean")
         # Under torch.compile the in-place write would mutate a graph input that may be a leaf
         # requiring grad (AOTAutograd refuses): compiled graphs take the out-of-place backward.
         if ctx.inplace and not torch.compiler.is_compiling():
-            torch.ops.oink.cross_entropy_backward_(dloss, logits, target, lse, ctx.ignore_index, weight)
-            return logits, None, None, None, None, None, None
-        dlogits = ops.cross_entropy_backward(dloss, logits, target, lse, ctx.ignore_index, weight=weight)
-        return dlogits, None, None, None, None, None, None
+            torch.ops.oink.cross_entropy_backward_(dloss, logits, target, lse, ctx.ignore_index, weight,
+                                                   **ctx.options)
+            dlogits = logits
+        else:
+            dlogits = ops.cross_entropy_backward(dloss, logits, target, lse, ctx.ignore_index, weight=weight,
+                                                 **ctx.options)
+        return (dlogits,) + (None,) * 10
 
 
 def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
                   inplace_backward: bool = False, *, weight: Tensor | None = None,
-                  lse_partial: Tensor | None = None) -> Tensor:
+                  lse_partial: Tensor | None = None, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                  softcap: float | None = None, return_z_loss: bool = False):
     """Differentiable cross-entropy of logits [M, V] against int targets [M]; fp32 loss.
-    ``weight``: per-class [V] weights (torch's rule for "mean"); ``lse_partial`` [M, K]: per-shard
-    logsumexps of a vocab-parallel model, combined into the row's lse (logits are then only read
-    at the target and in the backward). ``inplace_backward=True`` writes dlogits over the logits in
-    the backward (saves an [M, V] buffer, as Quack's option does): the logits' values are gone after
-    ``backward()``. Under torch.compile the backward is out of place (the values are the same)."""
-    ops.cross_entropy_forward.op.check(logits, target, ignore_index, reduction, weight=weight, lse_partial=lse_partial)
-    return _CrossEntropy.apply(logits, target, ignore_index, reduction, inplace_backward, weight, lse_partial)
+
+    Args:
+        logits: [M, V] fp32, fp16 or bf16.
+        target: [M] int32 or int64 class indices, or ``ignore_index``.
+        ignore_index: rows with this target count for nothing.
+        reduction: "mean" (over rows not ignored, weighted by ``weight``[target] where given; 0 when
+            none counts), "sum" or "none".
+        inplace_backward: write dlogits over the logits in the backward (saves an [M, V] buffer, as
+            Quack's option does): the logits' values are gone after ``backward()``. Under
+            torch.compile the backward is out of place (the values are the same).
+        weight: per-class weights [V] (torch's rule for "mean").
+        lse_partial: [M, K] per-shard logsumexps of a vocab-parallel model, combined into the row's
+            lse (logits are then only read at the target and in the backward).
+        label_smoothing: eps in [0, 1): (1 - eps) * nll + eps * mean_j(-log p_j), torch's rule.
+        z_loss: coefficient z >= 0 of z * lse^2 added to each row's loss.
+        softcap: c > 0: logits -> c * tanh(logits / c) before the softmax (Gemma-2); None for none.
+        return_z_loss: also return the z-loss part of the loss (reduced alike, not differentiated).
+
+    Returns:
+        The loss (0-d, or [M] for "none"), or (loss, z_loss) with ``return_z_loss``.
+
+    Raises:
+        ValueError: a shape, reduction or option out of range, naming the argument.
+        TypeError: a dtype not supported.
+    """
+    ops.cross_entropy_forward.op.check(logits, target, ignore_index, reduction, weight=weight, lse_partial=lse_partial,
+                                       label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+    return _CrossEntropy.apply(logits, target, ignore_index, reduction, inplace_backward, weight, lse_partial,
+                               label_smoothing, z_loss, softcap, return_z_loss)
+
+
+class CrossEntropyLoss(torch.nn.Module):
+    """``torch.nn.CrossEntropyLoss`` for logits [..., V] (class dim last) and targets [...], on
+    ``oink.cross_entropy``; ``weight`` is a buffer, as torch's.
+
+    Args:
+        weight, ignore_index, reduction, label_smoothing: torch's.
+        z_loss, softcap, return_z_loss, inplace_backward: ``oink.cross_entropy``'s.
+    """
+
+    def __init__(self, weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, *, z_loss: float = 0.0, softcap: float | None = None,
+                 return_z_loss: bool = False, inplace_backward: bool = False):
+        super().__init__()
+        from .checks import ce_options
+        from .reference.cross_entropy import REDUCTIONS
+
+        ce_options(label_smoothing, z_loss, softcap)
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction: {reduction!r} is not one of {REDUCTIONS}")
+        self.register_buffer("weight", weight)
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.z_loss, self.softcap, self.return_z_loss = z_loss, softcap, return_z_loss
+        self.inplace_backward = inplace_backward
+
+    def forward(self, logits: Tensor, target: Tensor):
+        rows = logits.reshape(-1, logits.shape[-1])
+        out = cross_entropy(rows, target.reshape(-1), self.ignore_index, self.reduction, self.inplace_backward,
+                            weight=self.weight, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                            softcap=self.softcap, return_z_loss=self.return_z_loss)
+        if self.reduction == "none":  # per-row results back in the target's shape
+            out = tuple(t.view(target.shape) for t in out) if self.return_z_loss else out.view(target.shape)
+        return out
+
+    def extra_repr(self) -> str:
+        opts = [f"ignore_index={self.ignore_index}", f"reduction={self.reduction!r}"]
+        opts += [f"{n}={getattr(self, n)}" for n in ("label_smoothing", "z_loss", "softcap") if getattr(self, n)]
+        return ", ".join(opts)
 
 
 def _flat_weight(w: Tensor | None) -> Tensor | None:
