@@ -10,7 +10,8 @@ import os
 
 __version__ = "0.1.0"
 
-_NN = ("rmsnorm", "RMSNorm", "LayerNorm", "softmax", "cross_entropy", "linear_cross_entropy", "LinearCrossEntropy")
+_NN = ("rmsnorm", "RMSNorm", "LayerNorm", "softmax", "cross_entropy", "linear_cross_entropy", "LinearCrossEntropy",
+       "CrossEntropyLoss")
 
 _registered = False
 

@@ -141,6 +141,26 @@ def multiple_of_32(name: str, n: int) -> None:
 
 
 
+def _number(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name}: expected a float, got {type(v).__name__}")
+    return float(v)
+
+
+def ce_options(label_smoothing, z_loss, softcap) -> None:
+    """Cross-entropy's options: label_smoothing in [0, 1), z_loss >= 0 and finite, softcap None or > 0."""
+    eps = _number("label_smoothing", label_smoothing)
+    if not 0.0 <= eps < 1.0:
+        raise ValueError(f"label_smoothing: expected a value in [0, 1), got {label_smoothing}")
+    z = _number("z_loss", z_loss)
+    if not 0.0 <= z < float("inf"):
+        raise ValueError(f"z_loss: expected a finite coefficient >= 0, got {z_loss}")
+    if softcap is not None:
+        cap = _number("softcap", softcap)
+        if not 0.0 < cap < float("inf"):
+            raise ValueError(f"softcap: expected a finite value > 0 (None for no capping), got {softcap}")
+
+
 def target_values(logits, target, ignore_index) -> None:
     """Value check (reads the data, so not for fake tensors): targets in [0, V) or ignored.
     It costs one host sync, which CUDA-graph capture forbids: while the stream is capturing it

@@ -379,25 +379,66 @@ def _forward_targets_in_range(logits, target, ignore_index, target_logit=None, *
         c.target_values(indexed, target, ignore_index)
 
 
-def _fake_ce_forward(logits, target, ignore_index, reduction, weight=None, lse_partial=None, target_logit=None):
+def _ce_options(label_smoothing, z_loss, softcap, lse_partial=None) -> None:
+    """The cross-entropy options (see ``oink.reference.cross_entropy``): Python numbers in range."""
+    c.ce_options(label_smoothing, z_loss, softcap)
+    if lse_partial is not None and label_smoothing:
+        raise ValueError("label_smoothing: needs every logit of the row (mean_j -log p_j), which lse_partial's "
+                         "shards do not give; smooth on the full logits or leave lse_partial out")
+
+
+def _reduced(t, reduction):
+    return torch.empty_like(t) if reduction == "none" else t.new_empty(())
+
+
+def _fake_ce_forward(logits, target, ignore_index, reduction, weight=None, lse_partial=None, target_logit=None,
+                     label_smoothing=0.0, z_loss=0.0, softcap=None, return_z_loss=False):
     lse = logits.new_empty(logits.shape[0], dtype=torch.float32)
-    loss = torch.empty_like(lse) if reduction == "none" else logits.new_empty((), dtype=torch.float32)
-    return loss, lse
+    return _reduced(lse, reduction), lse, (_reduced(lse, reduction) if return_z_loss else _absent(lse))
+
+
+_CE_OPTIONS = "float label_smoothing=0., float z_loss=0., float? softcap=None"
 
 
 @declare("cross_entropy_forward(Tensor logits, Tensor target, SymInt ignore_index, str reduction, "
-         "Tensor? weight=None, Tensor? lse_partial=None, Tensor? target_logit=None) -> (Tensor, Tensor)",
+         f"Tensor? weight=None, Tensor? lse_partial=None, Tensor? target_logit=None, {_CE_OPTIONS}, "
+         "bool return_z_loss=False) -> (Tensor, Tensor, Tensor)",
          kernels=CROSS_ENTROPY, fake=_fake_ce_forward, check_values=_forward_targets_in_range,
-         to_public=lambda o, a: tuple(o))
+         to_public=lambda o, a: tuple(o) if a["return_z_loss"] else tuple(o[:2]))
 def cross_entropy_forward(logits, target, ignore_index=-100, reduction="none", *, weight=None, lse_partial=None,
-                          target_logit=None):
-    """-> (loss, lse), fp32. ``weight``: per-class [V]; ``lse_partial`` [M, K]: per-shard logsumexps
-    (vocab-parallel), the row's lse is theirs; ``target_logit`` [M] or [M, V]: where to read the
-    target's logit instead of ``logits``."""
+                          target_logit=None, label_smoothing=0.0, z_loss=0.0, softcap=None, return_z_loss=False):
+    """Cross-entropy loss and logsumexp of each row of ``logits`` against ``target``.
+
+    Args:
+        logits: [M, V] fp32, fp16 or bf16.
+        target: [M] int32 or int64 class indices in [0, V), or ``ignore_index``.
+        ignore_index: rows with this target have loss 0 (and gradient 0) and do not count in "mean".
+        reduction: "none" (per-row [M]), "mean" (over rows not ignored, weighted by ``weight``[target]
+            where given; 0 when none counts) or "sum".
+        weight: per-class weights [V]: row i's loss is scaled by weight[target_i].
+        lse_partial: [M, K] per-shard logsumexps (vocab-parallel): the row's lse is theirs.
+        target_logit: [M] or [M, V]: where to read the target's logit instead of ``logits``.
+        label_smoothing: eps in [0, 1): loss = (1 - eps) * nll + eps * mean_j(-log p_j), class weights
+            applied as ``torch.nn.functional.cross_entropy`` does.
+        z_loss: coefficient z >= 0 of the auxiliary loss z * lse^2 added to each row (scaled by the
+            row's weight like the rest).
+        softcap: c > 0: logits become c * tanh(logits / c) first (Gemma-2); None for none.
+        return_z_loss: also return the z-loss part of the loss, reduced as the loss is.
+
+    Returns:
+        (loss, lse), or (loss, lse, z_loss) with ``return_z_loss``: fp32, loss and z-loss [M] for
+        "none" and 0-d otherwise; lse [M] (of the capped logits with ``softcap``).
+
+    Raises:
+        ValueError: a shape, reduction or option out of range (named), label smoothing with
+            ``lse_partial``, or (with value checks on) a target outside [0, V) that is not ignored.
+        TypeError: a dtype not supported.
+    """
     _logits_target(logits, target)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: {reduction!r} is not one of {REDUCTIONS}")
     _class_weight(weight, logits)
+    _ce_options(label_smoothing, z_loss, softcap, lse_partial)
     M = logits.shape[0]
     if lse_partial is not None:
         c.tensor("lse_partial", lse_partial, min_dim=2)
@@ -411,42 +452,92 @@ def cross_entropy_forward(logits, target, ignore_index=-100, reduction="none", *
 
 
 @declare("cross_entropy_backward(Tensor dloss, Tensor logits, Tensor target, Tensor lse, SymInt ignore_index, "
-         "Tensor? weight=None) -> Tensor",
+         f"Tensor? weight=None, {_CE_OPTIONS}) -> Tensor",
          kernels=CROSS_ENTROPY, fake=lambda dloss, logits, *a: torch.empty_like(logits),
          check_values=_targets_in_range)
-def cross_entropy_backward(dloss, logits, target, lse, ignore_index=-100, *, weight=None):
-    """dlogits from the forward's lse; ``dloss`` a scalar or [M]."""
+def cross_entropy_backward(dloss, logits, target, lse, ignore_index=-100, *, weight=None, label_smoothing=0.0,
+                           z_loss=0.0, softcap=None):
+    """Gradient of the per-row cross-entropy loss with respect to the logits.
+
+    Args:
+        dloss: the upstream gradient of the per-row loss, a scalar or [M].
+        logits: [M, V] as given to the forward.
+        target: [M] as given to the forward.
+        lse: [M] fp32 the forward returned.
+        ignore_index, weight, label_smoothing, z_loss, softcap: as given to the forward.
+
+    Returns:
+        dlogits [M, V] in the logits' dtype (0 on ignored rows).
+
+    Raises:
+        ValueError, TypeError: as the forward's.
+    """
     _logits_target(logits, target)
     _dloss(dloss, logits.shape[0])
     c.row_stat("lse", lse, logits.shape[:-1])
     c.same_device(dloss=dloss, logits=logits, target=target, lse=lse)
     _class_weight(weight, logits)
+    _ce_options(label_smoothing, z_loss, softcap)
 
 
 @declare("cross_entropy_backward_(Tensor dloss, Tensor(a!) logits, Tensor target, Tensor lse, SymInt ignore_index, "
-         "Tensor? weight=None) -> ()",
+         f"Tensor? weight=None, {_CE_OPTIONS}) -> ()",
          kernels=CROSS_ENTROPY, fake=lambda *a: None, check_values=_targets_in_range, public=False)
-def cross_entropy_backward_(dloss, logits, target, lse, ignore_index=-100, weight=None):
+def cross_entropy_backward_(dloss, logits, target, lse, ignore_index=-100, weight=None, label_smoothing=0.0,
+                            z_loss=0.0, softcap=None):
     """dlogits written over the logits (no second [M, V] buffer): backs
     ``oink.cross_entropy(..., inplace_backward=True)``."""
-    cross_entropy_backward.op.check(dloss, logits, target, lse, ignore_index, weight=weight)
+    cross_entropy_backward.op.check(dloss, logits, target, lse, ignore_index, weight=weight,
+                                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
 
 
-def _fake_ce_fwd_bwd(dloss, logits, target, ignore_index, weight=None):
+def _fake_ce_fwd_bwd(dloss, logits, target, ignore_index, weight=None, reduction="none", label_smoothing=0.0,
+                     z_loss=0.0, softcap=None, return_z_loss=False):
     row = logits.new_empty(logits.shape[0], dtype=torch.float32)
-    return row, torch.empty_like(logits), torch.empty_like(row)
+    zl = _reduced(row, reduction) if return_z_loss else _absent(row)
+    return _reduced(row, reduction), torch.empty_like(logits), torch.empty_like(row), zl
+
+
+def _fwd_bwd_outputs(o, a):
+    return (o[0], o[1]) + ((o[2],) if a["return_lse"] else ()) + ((o[3],) if a["return_z_loss"] else ())
 
 
 @declare("cross_entropy_fwd_bwd(Tensor dloss, Tensor logits, Tensor target, SymInt ignore_index, "
-         "Tensor? weight=None) -> (Tensor, Tensor, Tensor)",
+         f"Tensor? weight=None, str reduction='none', {_CE_OPTIONS}, bool return_z_loss=False) "
+         "-> (Tensor, Tensor, Tensor, Tensor)",
          kernels=CROSS_ENTROPY, fake=_fake_ce_fwd_bwd, check_values=_targets_in_range,
-         fixed={"return_lse": True}, to_public=lambda o, a: tuple(o) if a["return_lse"] else tuple(o[:2]))
-def cross_entropy_fwd_bwd(dloss, logits, target, ignore_index=-100, *, weight=None, return_lse=False):
-    """-> (loss fp32 [M], dlogits), or (loss, dlogits, lse) with ``return_lse``."""
+         fixed={"return_lse": True}, to_public=_fwd_bwd_outputs)
+def cross_entropy_fwd_bwd(dloss, logits, target, ignore_index=-100, *, weight=None, return_lse=False,
+                          reduction="none", label_smoothing=0.0, z_loss=0.0, softcap=None, return_z_loss=False):
+    """Cross-entropy loss and its gradient with respect to the logits in one pass.
+
+    Args:
+        dloss: the upstream gradient of the returned loss: [M] or a scalar for "none", a scalar for
+            "mean" and "sum".
+        logits, target, ignore_index, weight, label_smoothing, z_loss, softcap: as
+            ``cross_entropy_forward``'s.
+        return_lse: also return lse [M].
+        reduction: "none" (the default), "mean" or "sum", as ``cross_entropy_forward``'s; dlogits are
+            the reduced loss's gradient times ``dloss``.
+        return_z_loss: also return the z-loss part of the loss, reduced as the loss is.
+
+    Returns:
+        (loss, dlogits), then lse with ``return_lse``, then the z-loss with ``return_z_loss``; loss
+        fp32, dlogits in the logits' dtype.
+
+    Raises:
+        ValueError, TypeError: as ``cross_entropy_forward``'s; a non-scalar ``dloss`` for a reduced loss.
+    """
     _logits_target(logits, target)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: {reduction!r} is not one of {REDUCTIONS}")
     _dloss(dloss, logits.shape[0])
+    if reduction != "none" and dloss.numel() != 1:
+        raise ValueError(f"dloss: the {reduction!r} loss is a scalar, so its gradient is one; got shape "
+                         f"{tuple(dloss.shape)}")
     c.same_device(dloss=dloss, logits=logits, target=target)
     _class_weight(weight, logits)
+    _ce_options(label_smoothing, z_loss, softcap)
 
 
 # ---------------------------------------------------------------- NVFP4 / MXFP4

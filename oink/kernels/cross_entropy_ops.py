@@ -8,15 +8,23 @@ from __future__ import annotations
 import torch
 
 from .compile import CACHE, current_stream, stream_of
-from ..reference.cross_entropy import per_row, safe_target, loss_from_lse, reduce_loss, row_weight
+from ..reference.cross_entropy import (loss_from_lse, per_row, reduce_loss, reduction_dloss, row_weight, safe_target,
+                                       z_loss_rows)
 from .cross_entropy import compiled_cross_entropy
 from .host import allocator, dtype_name, kernel_ready_rows, ld, prepare_rows, ptr, vec_for, width_reason
 
 INT32 = torch.iinfo(torch.int32)
 
 
+def options_reason(t: dict) -> str | None:
+    """Why the options send a call to the reference, or None."""
+    if t.get("label_smoothing") or t.get("z_loss") or t.get("softcap") is not None:
+        return "cross-entropy options (label_smoothing, z_loss, softcap): reference"
+    return None
+
+
 def _check(t: dict, arch: str) -> str | None:
-    why = width_reason(t["logits"].shape[-1], "V")
+    why = width_reason(t["logits"].shape[-1], "V") or options_reason(t)
     if why:
         return why
     if not INT32.min <= t["ignore_index"] <= INT32.max:
@@ -71,17 +79,28 @@ def _scaled_dloss(dloss, M, rw):
     return d if rw is None else d * rw
 
 
+def _with_z_loss(out: tuple, lse, rw, tgt, ignore_index, z_loss, reduction, wanted: bool) -> tuple:
+    """``out`` and, where ``wanted``, the z-loss part of the loss from the lse, reduced as the loss."""
+    if not wanted:
+        return out
+    if rw is None:
+        rw = row_weight(None, *safe_target(tgt, ignore_index))
+    return out + (reduce_loss(z_loss_rows(lse, rw, tgt != ignore_index, z_loss), rw, reduction),)
+
+
 def run_forward(arch, logits, target, ignore_index=-100, reduction="none", weight=None, lse_partial=None,
-                target_logit=None):
+                target_logit=None, label_smoothing=0.0, z_loss=0.0, softcap=None, return_z_loss=False):
     if lse_partial is not None:
-        loss, lse, rw = per_row(logits, target, ignore_index, weight, lse_partial, target_logit)
-        return reduce_loss(loss, rw, reduction), lse
+        loss, lse, rw = per_row(logits, target, ignore_index, weight, lse_partial, target_logit, label_smoothing,
+                                z_loss, softcap)
+        return _with_z_loss((reduce_loss(loss, rw, reduction), lse), lse, rw, target, ignore_index, z_loss,
+                            reduction, return_z_loss)
     x2, tgt = _inputs(logits, target)
     M = x2.shape[0]
     loss = torch.empty(M, device=logits.device, dtype=torch.float32)
     lse = torch.empty(M, device=logits.device, dtype=torch.float32)
     launch("forward", arch, x2, tgt, ignore_index, loss=loss, lse_out=lse)
-    if target_logit is None and weight is None and reduction == "none":
+    if target_logit is None and weight is None and reduction == "none" and not return_z_loss:
         return loss, lse  # the kernel's loss is final (0 on ignored rows): no per-row torch ops
     valid, safe = safe_target(tgt, ignore_index)
     if target_logit is not None:  # the target's logit comes from elsewhere
@@ -89,10 +108,12 @@ def run_forward(arch, logits, target, ignore_index=-100, reduction="none", weigh
     rw = row_weight(weight, valid, safe)
     if weight is not None:
         loss = loss * rw
-    return reduce_loss(loss, rw, reduction), lse  # the reference's reduction, on device
+    out = (reduce_loss(loss, rw, reduction), lse)  # the reference's reduction, on device
+    return _with_z_loss(out, lse, rw, tgt, ignore_index, z_loss, reduction, return_z_loss)
 
 
-def run_backward(arch, dloss, logits, target, lse, ignore_index=-100, weight=None):
+def run_backward(arch, dloss, logits, target, lse, ignore_index=-100, weight=None, label_smoothing=0.0, z_loss=0.0,
+                 softcap=None):
     x2, tgt = _inputs(logits, target)
     M = x2.shape[0]
     dx = torch.empty_like(x2)
@@ -101,7 +122,8 @@ def run_backward(arch, dloss, logits, target, lse, ignore_index=-100, weight=Non
     return dx
 
 
-def run_backward_(arch, dloss, logits, target, lse, ignore_index=-100, weight=None):
+def run_backward_(arch, dloss, logits, target, lse, ignore_index=-100, weight=None, label_smoothing=0.0, z_loss=0.0,
+                  softcap=None):
     """dlogits written over the logits (each element read before it is written, by one thread)."""
     M = logits.shape[0]
     tgt = target.contiguous()
@@ -109,17 +131,25 @@ def run_backward_(arch, dloss, logits, target, lse, ignore_index=-100, weight=No
            lse_in=_row_vector(lse, M, torch.float32), dx=logits)
 
 
-def run_fwd_bwd(arch, dloss, logits, target, ignore_index=-100, weight=None, return_lse=False):
+def run_fwd_bwd(arch, dloss, logits, target, ignore_index=-100, weight=None, return_lse=False, reduction="none",
+                label_smoothing=0.0, z_loss=0.0, softcap=None, return_z_loss=False):
     x2, tgt = _inputs(logits, target)
     M = x2.shape[0]
     loss = torch.empty(M, device=logits.device, dtype=torch.float32)
-    lse = torch.empty(M, device=logits.device, dtype=torch.float32) if return_lse else None
+    lse = torch.empty(M, device=logits.device, dtype=torch.float32) if return_lse or return_z_loss else None
     dx = torch.empty_like(x2)
     rw = _row_factor(weight, tgt, ignore_index)
+    if reduction == "mean":  # the mean's divisor, on device
+        rw_all = rw if rw is not None else row_weight(None, *safe_target(tgt, ignore_index))
+        dloss = reduction_dloss(dloss.float(), rw_all, reduction)
     launch("fwd_bwd", arch, x2, tgt, ignore_index, dloss=_scaled_dloss(dloss, M, rw), loss=loss, lse_out=lse, dx=dx)
     if rw is not None:
         loss = loss * rw
-    return (loss, dx, lse) if return_lse else (loss, dx)
+    if reduction != "none":
+        rw_all = rw if rw is not None else row_weight(None, *safe_target(tgt, ignore_index))
+        loss = reduce_loss(loss, rw_all, reduction)
+    out = (loss, dx) + ((lse,) if return_lse else ())
+    return _with_z_loss(out, lse, rw, tgt, ignore_index, z_loss, reduction, return_z_loss)
 
 
 def _plain_rows(t, M: int) -> bool:
@@ -129,7 +159,7 @@ def _plain_rows(t, M: int) -> bool:
 
 def _plan(mode: str):
     """A launch prepared once per argument layout (see dispatch.Route.plan) for the plain calls: no
-    class weight, ``lse_partial``, ``target_logit`` or reduction; logits readable as they are;
+    class weight, ``lse_partial``, ``target_logit``, reduction, option or z-loss output; logits readable as they are;
     contiguous targets; ``dloss`` and ``lse`` contiguous fp32 [M]. None otherwise (the runner)."""
     def make(arch, a: dict):
         logits, target = a["logits"], a["target"]
@@ -137,6 +167,7 @@ def _plan(mode: str):
         # dloss (backward, fwd_bwd) and lse (backward) are required where the op has them
         if (logits.numel() == 0 or a.get("weight") is not None or a.get("lse_partial") is not None
                 or a.get("target_logit") is not None or a.get("reduction", "none") != "none"
+                or options_reason(a) or a.get("return_z_loss")
                 or not kernel_ready_rows(logits, vec_for(V, logits)) or not target.is_contiguous()
                 or any(n in a and not _plain_rows(a[n], M) for n in ("dloss", "lse"))):
             return None

@@ -5,15 +5,29 @@ scales row i's loss and gradient by weight[target_i], and "mean" then divides by
 those weights over rows not ignored (torch.nn.functional.cross_entropy's rule); without one it
 divides by the number of rows not ignored ("mean" over nothing is 0, not torch's NaN).
 
-Vocab-parallel use (tensor parallelism): ``lse_partial`` [M, K] holds each shard's logsumexp
-and the row's lse is their logsumexp; ``target_logit`` ([M], or [M, V] read at the target)
-supplies the target's logit where the local logits do not hold it.
+Options (each off by default):
+- ``softcap`` c > 0: every logit z becomes c * tanh(z / c) before anything else (Gemma-2), and
+  gradients flow through it; lse is then the capped logits' logsumexp.
+- ``label_smoothing`` eps in [0, 1): torch's rule, loss = (1 - eps) * w[t] * nll + eps / V *
+  sum_j w_j * (-log p_j) (w = 1 without a class weight), 0 on ignored rows.
+- ``z_loss`` z >= 0: z * lse^2 added to each row's loss (PaLM's auxiliary loss), scaled by the
+  row's weight[target] like the rest of the row; ``return_z_loss`` returns that part too, reduced
+  as the loss is (it is included in the loss, and returned for logging: not differentiated).
+
+Vocab-parallel use (tensor parallelism): ``lse_partial`` [M, K] holds each shard's logsumexp (of
+the capped logits with ``softcap``) and the row's lse is their logsumexp; ``target_logit`` ([M],
+or [M, V] read at the target) supplies the target's logit where the local logits do not hold it.
 
 Logits of +inf give the limit of those logits growing together: with k of a row's logits at +inf,
 the softmax is 1/k on each of them and 0 elsewhere, the loss log(k) when the target is one of them
-and +inf otherwise, the lse +inf. k is counted in the logits given, so with ``lse_partial`` (the
-other shards' counts unknown) such a row's loss stays NaN, and a shard's backward counts its own
-only. Logits of -inf (masking) are ordinary: their softmax is 0."""
+and +inf otherwise, the lse +inf (label smoothing's -log p_j likewise: log k at those, +inf
+elsewhere). k is counted in the logits given, so with ``lse_partial`` (the other shards' counts
+unknown) such a row's loss stays NaN, and a shard's backward counts its own only. Logits of -inf
+(masking) are ordinary: their softmax is 0. With ``softcap`` no logit stays infinite (+-inf caps
+to +-c).
+
+The functions compute in fp32, or in fp64 for fp64 logits (so a float64 formula can check them
+closely); the public API takes fp32/fp16/bf16 logits."""
 from __future__ import annotations
 
 import torch
@@ -26,25 +40,61 @@ __all__ = [  # the public ops (oink.reference re-exports them)
 REDUCTIONS = ("none", "mean", "sum")
 
 
+def acc(t: Tensor) -> Tensor:
+    """The arithmetic's dtype: fp32, fp64 for fp64 inputs."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def capped(z: Tensor, softcap: float | None) -> Tensor:
+    """softcap * tanh(z / softcap), or z without a softcap."""
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
 def safe_target(target: Tensor, ignore_index: int):
     valid = target != ignore_index
     return valid, torch.where(valid, target, torch.zeros_like(target)).long()
 
 
-def row_weight(weight: Tensor | None, valid: Tensor, safe: Tensor) -> Tensor:
-    """Per-row factor: weight[target] (1 without a class weight), 0 on ignored rows; fp32 [M]."""
-    w = weight.float()[safe] if weight is not None else torch.ones(safe.shape, device=safe.device)
+def row_weight(weight: Tensor | None, valid: Tensor, safe: Tensor, dtype=torch.float32) -> Tensor:
+    """Per-row factor: weight[target] (1 without a class weight), 0 on ignored rows; [M] of ``dtype``."""
+    w = weight.to(dtype)[safe] if weight is not None else torch.ones(safe.shape, device=safe.device, dtype=dtype)
     return w * valid
 
 
 def per_row(logits: Tensor, target: Tensor, ignore_index: int, weight=None, lse_partial=None,
-             target_logit=None):
+            target_logit=None, label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None):
+    """-> (loss, lse, rw): each row's loss (options and weight applied, the z-loss included, 0 where
+    ignored), its lse and ``row_weight``'s factors."""
     valid, safe = safe_target(target, ignore_index)
-    lse = torch.logsumexp((lse_partial if lse_partial is not None else logits).float(), dim=-1)
-    rw = row_weight(weight, valid, safe)
-    posinf = posinf_count(logits) if lse_partial is None else None  # the shards' counts are not in their lse
-    src = target_logit if target_logit is not None else logits
-    return loss_from_lse(lse, src, valid, safe, posinf) * rw, lse, rw
+    z = capped(acc(logits), softcap)
+    lse = torch.logsumexp(acc(lse_partial) if lse_partial is not None else z, dim=-1)
+    rw = row_weight(weight, valid, safe, lse.dtype)
+    posinf = posinf_count(z) if lse_partial is None else None  # the shards' counts are not in their lse
+    src = capped(acc(target_logit), softcap) if target_logit is not None else z
+    loss = loss_from_lse(lse, src, valid, safe, posinf) * rw
+    if label_smoothing:
+        smooth = smoothing_rows(z, lse, weight, valid, posinf)
+        loss = (1 - label_smoothing) * loss + label_smoothing * smooth
+    if z_loss:
+        loss = loss + z_loss_rows(lse, rw, valid, z_loss)
+    return loss, lse, rw
+
+
+def z_loss_rows(lse: Tensor, rw: Tensor, valid: Tensor, z_loss: float) -> Tensor:
+    """Each row's z-loss z * lse^2 * weight[target]; 0 on ignored rows (never 0 * inf)."""
+    return torch.where(valid, z_loss * lse.square() * rw, torch.zeros_like(lse))
+
+
+def smoothing_rows(z: Tensor, lse: Tensor, weight: Tensor | None, valid: Tensor, posinf: Tensor | None) -> Tensor:
+    """Each row's sum_j w_j * (-log p_j) / V (label smoothing's term), 0 on ignored rows; where the
+    row holds +inf logits, -log p_j is its limit (log k at the k +inf logits, +inf elsewhere)."""
+    nlp = lse.unsqueeze(-1) - z
+    if posinf is not None:
+        at_inf = torch.isposinf(lse).unsqueeze(-1) & torch.isposinf(z)
+        nlp = torch.where(at_inf, torch.log(posinf).to(nlp.dtype).unsqueeze(-1), nlp)
+    if weight is not None:
+        nlp = nlp * weight.to(nlp.dtype)
+    return torch.where(valid, nlp.sum(-1) / z.shape[-1], torch.zeros_like(lse))
 
 
 def posinf_count(logits: Tensor) -> Tensor:
@@ -56,11 +106,11 @@ def loss_from_lse(lse: Tensor, src: Tensor, valid: Tensor, safe: Tensor, posinf:
     """lse - the target's logit (read from ``src``: [M] as is, [M, V] at the target); 0 where ignored.
     ``posinf``: each row's count k of +inf logits, where lse and the target's logit are both +inf
     (inf - inf) the loss is the limit log(k) (see the module doc)."""
-    picked = src.float() if src.dim() == 1 else src.gather(-1, safe.unsqueeze(-1)).squeeze(-1).float()
-    loss = lse - picked
+    picked = src if src.dim() == 1 else src.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    loss = lse - picked.to(lse.dtype)
     if posinf is not None:
         at_inf = torch.isposinf(lse) & torch.isposinf(picked)  # a NaN anywhere makes lse NaN: stays NaN
-        loss = torch.where(at_inf, torch.log(posinf), loss)
+        loss = torch.where(at_inf, torch.log(posinf).to(loss.dtype), loss)
     return torch.where(valid, loss, torch.zeros_like(lse))
 
 
@@ -71,48 +121,96 @@ def reduce_loss(loss: Tensor, rw: Tensor, reduction: str) -> Tensor:
     total = loss.sum()
     if reduction == "sum":
         return total
-    denom = rw.sum().to(total.dtype)
-    return torch.where(denom > 0, total / denom, torch.zeros_like(total))  # nothing counted: 0
+    return total * mean_factor(rw)
+
+
+def mean_factor(rw: Tensor) -> Tensor:
+    """1 / the sum of the row factors: "mean"'s scale, 0 when no row counts (a device op, no host read)."""
+    denom = rw.sum()
+    return torch.where(denom > 0, 1 / denom, torch.zeros_like(denom))
 
 
 def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int = -100,
                           reduction: str = "none", weight: Tensor | None = None,
-                          lse_partial: Tensor | None = None, target_logit: Tensor | None = None):
-    """-> (loss, lse): loss fp32 [M] ("none") or a 0-d tensor; lse fp32 [M]."""
-    loss, lse, rw = per_row(logits, target, ignore_index, weight, lse_partial, target_logit)
-    return reduce_loss(loss, rw, reduction), lse
+                          lse_partial: Tensor | None = None, target_logit: Tensor | None = None,
+                          label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                          return_z_loss: bool = False):
+    """-> (loss, lse), or (loss, lse, z-loss) with ``return_z_loss``: loss (and z-loss) fp32 [M]
+    ("none") or 0-d; lse fp32 [M]."""
+    loss, lse, rw = per_row(logits, target, ignore_index, weight, lse_partial, target_logit, label_smoothing,
+                            z_loss, softcap)
+    if not return_z_loss:
+        return reduce_loss(loss, rw, reduction), lse
+    zl = z_loss_rows(lse, rw, target != ignore_index, z_loss)
+    return reduce_loss(loss, rw, reduction), lse, reduce_loss(zl, rw, reduction)
 
 
 def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
-                           ignore_index: int = -100, weight: Tensor | None = None) -> Tensor:
-    """dlogits = (softmax(logits) - onehot(target)) * dloss[row] * weight[target]; 0 on ignored
-    rows. ``dloss`` is the per-row upstream gradient [M] (or a scalar, broadcast)."""
-    lf = logits.float()
+                           ignore_index: int = -100, weight: Tensor | None = None, label_smoothing: float = 0.0,
+                           z_loss: float = 0.0, softcap: float | None = None) -> Tensor:
+    """dlogits of the per-row loss times ``dloss[row]`` (a scalar broadcasts); 0 on ignored rows.
+    Plain: (softmax(logits) - onehot(target)) * dloss[row] * weight[target]; with the options the
+    derivative of the loss ``cross_entropy_forward`` defines (through the softcap's tanh)."""
+    lf = acc(logits)
+    z = capped(lf, softcap)
+    lse = acc(lse)
     valid, safe = safe_target(target, ignore_index)
     # softmax as torch's own backward forms it, exp(log_softmax), so 16-bit dlogits round as torch's
     # do (exp(x - lse) moves ~1 in 1e4 values to the other neighbour); rescaled where lse is not the
     # logits' own (vocab-parallel: the global lse of a shard)
-    own = torch.logsumexp(lf, dim=-1)
-    p = torch.exp(torch.log_softmax(lf, dim=-1)) * torch.exp(own - lse.float()).unsqueeze(-1)
+    own = torch.logsumexp(z, dim=-1)
+    p = torch.exp(torch.log_softmax(z, dim=-1)) * torch.exp(own - lse).unsqueeze(-1)
     # rows holding +inf (log_softmax gives NaN there): the limit, 1/k on each of the k +inf logits
-    at = torch.isposinf(lf)
-    limit = (torch.isposinf(own) & torch.isposinf(lse.float())).unsqueeze(-1)
+    at = torch.isposinf(z)
+    limit = (torch.isposinf(own) & torch.isposinf(lse)).unsqueeze(-1)
     p = torch.where(limit, at / at.sum(-1, keepdim=True).clamp_min(1), p)
-    g = torch.broadcast_to(dloss.float(), lse.shape) * row_weight(weight, valid, safe)
-    d = p * g.unsqueeze(-1)
-    d.scatter_add_(-1, safe.unsqueeze(-1), -g.unsqueeze(-1))
+    up = torch.broadcast_to(acc(dloss), lse.shape) * valid  # the upstream gradient, 0 on ignored rows
+    g = up * row_weight(weight, valid, safe, lse.dtype)  # d(loss)/d(nll) without the options
+    eps = label_smoothing
+    coef = g * (1 - eps)  # of p, from the nll term
+    if eps:  # eps / V * sum_j w_j (-log p_j): (W p_k - w_k) eps / V
+        V = z.shape[-1]
+        W = weight.to(lse.dtype).sum() if weight is not None else V
+        coef = coef + up * (eps * W / V)
+    if z_loss:  # z * lse^2 * w[t]: 2 z lse w[t] p_k
+        coef = coef + 2 * z_loss * lse * g
+    d = p * coef.unsqueeze(-1)
+    if eps:
+        w = weight.to(lse.dtype) if weight is not None else torch.ones((), dtype=lse.dtype, device=lse.device)
+        d = d - (up * (eps / z.shape[-1])).unsqueeze(-1) * w
+    d.scatter_add_(-1, safe.unsqueeze(-1), -(g * (1 - eps)).unsqueeze(-1))
+    if softcap is not None:  # d(c tanh(x / c))/dx = 1 - tanh^2
+        d = d * (1 - torch.tanh(lf / softcap).square())
     return d.to(logits.dtype)
 
 
+def reduction_dloss(dloss: Tensor, rw: Tensor, reduction: str) -> Tensor:
+    """The per-row upstream gradient of a reduced loss: dloss (a scalar for "mean" and "sum"), "mean"
+    divided by the sum of the row factors."""
+    return dloss * mean_factor(rw).to(dloss.dtype) if reduction == "mean" else dloss
+
+
 def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int = -100,
-                          weight: Tensor | None = None, return_lse: bool = False):
-    """-> (loss fp32 [M], dlogits), or (loss, dlogits, lse) with ``return_lse``; per-row loss."""
-    loss, lse, _ = per_row(logits, target, ignore_index, weight)
-    dlogits = cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight)
-    return (loss, dlogits, lse) if return_lse else (loss, dlogits)
+                          weight: Tensor | None = None, return_lse: bool = False, reduction: str = "none",
+                          label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                          return_z_loss: bool = False):
+    """-> (loss, dlogits), then lse with ``return_lse`` and the z-loss with ``return_z_loss``; loss
+    reduced by ``reduction`` and dlogits its gradient times ``dloss``."""
+    loss, lse, rw = per_row(logits, target, ignore_index, weight, label_smoothing=label_smoothing, z_loss=z_loss,
+                            softcap=softcap)
+    dlogits = cross_entropy_backward(reduction_dloss(acc(dloss), rw, reduction), logits, target, lse, ignore_index,
+                                     weight, label_smoothing, z_loss, softcap)
+    out = (reduce_loss(loss, rw, reduction), dlogits)
+    if return_lse:
+        out += (lse,)
+    if return_z_loss:
+        out += (reduce_loss(z_loss_rows(lse, rw, target != ignore_index, z_loss), rw, reduction),)
+    return out
 
 
 def cross_entropy_backward_(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
-                            ignore_index: int = -100, weight: Tensor | None = None) -> None:
+                            ignore_index: int = -100, weight: Tensor | None = None, label_smoothing: float = 0.0,
+                            z_loss: float = 0.0, softcap: float | None = None) -> None:
     """In place: logits <- dlogits (the memory-saving backward of ``oink.cross_entropy``)."""
-    logits.copy_(cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight))
+    logits.copy_(cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight, label_smoothing, z_loss,
+                                        softcap))
