@@ -1,0 +1,114 @@
+"""oink.linear_cross_entropy on the GPU (each chunk's cross-entropy on the kernels): loss and
+gradients against a float64 reference on the device, chunk sizes that do and don't divide M, odd
+vocabularies, the options, torch.compile, and the peak memory: O(chunk x V) above the gradients,
+never the [M, V] logits."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import oink
+from oink import chunked_linear_ce as lce
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
+
+IGNORE = -100
+
+
+def _case(M, H, V, dtype=torch.bfloat16, bias=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(M, H, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(V, H, device="cuda", generator=g) * 3 / H**0.5).to(dtype)
+    b = (torch.randn(V, device="cuda", generator=g) * 0.5).to(dtype) if bias else None
+    target = torch.randint(0, V, (M,), device="cuda", generator=g)
+    target[torch.rand(M, device="cuda", generator=g) < 0.2] = IGNORE
+    return hidden, weight, target, b
+
+
+def _float64(hidden, weight, target, bias, reduction="sum", **options):
+    leaves = [t.detach().double().requires_grad_() for t in (hidden, weight) + ((bias,) if bias is not None else ())]
+    logits = F.linear(leaves[0], leaves[1], leaves[2] if bias is not None else None)
+    softcap = options.get("softcap")
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    rows = F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="none",
+                           label_smoothing=options.get("label_smoothing", 0.0))
+    if options.get("z_loss"):
+        rows = rows + options["z_loss"] * torch.where(target != IGNORE, torch.logsumexp(logits, -1) ** 2, 0)
+    loss = rows.sum() if reduction == "sum" else rows.sum() / (target != IGNORE).sum()
+    return (loss.detach(), *torch.autograd.grad(loss, leaves))
+
+
+def _oink(hidden, weight, target, bias, reduction="sum", **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight) + ((bias,) if bias is not None else ())]
+    loss = oink.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2] if bias is not None else None,
+                                     IGNORE, reduction, **kw)
+    return (loss.detach(), *torch.autograd.grad(loss, leaves))
+
+
+def _rel_l2(a, e):
+    return float((a.double() - e).norm() / e.norm().clamp_min(1e-30))
+
+
+def _check(out, ref, what, bound=1e-2):
+    # bf16 logits and dlogits, dweight summed over chunks in bf16: errors relative to each output's norm
+    for name, a, e in zip(("loss", "dhidden", "dweight", "dbias"), out, ref):
+        assert torch.isfinite(a).all(), f"{what}: {name} not finite"
+        err = _rel_l2(a, e)
+        assert err < (1e-3 if name == "loss" else bound), f"{what}: {name} relative L2 error {err:.3g}"
+
+
+@pytest.mark.parametrize("V", [32000, 50257])
+@pytest.mark.parametrize("chunk_size", [None, 1024, 777])
+def test_matches_float64(V, chunk_size):
+    hidden, weight, target, b = _case(3000, 512, V, bias=True)
+    _check(_oink(hidden, weight, target, b, chunk_size=chunk_size), _float64(hidden, weight, target, b),
+           f"V={V} chunk={chunk_size}")
+
+
+def test_mean_and_fp32_accumulation():
+    hidden, weight, target, _ = _case(4096, 256, 32000)
+    ref = _float64(hidden, weight, target, None, "mean")
+    _check(_oink(hidden, weight, target, None, "mean", chunk_size=256), ref, "bf16 accumulation")
+    out = _oink(hidden, weight, target, None, "mean", chunk_size=256, accum_dtype=torch.float32)
+    _check(out, ref, "fp32 accumulation", bound=5e-3)
+
+
+@pytest.mark.parametrize("options", [{"softcap": 30.0}, {"label_smoothing": 0.1}, {"z_loss": 1e-4}])
+def test_options(options):
+    hidden, weight, target, _ = _case(2000, 256, 32003)
+    _check(_oink(hidden, weight, target, None, chunk_size=512, **options),
+           _float64(hidden, weight, target, None, **options), str(options))
+
+
+def test_torch_compile_matches_eager():
+    torch._dynamo.reset()
+    hidden, weight, target, _ = _case(2048, 256, 32000)
+    f = torch.compile(lambda h, w, t: oink.linear_cross_entropy(h, w, t, chunk_size=512), fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight)]
+    loss = f(leaves[0], leaves[1], target)
+    out = (loss.detach(), *torch.autograd.grad(loss, leaves))
+    for a, e in zip(out, _oink(hidden, weight, target, None, "mean", chunk_size=512)):
+        torch.testing.assert_close(a, e, atol=0, rtol=0)
+
+
+def test_peak_memory_is_chunk_sized():
+    """Llama-3's head at 16384 tokens: the memory above the inputs during forward and backward is
+    the gradients (dhidden, dweight) and one chunk's logits, far below the [M, V] logits' 4 GB."""
+    M, H, V = 16384, 4096, 128256
+    hidden, weight, target, _ = _case(M, H, V)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = oink.linear_cross_entropy(h, w, target)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    rows = lce.default_chunk_rows(M, V, 2, 1, hidden.device)
+    grads = (M * H + V * H) * 2
+    assert peak <= grads + rows * V * 2 + 64 * 2**20, f"peak {peak / 2**20:.0f} MiB above the inputs"
+    assert peak < M * V * 2 / 2, "half the logits' size: chunking is not bounding memory"
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
