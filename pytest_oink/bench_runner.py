@@ -23,7 +23,7 @@ GATE_SEEDS = (1, 2, 3)
 # and the suites' gate time small next to their timing.
 GATE_MAX_ELEMS = 2**25
 # The reference outputs of the case being gated, per seed: every provider of a case is compared
-# with the same ones (the eager reference of the FP4 ops takes up to ~90 ms a call).
+# with the same ones (the eager reference of the FP4 ops is slow: computed once, not per provider).
 _EXPECTED: dict = {}
 
 
@@ -137,7 +137,7 @@ def _eager_cap(request, case, provider, run, spec, dtype, device):
     same = [r.median_s for r in request.config.stash.get(ROWS, []) if r.status == "ok" and r.median_s
             and (r.op, r.M, r.N, r.dtype) == (case.op, case.M, case.N, case.dtype)]
     rot = Rotation([_inputs(spec, case, dtype, device, 100)])
-    # the probe follows a warm-up call (a first call at a new size is slower: 3x at 8192 x 4096), and
+    # the probe follows a warm-up call (a first call at a new size is several times slower), and
     # is the first of a capped row's 2 samples
     probe = time_host(run, rot, repeats=1, warmup=1, sync=torch.cuda.synchronize)
     if not cap_applies(provider, probe[0], min(same) if same else None):

@@ -197,8 +197,8 @@ def measure_roofline(device) -> Roofline:
     import torch
 
     if device.type == "cuda":
-        # The better of 256 MiB and 512 MiB buffers (both far past L2): on an H100, one 512 MiB
-        # size alone gave a 2.44 TB/s copy where the best of the two gave 3.00 TB/s.
+        # The better of 256 MiB and 512 MiB buffers (both far past L2): one size alone can read
+        # well below the card's copy bandwidth where the better of the two reaches it.
         best = {"copy": 0.0, "triad": 0.0}
         for n in (2**27, 2**28):
             a = torch.randn(n, device=device, dtype=torch.bfloat16)

@@ -78,8 +78,8 @@ def prepare_vector(t: torch.Tensor | None, vec: int) -> torch.Tensor | None:
 
 def allocator(shape, dtype, device):
     """A function returning a fresh dense tensor of ``shape`` (numel > 0) for the launch plans:
-    ``torch.empty_like`` of a one-element template broadcast to the shape, about 1.6x cheaper on the
-    host than ``torch.empty(shape, device=..., dtype=...)`` (argument parsing). The template holds
+    ``torch.empty_like`` of a one-element template broadcast to the shape, cheaper on the host than
+    ``torch.empty(shape, device=..., dtype=...)`` (less argument parsing). The template holds
     one element."""
     template = torch.empty((1,) * len(shape), device=device, dtype=dtype).expand(shape)
     empty_like, dense = torch.empty_like, torch.contiguous_format

@@ -128,8 +128,8 @@ def scaled(at: int, e: dict, default: RowLaunch) -> RowLaunch | None:
 
 
 # A call of at most this many rows looks up its key's "/few" entry first: a few rows fill the GPU
-# only when each row's CTAs are many and short (H100, 32 x 131072 bf16 RMSNorm: 16 CTAs of 128
-# threads a row, 1.4x faster than the 4 of 1024 tuned at 4096 rows); without one, the key's choice.
+# only when each row's CTAs are many and short (e.g. 16 CTAs of 128 threads a row, where 4096 rows
+# are fastest over 4 CTAs of 1024); without one, the key's choice.
 FEW_ROWS = 32
 
 

@@ -47,9 +47,9 @@ MODES = ("quantize", "silu_mul")
 
 
 # Most threads a row gets, per kernel: a unit is one scale block, and a thread takes the fewest
-# units (1, 2, 4) that keep its row within this. Measured on H100 over the nvfp4 suite with
-# OINK_FP4_UPT=1|2|4 (bench/RESULTS.md): the plain quantizers lose up to 25% with 512- or
-# 1024-thread rows (N=7168, 14336), the fused RMSNorm (one row reduction) gains with 512.
+# units (1, 2, 4) that keep its row within this. Chosen by timing the nvfp4 suite at 1, 2 and 4
+# units a thread: the plain quantizers ran slower with 512- or 1024-thread rows (N = 7168, 14336),
+# the fused RMSNorm (one row reduction) faster with 512.
 # OINK_FP4_UPT overrides the units per thread for sweeps.
 MAX_THREADS_PER_ROW = {"quantize": 256, "silu_mul": 256, "add_rmsnorm": 512}
 

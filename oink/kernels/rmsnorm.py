@@ -42,8 +42,8 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     not a multiple of 8 (but a weight wider than x) ``reduction.narrow_rows``. A unit is one 128-bit
     access of x, 4 a thread; a weight or residual wider than x (fp32 with bf16 x: ``w_bits``, the
     widest) costs two accesses a unit, so rows then take 2 units a thread where that still covers the
-    row exactly in one CTA (N = 4096: up to 2.5% faster on H100; where the tile would not be exact,
-    6144 and 7168, it lost 6-13%).
+    row exactly in one CTA (faster there, as at N = 4096; where the tile would not be exact, as at
+    6144 and 7168, 4 units a thread stay faster).
     LayerNorm rows take whole warps where that tiles them exactly (7168 bf16: 224 threads): its
     padded tail costs registers (mask, corrected mean: 105 instead of 80 at 256 threads).
     OINK_FWD_UPT (units a thread) overrides, for sweeps."""
@@ -69,11 +69,11 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
 def late_params(launch: RowLaunch, layernorm: bool, wide: bool, few: bool) -> bool:
     """Whether the forward loads weight and bias after the reduction (``RMSNormForward.late_params``):
     it frees their registers (and x's fp32 copy) across the reduction's barriers, so more CTAs fit a SM,
-    but exposes the parameters' load latency. Measured on H100 (bench/RESULTS.md, "Sweep suite"), it pays
-    where registers limit the CTAs a SM holds: the LayerNorm forward from 12288 columns (16384 x 4096:
-    125 -> 94 us), and a weight or residual wider than x (``wide``) in CTAs of 1024 threads or at few rows
-    of >= 131072 columns. At few rows below 65536 columns, at decode sizes and for RMSNorm with parameters
-    of x's width the exposed latency costs more (LayerNorm 32 x 28672: 4.0 -> 5.8 us)."""
+    but exposes the parameters' load latency. Timed both ways over the sweep suite, it pays where
+    registers limit the CTAs a SM holds: the LayerNorm forward from 12288 columns, and a weight or
+    residual wider than x (``wide``) in CTAs of 1024 threads or at few rows of >= 131072 columns. At few
+    rows below 65536 columns, at decode sizes and for RMSNorm with parameters of x's width, the exposed
+    latency costs more than the extra CTAs gain."""
     if few and launch.N < 65536:
         return False
     if layernorm:
@@ -90,7 +90,7 @@ STAGE_MAX_BYTES = 128 * 1024
 def stage_rows(launch: RowLaunch, x_bits: int, res_bits: int, tuned: bool) -> bool:
     """Whether the forward stages x (and the residual) in shared memory (``RMSNormForward.stage``):
     OINK_FWD_STAGE where set, else the launch table's choice (``tuned``; without an entry, not: it
-    pays only with a launch searched for it, and cost 2-13% with the heuristic's, bench/RESULTS.md);
+    pays only with a launch searched for it, and was slower with the heuristic's launch);
     never for a tile with padding or too big a tile."""
     tile_bytes = launch.rows_per_cta * launch.cols_per_cta * (x_bits + res_bits) // 8
     if not launch.even_n or tile_bytes > STAGE_MAX_BYTES:

@@ -46,8 +46,8 @@ TUNING = {"rmsnorm": (2, 512, 2), "layernorm": (4, 256, 1)}
 BWD_MAX_THREADS = {"rmsnorm": 512, "layernorm": 256}
 # The most x values a thread holds without spilling (scripts/spill_scan.py; 24 and 40 spilled at
 # 73728 bf16). A row the portable cluster of 8 leaves wider than that takes a cluster of 16 where
-# the arch is measured with it (H100, 2048 x 73728-131072 bf16: 0.03-0.67 of the copy ceiling over
-# 8 spilling CTAs, no spill over 16); a row wider even then, the split kernels (``split_rows``).
+# the arch is measured with it (8 spilling CTAs ran far below the copy ceiling, 16 CTAs have no
+# spill); a row wider even then, the split kernels (``split_rows``).
 BWD_MAX_VALUES = {"rmsnorm": 16, "layernorm": 32}
 
 
@@ -377,8 +377,8 @@ class RMSNormBackward(RMSNormForward):
 def direct_sums(launch: RowLaunch, ctas: int, M: int, heads: int = 1) -> bool:
     """Whether the backward's grid writes dweight and dbias itself, in the weight's dtype: one CTA (or
     cluster) whose first row's sums are the whole sums (one row a CTA, or one row in all), so that the
-    partials' sum, a second launch, is left out (H100 1 x 4096: the two launches took 3.3 us,
-    torch.compile's one 2.0)."""
+    partials' sum, a second launch, is left out (at a row or two the second launch costs about as
+    much as the first)."""
     return ctas == 1 and heads == 1 and (launch.rows_per_cta == 1 or M == 1)
 
 
@@ -423,11 +423,11 @@ def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout
 # ---- a very wide row: the row split over CTAs in two kernels -----------------------------------
 # A row wider than the registers of the largest cluster hold (x, dout and the dweight sums: past
 # 131072 columns over SM90's 16 CTAs, past 65536 over SM100's portable 8) spills in the one-kernel
-# backward, at any row count (2048 x 98304 bf16 over 8 CTAs: 0.05 of the copy ceiling). Split
+# backward, at any row count (it then runs far below the copy ceiling). Split
 # instead: ``SplitRowDots`` gives each (row, column chunk) CTA its chunk's share
 # of the row's sums (dot, and LayerNorm's sum of wdy); ``SplitDx`` then re-reads x and dout (from L2 at
 # few rows), adds a row's shares in a fixed order, and writes dx, each CTA keeping its columns' dweight
-# sums over its rows as one partial row. Reading the rows twice bounds it near 0.6 of the copy ceiling.
+# sums over its rows as one partial row. Reading the rows twice keeps it well below the copy ceiling.
 SPLIT_DOTS_THREADS, SPLIT_DOTS_UNITS = 256, 4  # kernel A: a CTA covers 256 x 4 vectors of a row
 SPLIT_DX_THREADS, SPLIT_DX_UNITS = 128, 2  # kernel B: narrower chunks, so more CTAs share the rows
 SPLIT_ROW_GROUPS, SPLIT_DEPTH = 4, 4  # B: CTAs along the rows (partial rows), rows loaded ahead

@@ -44,18 +44,18 @@ def softmax_launch(N: int, x_bits: int, arch: str, mode: str = "forward") -> Row
 
 
 # A backward-mode thread of more units spills (fwd_bwd fp32 over 8 CTAs: 14 units at 229376 hold in
-# 128 registers, 15 at 245760 spill 728 bytes; 1024 x 262144 on H100 6593 us over 8 CTAs, 1132 over
-# 16). Below it 8 CTAs are faster: 1024 x 201088 fp32 fwd_bwd 821 us over 8, 979 over 16; bf16
-# 262144 (8 units) 1262 against 1636.
+# 128 registers, 15 at 245760 spill 728 bytes), and a spilling launch runs several times slower than
+# one over 16 CTAs. Below it 8 CTAs are faster than 16 (timed with scripts/tune_launch.py at fp32
+# 201088 and bf16 262144).
 BWD_MAX_UNITS = 14
 
 
 def online_reduction(launch: RowLaunch, mode: str) -> bool:
     """Whether the row's max and sum of exp merge in one reduction round (online softmax: a pair of
     values, rescaled at each merge) rather than two. One round saves a barrier (a DSMEM exchange
-    over a cluster) but costs exps at every merge: on H100 the fused forward+backward gains at nearly
-    every shape (geomean 0.98 over the sweep), the forward only over clusters of 16 (32 x 262144
-    bf16 16.6 -> 13.3 us) and loses up to 7% on rows within one CTA (OINK_SOFTMAX_ONLINE=0/1)."""
+    over a cluster) but costs exps at every merge. Timed both ways over the sweep suite: the fused
+    forward+backward gains at nearly every shape, the forward only over clusters of 16 (where the saved
+    exchange weighs most), and it loses on rows within one CTA (OINK_SOFTMAX_ONLINE=0/1)."""
     return mode == "fwd_bwd" or (mode == "forward" and launch.cluster_n >= 16)
 
 
