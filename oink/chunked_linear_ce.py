@@ -125,7 +125,7 @@ def default_chunk_rows(M: int, V: int, elem_size: int, buffers: int, device: tor
     quarter of the memory free now (the allocator's cached blocks included), whole
     CHUNK_ROW_MULTIPLE tiles (one tile at least), and never more than M."""
     budget = CHUNK_LOGITS_BYTES
-    if device.type == "cuda":
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():  # no driver queries in a capture
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget = min(budget, free // 4)
