@@ -180,11 +180,19 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
     if not row.gate["passed"]:
         row.status = "failed"
         return row
-    samples, time_once = _time_row(request, case, provider, run, spec, dtype, device, row)
+    watch = _clock_watch(request.config, device)
+    samples, time_once = _time_row(request, case, provider, run, spec, dtype, device, row,
+                                   wrap=watch.wrap if watch else None)
+    retimed = False
+    if watch is not None and watch.last_causes() and time_once is not None:
+        watch.drop_last()  # timed while the card was held down: once more, the first round's samples dropped
+        samples, retimed = time_once(), True
     row.median_s = median(samples)
     verdict_of = regression.verdict_for(request.config, row)
     if verdict_of is not None:  # a row the gate is unsure of is timed again before the session decides
         samples, row.retimes = retime_while_unsure(samples, verdict_of, time_once)
+    if watch is not None and watch.rounds:
+        row.clocks, row.throttled = watch.record(retimed)
     row.median_s, row.min_s, row.spread = median(samples), min(samples), relative_spread(samples)
     row.samples = list(samples)
     if profiling:
@@ -197,10 +205,26 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
     return row
 
 
-def _time_row(request, case, provider, run, spec, dtype, device, row):
+def _clock_watch(config, device):
+    """A clocks.Watch for this row, or None where the clocks can't be read (on a GPU, the reason is
+    kept once for the summaries)."""
+    from . import clocks
+
+    read, why = clocks.reader(device)
+    if read is None:
+        if device.type == "cuda":
+            config.stash[STATE].setdefault("clock_note", why)
+        return None
+    return clocks.Watch(read)
+
+
+def _time_row(request, case, provider, run, spec, dtype, device, row, wrap=None):
     """(samples, time_once): the row's first samples, by its suite's and device's timer (its method
-    set on ``row``), and a callable timing one more round the same way (None: not re-timed)."""
+    set on ``row``), and a callable timing one more round the same way (None: not re-timed). ``wrap``
+    wraps that callable before its first round (clocks.Watch.wrap reads the clocks around each)."""
     import torch
+
+    wrap = wrap or (lambda f: f)
 
     row.mode = modes.for_suite(modes.parse(options.get(request.config, "--oink-timing")), case.suite)
     capped = None
@@ -234,12 +258,14 @@ def _time_row(request, case, provider, run, spec, dtype, device, row):
         def time_once():
             timings.append(time_cuda_graph(run, rot, budget_s=REPLAY_BUDGET_S))
             return timings[-1].samples
+        time_once = wrap(time_once)
         samples = time_once()
         row.method = timings[0].method
         return samples, time_once
     else:  # the CPU: every mode is the host timer (modes.CPU_NOTE)
         rot = Rotation([_inputs(spec, case, dtype, device, 100)])
         time_once, row.method = (lambda: time_host(run, rot, repeats=5, warmup=1)), "cpu-perf_counter"
+    time_once = wrap(time_once)
     return time_once(), time_once
 
 

@@ -322,12 +322,15 @@ def pytest_sessionfinish(session, exitstatus):
         from .report import rows_json
 
         config.workeroutput["oink_rows"] = rows_json(config.stash[ROWS])
+        config.workeroutput["oink_clock_note"] = config.stash[STATE].get("clock_note")
         return
     from . import machine, outputs, regression
 
     rows = config.stash[ROWS]
     no_rows, machines = regression.no_rows_note(config), machine.summary_line(config)
     notes = ([f"No rows measured: {no_rows}."] if no_rows else []) + ([machines + "."] if machines else [])
+    if config.stash[STATE].get("clock_note"):  # NVML missing: the rows' clocks were not read (said once)
+        notes.append(f"GPU {config.stash[STATE]['clock_note']}.")
     outputs.write_outputs(config, rows, notes)
     regression.judge(session)
     if options.get(config, "--oink-history") and not config.option.collectonly:
@@ -348,6 +351,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if rows:
         timing = modes.describe({r.mode for r in rows}, {r.device for r in rows})
         terminalreporter.write_line(f"[oink] timing: {timing}")
+        from .clocks import summary as clock_summary
+
+        held = clock_summary(rows)
+        if held:
+            terminalreporter.write_line(f"[oink] clocks: {held}", yellow=any(r.throttled for r in rows))
+    if state.get("clock_note"):
+        terminalreporter.write_line(f"[oink] GPU {state['clock_note']}", yellow=True)
     spent = time_by_provider(config.stash[ROWS])
     if spent:
         terminalreporter.write_line(f"[oink] time by provider: {spent}")

@@ -14,7 +14,7 @@ from .modes import describe as describe_modes
 
 CSV_FIELDS = ("suite", "seed", "op", "provider", "label", "M", "N", "dtype", "device", "status", "method", "mode",
               "median_ms", "min_ms", "spread", "bytes", "tbs", "roofline_frac", "max_abs_err", "rel_l2_err",
-              "p99_abs_err", "registers", "spill_bytes", "static_smem", "occupancy", "test")
+              "p99_abs_err", "registers", "spill_bytes", "static_smem", "occupancy", "test", "sm_mhz_min", "throttled")
 
 
 @dataclass
@@ -43,6 +43,8 @@ class Row:
     seed: int | None = None  # the --oink-seed of a random suite's row
     samples: list = field(default_factory=list)  # per-call seconds timed: the JSON keeps them for the gate's verdicts
     retimes: int = 0  # extra rounds timed because the gate was unsure of the row (verdicts.RETIME_ROUNDS at most)
+    clocks: dict = field(default_factory=dict)  # SM clocks and clock-event reasons around its rounds (clocks.Watch)
+    throttled: bool = False  # timed while the GPU was held down, after one re-timing: never SLOWER in the gate
 
     @property
     def key(self):
@@ -61,7 +63,8 @@ class Row:
              "M": self.M, "N": self.N, "dtype": self.dtype, "device": self.device, "bytes": self.bytes, "tbs": self.tbs,
              "roofline_tbs": self.roofline_tbs, "roofline_frac": self.roofline_frac, "method": self.method,
              "mode": self.mode,
-             "spread": self.spread, "gate": self.gate, "samples": list(self.samples), "retimes": self.retimes}
+             "spread": self.spread, "gate": self.gate, "samples": list(self.samples), "retimes": self.retimes,
+             "clocks": self.clocks, "throttled": self.throttled}
         if self.profile:
             d["profile"] = self.profile
         return d
@@ -80,6 +83,9 @@ class Row:
             "max_abs_err": g.get("max_abs", ""), "rel_l2_err": g.get("rel_l2", ""), "p99_abs_err": g.get("p99_abs", ""),
             "registers": p.get("registers", ""), "spill_bytes": p.get("spill_bytes", ""),
             "static_smem": p.get("static_smem", ""), "occupancy": p.get("occupancy", ""), "test": self.test,
+            # the lowest SM clock read around its rounds, and 1 where it ran held down ("" where not read)
+            "sm_mhz_min": min((m for m in self.clocks.get("sm_mhz", ()) if m), default=""),
+            "throttled": int(self.throttled) if self.clocks else "",
         }
 
 
@@ -102,7 +108,9 @@ def read_csv(path) -> list:
                             min_s=num(d["min_ms"], scale=1e-3), spread=num(d.get("spread")),
                             bytes=int(d["bytes"] or 0),
                             roofline_tbs=tbs / frac if tbs and frac else None, gate=gate, profile=profile,
-                            test=d["test"], seed=int(d["seed"]) if d.get("seed") else None))
+                            test=d["test"], seed=int(d["seed"]) if d.get("seed") else None,
+                            throttled=d.get("throttled") == "1",
+                            clocks={"sm_mhz": [int(d["sm_mhz_min"])]} if d.get("sm_mhz_min") else {}))
     return rows
 
 
@@ -202,6 +210,10 @@ def summary_markdown(rows, roofline=None) -> str:
                   f"{roofline.triad_tbs:.3f} TB/s ({roofline.method}){floor}.", ""]
     if rows:
         lines += [f"Timing: {describe_modes({r.mode for r in rows}, {r.device for r in rows})}.", ""]
+    from .clocks import summary as clock_summary
+
+    if clock_summary(rows):
+        lines += [f"Clocks: {clock_summary(rows)}.", ""]
     spent = time_by_provider(rows)
     if spent:
         lines += [f"Session time by provider: {spent}.", ""]
@@ -280,6 +292,7 @@ class BaselineEntry:
     timed: str | None = None  # what_was_timed(its method); None matches any
     samples: tuple = ()  # its per-call seconds (none in files from before they were kept: the spread rule)
     mode: str | None = None  # its --oink-timing mode (modes.of_method where the file names none); None matches any
+    throttled: bool = False  # timed while its GPU was held down (clocks): it can't make a row FASTER
 
 
 def what_was_timed(method: str | None) -> str | None:
@@ -303,7 +316,8 @@ def load_baseline(path) -> dict:
 
     def add(d, median, spread, samples):
         entry = BaselineEntry(float(median), spread or 0.0, d.get("suite"), what_was_timed(d.get("method")),
-                              tuple(float(x) for x in samples or ()), d.get("mode") or of_method(d.get("method")))
+                              tuple(float(x) for x in samples or ()), d.get("mode") or of_method(d.get("method")),
+                              bool(d.get("throttled")))
         out.setdefault((d["op"], d["provider"], int(d["M"]), int(d["N"]), d["dtype"]), []).append(entry)
 
     if isinstance(data, dict) and "benchmarks" in data:
@@ -369,7 +383,7 @@ def regressions(rows, baseline: dict, max_regression: float, providers=("oink",)
     entries of the same suite, timing and mode (a launch suite's host time says nothing of a kernel's,
     nor an L2-warm time of a cold one).
     Each compared row gets a verdict (verdicts.judge): only SLOWER ones regressed. -> Comparison."""
-    from .verdicts import judge
+    from .verdicts import held_down, judge
 
     out = Comparison([], [], [], [], [], {})
     for r in sorted((r for r in rows if gated(r, providers, gate_cpu)), key=lambda r: r.key):
@@ -385,7 +399,8 @@ def regressions(rows, baseline: dict, max_regression: float, providers=("oink",)
                                   f"{e.mode or '?'}; this row of suite {r.suite}, timed {what_was_timed(r.method)}, "
                                   f"mode {r.mode})")
             continue
-        verdict = judge(r.samples, r.median_s, r.spread, entry, max_regression)
+        verdict = held_down(judge(r.samples, r.median_s, r.spread, entry, max_regression), r.throttled,
+                            entry.throttled)
         head = f"{row_title(r)}: {verdict.describe(max_regression)}"
         retimed = f"; re-timed {r.retimes}x" if r.retimes else ""
         old_median = r.median_s / verdict.ratio  # the baseline's median the verdict used (of its samples, if any)

@@ -21,14 +21,16 @@ class Verdict(NamedTuple):
     ratio: float  # this run's median over the baseline's
     interval: tuple | None  # the ratio's bootstrap CONFIDENCE interval; None: the spread rule decided
     floor: float = 0.0  # the spread rule's noise floor (relative), where it applied
+    note: str = ""  # why the samples' verdict was not taken (a throttled row)
 
     def describe(self, threshold: float) -> str:
         """'SLOWER, x1.12 [1.09, 1.15]' (or the spread rule's reason where there were no samples)."""
         text = f"{self.name}, x{_ratio(self.ratio)}"
+        note = f" ({self.note})" if self.note else ""
         if self.interval is not None:
-            return text + f" [{_ratio(self.interval[0])}, {_ratio(self.interval[1])}]"
+            return text + f" [{_ratio(self.interval[0])}, {_ratio(self.interval[1])}]" + note
         floor = f", noise floor {self.floor * 100:.1f}%" if self.floor > threshold else ""
-        return text + f" (spread rule: the baseline kept no samples{floor})"
+        return text + f" (spread rule: the baseline kept no samples{floor})" + note
 
 
 def _ratio(x: float) -> str:
@@ -85,6 +87,18 @@ def judge(new_samples, new_median: float, new_spread: float | None, entry, thres
     if usable(new_samples):
         new_median, new_spread = median(new_samples), relative_spread(new_samples)
     return from_spread(new_median, new_spread, entry.median_s, entry.spread, threshold)
+
+
+def held_down(verdict: Verdict, new_throttled: bool, old_throttled: bool) -> Verdict:
+    """A verdict that a throttled side would decide reads UNSURE: a row timed while its GPU was held
+    down is never SLOWER (its time measures the card's clocks, not the code), nor FASTER than a
+    baseline row that was."""
+    if verdict.name == "SLOWER" and new_throttled:
+        return verdict._replace(name="UNSURE", note="throttled: timed while the GPU was held down, would read SLOWER")
+    if verdict.name == "FASTER" and old_throttled:
+        return verdict._replace(name="UNSURE", note="throttled baseline: its row was timed while the GPU was held "
+                                                    "down, would read FASTER")
+    return verdict
 
 
 def retime_while_unsure(samples, verdict_of, time_once, rounds: int = RETIME_ROUNDS):

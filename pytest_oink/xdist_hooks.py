@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import json
 
-from .state import ROWS
+from .state import ROWS, STATE
 
 
 def pytest_testnodedown(node, error):
+    note = getattr(node, "workeroutput", {}).get("oink_clock_note")
+    if note:  # a worker's GPU whose clocks could not be read: said once by the controller
+        node.config.stash[STATE].setdefault("clock_note", note)
     payload = getattr(node, "workeroutput", {}).get("oink_rows")
     if payload:
         from .report import Row
