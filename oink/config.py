@@ -61,7 +61,7 @@ class Config:
     tvm_ffi: bool  # OINK_TVM_FFI=0: launch through CuTeDSL's generic executor (default: TVM-FFI if installed)
     cache_dir: str | None  # OINK_CACHE_DIR: compiled kernels kept on disk there (see _cache_dir)
     # OINK_CHECK_VALUES=1: where a kernel serves the call, also run the checks that read values on the
-    # host (the cross-entropy target range: one sync a call, 5-8x an eager call's host time). Off by
+    # host (the cross-entropy target range: one sync a call, costlier than the rest of the call). Off by
     # default: the kernels give a bad target's row a NaN loss and NaN dlogits; the reference raises.
     check_values: bool
 
