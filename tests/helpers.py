@@ -33,6 +33,16 @@ def set_knob(monkeypatch, name: str, value: str | None) -> None:
     config.reload()
 
 
+def set_dev(monkeypatch, **settings) -> None:
+    """Development settings of oink.config (``config.DEV_DEFAULTS``' names: the A/B switches that force a
+    rule's side, the sweeps' launch dials) for this test; monkeypatch puts the previous ones back and
+    the root conftest reloads the config after the test."""
+    from oink import config
+
+    monkeypatch.setattr(config, "DEV", {**config.DEV, **config.dev_settings(**settings)})
+    config.reload()
+
+
 @pytest.fixture(autouse=True)
 def _plugin_runs_see_no_gpu(monkeypatch):
     """These tests check the plugin's CPU behaviour (timing rounds, gating CPU rows, the smoke
@@ -53,3 +63,15 @@ def test_benchmark(oink_case, oink_benchmark):
 '''
 ONE_ROW = ("--oink-suite=smoke", "--oink-ops=softmax_forward", "--oink-providers=torch", "--oink-configs=4x128",
            "--oink-gate-cpu", "--oink-gate-providers=torch")
+
+
+def oink_on_pythonpath(monkeypatch) -> None:
+    """Plugin runs from a directory that is not this repository find Oink as an installed package
+    would be found: its parent directory ahead of PYTHONPATH (kept: CuTeDSL's own entries may be there)."""
+    import os
+    from pathlib import Path
+
+    import pytest_oink
+
+    root = str(Path(pytest_oink.__file__).resolve().parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))

@@ -4,13 +4,12 @@ plugin run carries them in its JSON."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-import pytest_oink
 from pytest_oink import clocks
+from tests.helpers import oink_on_pythonpath
 
 pytestmark = [pytest.mark.gpu]
 
@@ -38,9 +37,9 @@ def test_nvml_reads_this_gpus_clocks_while_it_is_busy():
 
 
 def test_a_gpu_row_carries_its_clocks(pytester, monkeypatch, tmp_path):
-    monkeypatch.setenv("PYTHONPATH", str(Path(pytest_oink.__file__).resolve().parents[1]))
+    oink_on_pythonpath(monkeypatch)
     res = pytester.runpytest_subprocess("-p", "pytest_oink.plugin", "-p", "no:cacheprovider", "--oink-suite=smoke",
-                                        "--oink-ops=rmsnorm_forward", "--oink-providers=oink,torch",
+                                        "--oink-ops=rmsnorm_forward", "--oink-providers=torch,torch.compile",
                                         "--oink-configs=4096x4096", f"--oink-json={tmp_path / 'o.json'}")
     assert res.ret == 0, res.stdout.str()[-3000:]
     for bench in json.loads((tmp_path / "o.json").read_text())["benchmarks"]:

@@ -6,12 +6,10 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-import pytest_oink
-from tests.helpers import BENCH, PLUGIN
+from tests.helpers import BENCH, PLUGIN, oink_on_pythonpath
 from tests.helpers import _plugin_runs_see_no_gpu  # noqa: F401  (autouse: plugin runs see no GPU)
 
 TINY = ("--oink-suite=smoke", "--oink-ops=softmax_forward", "--oink-providers=torch")
@@ -21,7 +19,7 @@ TINY = ("--oink-suite=smoke", "--oink-ops=softmax_forward", "--oink-providers=to
 def elsewhere(pytester, monkeypatch):
     """A directory that is not this repository: no conftest, no bench/, no test file; Oink importable
     as an installed package would be (its parent directory on PYTHONPATH), not through the repo's rootdir."""
-    monkeypatch.setenv("PYTHONPATH", str(Path(pytest_oink.__file__).resolve().parents[1]))
+    oink_on_pythonpath(monkeypatch)
     assert not list(pytester.path.iterdir())
     return pytester
 
