@@ -188,9 +188,13 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
         watch.drop_last()  # timed while the card was held down: once more, the first round's samples dropped
         samples, retimed = time_once(), True
     row.median_s = median(samples)
-    verdict_of = regression.verdict_for(request.config, row)
-    if verdict_of is not None:  # a row the gate is unsure of is timed again before the session decides
-        samples, row.retimes = retime_while_unsure(samples, verdict_of, time_once)
+    against = request.config.stash[STATE].get("against")
+    if against is not None:  # the other tree times this row too, rounds alternating while the gate is unsure
+        samples, row.retimes = against.interleave(request.config, row, case, samples, time_once, device)
+    else:
+        verdict_of = regression.verdict_for(request.config, row)
+        if verdict_of is not None:  # a row the gate is unsure of is timed again before the session decides
+            samples, row.retimes = retime_while_unsure(samples, verdict_of, time_once)
     if watch is not None and watch.rounds:
         row.clocks, row.throttled = watch.record(retimed)
     row.median_s, row.min_s, row.spread = median(samples), min(samples), relative_spread(samples)
@@ -222,14 +226,25 @@ def _time_row(request, case, provider, run, spec, dtype, device, row, wrap=None)
     """(samples, time_once): the row's first samples, by its suite's and device's timer (its method
     set on ``row``), and a callable timing one more round the same way (None: not re-timed). ``wrap``
     wraps that callable before its first round (clocks.Watch.wrap reads the clocks around each)."""
+    row.mode = modes.for_suite(modes.parse(options.get(request.config, "--oink-timing")), case.suite)
+    if row.mode != "eager" and device.type == "cuda":
+        capped = _eager_cap(request, case, provider, run, spec, dtype, device)
+        if capped is not None:
+            samples, row.method = capped
+            row.label = (row.label + "; " if row.label else "") + (
+                f"capped: over {EAGER_CAP:.0f}x the fastest row, {len(samples)} synced calls timed")
+            return samples, None
+    return row_timer(case, run, spec, dtype, device, row, wrap)
+
+
+def row_timer(case, run, spec, dtype, device, row, wrap=None):
+    """(samples, time_once) of a row by its suite's, mode's (``row.mode``) and device's timer, its
+    method set on ``row``: the first round's samples and a callable timing one more round the same
+    way, ``wrap``-ped before its first round. The --oink-against worker times the other tree's rows
+    with it too."""
     import torch
 
     wrap = wrap or (lambda f: f)
-
-    row.mode = modes.for_suite(modes.parse(options.get(request.config, "--oink-timing")), case.suite)
-    capped = None
-    if row.mode != "eager" and device.type == "cuda":
-        capped = _eager_cap(request, case, provider, run, spec, dtype, device)
     if case.suite in HOST_TIMED:  # the host's cost of an eager call, not the kernel's time
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         args = _inputs(spec, case, dtype, device, 100)
@@ -243,11 +258,6 @@ def _time_row(request, case, provider, run, spec, dtype, device, row, wrap=None)
         def time_once():
             return time_eager_calls(run, args, calls=calls, repeats=EAGER_SAMPLES, sync=torch.cuda.synchronize)
         row.method = "eager-calls"
-    elif capped is not None:
-        samples, row.method = capped
-        row.label = (row.label + "; " if row.label else "") + (
-            f"capped: over {EAGER_CAP:.0f}x the fastest row, {len(samples)} synced calls timed")
-        return samples, None
     elif device.type == "cuda":
         l2 = torch.cuda.get_device_properties(device).L2_cache_size
         # hot: one input set, so what fits stays in L2 between calls

@@ -18,6 +18,7 @@ OPTIONS = [
     ("--oink-json", "oink_json", "write pytest-benchmark's JSON layout (its full stats) from Oink's rows to PATH; also without pytest-benchmark and under xdist", None, False),
     ("--oink-baseline", "oink_baseline", "compare Oink rows with this saved JSON (ours or pytest-benchmark's)", None, False),
     ("--oink-max-regression", "oink_max_regression", "slowdown vs the baseline that fails the session, with its unit (e.g. 5%): a row is SLOWER when the 95% bootstrap interval of its ratio of medians lies wholly above 1 + this (UNSURE rows are re-timed first; baselines without samples: the spread rule)", "5%", False),
+    ("--oink-against", "oink_against", "time the gated rows for another tree of Oink too, in this run on the same device, rounds alternating, and gate this tree against it (no stored baseline): a git ref of the repository this Oink is imported from (exported to a temporary directory) or a directory holding oink/", None, False),
     ("--oink-gate-providers", "oink_gate_providers", "comma-separated providers whose rows the regression gate compares", "oink", False),
     ("--oink-accept-machine", "oink_accept_machine", "gate against a baseline measured on another machine (GPU, driver, CUDA, torch or CuTeDSL differ: refused otherwise)", False, True),
     ("--oink-allow-missing", "oink_allow_missing", "let the regression gate pass when some gated rows have no baseline entry (they are still listed; a gate that compared nothing still fails)", False, True),

@@ -26,6 +26,10 @@ def pytest_configure(config):
         modes.parse(options.get(config, "--oink-timing"))
         validate_names(config)
         config.stash[CASES] = selected_cases(config)
+        if options.get(config, "--oink-against"):
+            from . import against
+
+            against.configure(config)
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
     baseline = options.get(config, "--oink-baseline")
@@ -329,6 +333,10 @@ def pytest_sessionfinish(session, exitstatus):
     rows = config.stash[ROWS]
     no_rows, machines = regression.no_rows_note(config), machine.summary_line(config)
     notes = ([f"No rows measured: {no_rows}."] if no_rows else []) + ([machines + "."] if machines else [])
+    if config.stash[STATE].get("against"):  # the worker ended, the exported tree removed
+        from . import against
+
+        notes += against.finish(config)
     if config.stash[STATE].get("clock_note"):  # NVML missing: the rows' clocks were not read (said once)
         notes.append(f"GPU {config.stash[STATE]['clock_note']}.")
     outputs.write_outputs(config, rows, notes)
@@ -337,6 +345,12 @@ def pytest_sessionfinish(session, exitstatus):
         from . import history
 
         history.record(config, rows)
+
+
+def pytest_unconfigure(config):
+    state = config.stash.get(STATE, None)
+    if state and state.get("against"):  # an interrupted session too: no worker or exported tree left behind
+        state["against"].close()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

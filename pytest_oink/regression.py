@@ -109,7 +109,12 @@ def summarize(terminalreporter, config) -> None:
                       + ", ".join(comparison.mismatched), red=strict)
     from .machine import summary_line
 
-    tr.write_line(summary_line(config))
+    if summary_line(config):
+        tr.write_line(summary_line(config))
+    if state.get("against"):
+        tr.write_line(state["against"].summary_line())
+        for note in state["against"].notes:
+            tr.write_line(f"not timed on the other tree: {note}", yellow=True)
     if state.get("machine_mismatch"):
         tr.write_line("accepted (--oink-accept-machine): " + "; ".join(state["machine_mismatch"]), yellow=True)
     if state.get("machine_differences"):

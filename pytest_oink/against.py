@@ -1,0 +1,250 @@
+"""``--oink-against=<git ref or path>`` (issue #34 item 2): the gated rows timed for another tree of
+Oink in the same pytest run, on the same device, rounds alternating between the trees, so a CI job
+needs no stored baseline. The other tree is a directory holding ``oink/``, or a git ref of the
+repository this Oink was imported from, exported (``git archive``) into a temporary directory.
+
+A worker process imports Oink from the other tree, with its own OINK_CACHE_DIR (its compiles are its
+own), and this tree's harness (pytest_oink: the same gate and timers on both sides). For each gated
+row this session times its first round, the worker gates and times the same row, and while the
+verdict from both sides' samples (verdicts.judge) is UNSURE one more round is timed on each side in
+turn. The other tree's samples become the row's baseline entry, so the regression gate, its lines
+and its failing on SLOWER are the same as against a stored baseline."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from . import options, regression, report
+from .state import STATE
+
+
+def _git(repo: Path, *args, binary: bool = False):
+    out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, timeout=300)
+    if out.returncode != 0:
+        return None
+    return out.stdout if binary else out.stdout.decode().strip()
+
+
+def oink_root() -> Path:
+    """The directory this session's Oink is imported from (found, not imported: no torch at configure)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("oink")
+    if spec is None or not spec.origin:
+        raise ValueError("--oink-against: Oink itself is not importable here")
+    return Path(spec.origin).resolve().parents[1]
+
+
+def describe_tree(root: Path) -> str:
+    commit = _git(root, "rev-parse", "--short=12", "HEAD")
+    if commit is None:
+        return str(root)
+    dirty = " with uncommitted changes" if _git(root, "status", "--porcelain", "--untracked-files=no") else ""
+    return f"{root} (commit {commit}{dirty})"
+
+
+def resolve(spec: str, repo: Path) -> tuple[Path, str, Path | None]:
+    """(the other tree's root, how to name it, a temporary directory to remove or None). ValueError
+    naming the argument when it is neither a tree of Oink nor a ref of ``repo``'s git repository."""
+    given = Path(spec).expanduser()
+    if given.is_dir():
+        if not (given / "oink" / "__init__.py").is_file():
+            raise ValueError(f"--oink-against={spec}: the directory {given} holds no oink/ package")
+        return given.resolve(), f"{given.resolve()} (a directory)", None
+    if _git(repo, "rev-parse", "--git-dir") is None:
+        raise ValueError(f"--oink-against={spec}: no such directory, and Oink at {repo} is not in a git repository "
+                         "to find a ref in")
+    commit = _git(repo, "rev-parse", "--verify", "--quiet", f"{spec}^{{commit}}")
+    if not commit:
+        raise ValueError(f"--oink-against={spec}: neither a directory nor a git ref of {repo}")
+    tree = Path(tempfile.mkdtemp(prefix="oink-against-"))
+    archive = _git(repo, "archive", "--format=tar", commit, binary=True)
+    if archive is None:
+        shutil.rmtree(tree, ignore_errors=True)
+        raise ValueError(f"--oink-against={spec}: git archive {commit} failed in {repo}")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(tree, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(tree)
+    if not (tree / "oink" / "__init__.py").is_file():
+        shutil.rmtree(tree, ignore_errors=True)
+        raise ValueError(f"--oink-against={spec}: commit {commit[:12]} has no oink/ package at the root of {repo}")
+    return tree, f"{spec} (commit {commit[:12]} of {repo}, exported to {tree})", tree
+
+
+class OtherTree:
+    """The other tree and its worker process (started at the first gated row)."""
+
+    def __init__(self, spec: str):
+        repo = oink_root()
+        self.root, self.name, self.tmp = resolve(spec, repo)
+        if self.root == repo:
+            raise ValueError(f"--oink-against={spec}: that is this session's own Oink ({repo})")
+        self.this = describe_tree(repo)
+        self.proc = None
+        self.notes: list[str] = []  # rows the other tree did not time, and why
+
+    def summary_line(self) -> str:
+        return f"A/B in one run: this tree {self.this} against {self.name}, rounds alternating on the same device"
+
+    def _start(self) -> None:
+        env = dict(os.environ, OINK_AGAINST_TREE=str(self.root))
+        if env.get("OINK_CACHE_DIR", "") != "0":  # its compiles are its own (the cache off stays off)
+            env["OINK_CACHE_DIR"] = str(Path(self.tmp or tempfile.mkdtemp(prefix="oink-against-")) / ".oink-cache")
+        harness = str(Path(__file__).resolve().parents[1])
+        code = f"import sys; sys.path.insert(0, {harness!r}); from pytest_oink.against import worker_main; worker_main()"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, text=True)
+
+    def ask(self, message: dict) -> dict:
+        if self.proc is None:
+            self._start()
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"--oink-against: the worker for {self.name} ended (exit {self.proc.wait()}); "
+                               "its stderr is above")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.ask({"cmd": "quit"})
+            except (OSError, RuntimeError, ValueError):
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def interleave(self, config, row, case, samples, time_once, device):
+        """(this tree's samples, rounds re-timed) of a gated row, with the other tree's samples of
+        the same row recorded as its baseline entry; ungated rows untouched."""
+        from .timing import median, relative_spread
+        from .verdicts import RETIME_ROUNDS, judge
+
+        threshold, providers, gate_cpu = regression.gate_settings(config)
+        if not report.gated(row, providers, gate_cpu):
+            return samples, 0
+        reply = self.ask({"cmd": "row", "suite": case.suite, "op": case.op, "provider": row.provider, "M": case.M,
+                          "N": case.N, "dtype": case.dtype, "seed": case.seed, "mode": row.mode,
+                          "device": str(device)})
+        if reply["status"] != "ok":
+            self.notes.append(f"{report.row_title(row)}: the other tree's row {reply['status']} ({reply['why']})")
+            return samples, 0
+        other, samples, rounds = list(reply["samples"]), list(samples), 0
+
+        def entry():
+            return report.BaselineEntry(median(other), relative_spread(other), row.suite,
+                                        report.what_was_timed(reply["method"]), tuple(other), row.mode,
+                                        reply["throttled"])
+        while (rounds < RETIME_ROUNDS and time_once is not None
+               and judge(samples, median(samples), relative_spread(samples), entry(), threshold).name == "UNSURE"):
+            samples += list(time_once())
+            more = self.ask({"cmd": "round"})
+            other += more["samples"]
+            reply["throttled"] = more["throttled"]
+            rounds += 1
+        config.stash[STATE]["baseline"].setdefault(row.key, []).insert(0, entry())
+        return samples, rounds
+
+
+def configure(config) -> None:
+    """At configure: the other tree resolved (a usage error names what is wrong) and the gate armed
+    with an empty baseline that the other tree's rows fill."""
+    spec = options.get(config, "--oink-against")
+    if not spec:
+        return
+    if options.get(config, "--oink-baseline"):
+        raise ValueError("--oink-against and --oink-baseline: give one (the other tree is the baseline)")
+    state = config.stash[STATE]
+    state["against"] = OtherTree(spec)
+    state["baseline"] = {}
+
+
+def finish(config) -> list[str]:
+    """The worker ended, the exported tree removed; the summary's lines on the A/B."""
+    other = config.stash[STATE].get("against")
+    if other is None:
+        return []
+    other.close()
+    return [other.summary_line() + "."] + [f"Not timed on the other tree: {note}." for note in other.notes]
+
+
+# ---- the worker: this tree's harness, the other tree's Oink ----
+
+def worker_main() -> None:
+    """Answers one JSON line per request on stdout (whatever else is printed goes to stderr):
+    {"cmd": "row", ...} gates and times a row's first round; {"cmd": "round"} times it once more;
+    {"cmd": "quit"} ends."""
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # kernels' and libraries' prints must not break the protocol
+    sys.path.insert(0, os.environ["OINK_AGAINST_TREE"])
+    import oink
+
+    tree = Path(os.environ["OINK_AGAINST_TREE"]).resolve()
+    imported = Path(oink.__file__).resolve()
+    current = None
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["cmd"] == "quit":
+            break
+        if tree not in imported.parents:
+            reply = {"status": "not run", "why": f"the worker imported Oink from {imported}, not from {tree}"}
+        elif msg["cmd"] == "row":
+            reply, current = _worker_row(msg)
+        else:  # one more round of the current row
+            time_once, watch = current
+            reply = {"samples": list(time_once()), "throttled": watch.record(False)[1] if watch else False}
+        proto.write(json.dumps(reply) + "\n")
+        proto.flush()
+
+
+def _worker_row(msg):
+    """(reply, time_once) for one row of the other tree: gated first (a row that fails there is not
+    compared), then its first round timed, re-timed once if the clocks say the card was held down."""
+    import torch
+
+    from . import clocks
+    from .bench_runner import gate, row_timer
+    from .providers import SPECS, Unavailable, build
+    from .suites import Case
+
+    device = torch.device(msg["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    case = Case(msg["suite"], msg["op"], msg["M"], msg["N"], msg["dtype"], msg["seed"])
+    spec, dtype = SPECS[case.op], getattr(torch, case.dtype)
+    try:
+        run = build(case.op, msg["provider"], device)
+        checked = gate(spec, run, case, dtype, device)
+    except Unavailable as e:
+        return {"status": "unavailable", "why": str(e)}, None
+    except Exception as e:  # noqa: BLE001  (an op the other tree lacks, an API it spells otherwise)
+        return {"status": "not run", "why": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}, None
+    if not checked["passed"]:
+        return {"status": "failed its gate", "why": checked.get("report", "")[:300]}, None
+    row = report.Row(suite=case.suite, op=case.op, provider=msg["provider"], M=case.M, N=case.N, dtype=case.dtype,
+                     device=str(device), status="ok", mode=msg["mode"], bytes=spec.nbytes(case.M, case.N, dtype.itemsize))
+    read, _ = clocks.reader(device)
+    watch = clocks.Watch(read) if read else None
+    try:
+        samples, time_once = row_timer(case, run, spec, dtype, device, row, wrap=watch.wrap if watch else None)
+        if watch is not None and watch.last_causes() and time_once is not None:
+            watch.drop_last()  # as this session does: once more where the card was held down
+            samples = time_once()
+    except Exception as e:  # noqa: BLE001  (out of memory beside this session's tensors, ...)
+        return {"status": "not run", "why": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}, None
+    if time_once is None:
+        return {"status": "not run", "why": "its timer can't time another round"}, None
+    throttled = watch.record(False)[1] if watch is not None and watch.rounds else False
+    return ({"status": "ok", "samples": list(samples), "method": row.method, "throttled": throttled},
+            (time_once, watch))

@@ -1,0 +1,104 @@
+"""--oink-against (issue #34 item 2) on a CPU: the same rows timed for another tree of Oink in the
+same run, rounds alternating, and gated against it. The trees are a tiny git repository holding a
+copy of this Oink, whose second commit makes softmax_forward deliberately slower, and a directory."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import oink
+from tests.helpers import PLUGIN
+from tests.helpers import _plugin_runs_see_no_gpu  # noqa: F401  (autouse: plugin runs see no GPU)
+
+ROW = ("--oink-suite=smoke", "--oink-ops=softmax_forward", "--oink-providers=oink", "--oink-configs=4x128",
+       "--oink-gate-cpu")
+# appended to the slow commit's oink/__init__.py: every softmax_forward call sleeps first
+SLOWER = '''
+
+import time as _time
+
+
+def softmax_forward(*args, **kwargs):
+    _time.sleep(0.02)
+    from .ops import softmax_forward as fast
+
+    return fast(*args, **kwargs)
+'''
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                   env=dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+                            GIT_COMMITTER_EMAIL="t@t"))
+
+
+def _copy_of_oink(root: Path) -> Path:
+    shutil.copytree(Path(oink.__file__).parent, root / "oink", ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+@pytest.fixture
+def slow_repo(tmp_path, monkeypatch):
+    """A git repository of Oink: HEAD~1 as this Oink, HEAD (and the working tree, which the runs
+    import) with softmax_forward slower; the plugin comes from this checkout."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = _copy_of_oink(tmp_path / "repo")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "oink")
+    _git(repo, "commit", "-q", "-m", "fast")
+    with open(repo / "oink" / "__init__.py", "a") as f:
+        f.write(SLOWER)
+    _git(repo, "commit", "-q", "-am", "slow")
+    harness = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(repo), harness, os.environ.get("PYTHONPATH")])))
+    return repo
+
+
+def test_a_slower_tree_is_slower_than_its_parent_commit(pytester, slow_repo, tmp_path):
+    res = pytester.runpytest_subprocess(*ROW, "--oink-against=HEAD~1", f"--oink-summary={tmp_path / 's.md'}", *PLUGIN)
+    out = res.stdout.str()
+    assert res.ret == pytest.ExitCode.TESTS_FAILED, out[-3000:]
+    res.stdout.fnmatch_lines(["SLOWER beyond 5% (fails the session): softmax_forward 4x128 bfloat16 oink: SLOWER, x*",
+                              f"A/B in one run: this tree {slow_repo} (commit *) against HEAD~1 (commit * of "
+                              f"{slow_repo}, exported to *), rounds alternating on the same device"])
+    summary = (tmp_path / "s.md").read_text()
+    assert f"this tree {slow_repo} (commit" in summary and "against HEAD~1 (commit" in summary
+    exported = out.split("exported to ")[1].split(")")[0]
+    assert not Path(exported).exists()  # the exported tree is removed at the end
+
+
+def test_the_same_code_is_not_slower(pytester, slow_repo):
+    res = pytester.runpytest_subprocess(*ROW, "--oink-against=HEAD", *PLUGIN)
+    out = res.stdout.str()
+    assert res.ret == 0 and "SLOWER" not in out, out[-3000:]
+    res.stdout.fnmatch_lines(["softmax_forward 4x128 bfloat16 oink: * (* ms -> * ms, * -> * samples*)"])
+
+
+def test_a_directory_tree_and_rows_it_cannot_time(pytester, tmp_path):
+    """A directory holding oink/ is a tree too; a row whose op the other tree lacks is named, not compared."""
+    other = _copy_of_oink(tmp_path / "other")
+    with open(other / "oink" / "__init__.py", "a") as f:
+        f.write("\n\ndef softmax_forward(*args, **kwargs):\n    raise AttributeError('softmax_forward')\n")
+    res = pytester.runpytest_subprocess(*ROW, f"--oink-against={other}", *PLUGIN)
+    assert res.ret == pytest.ExitCode.TESTS_FAILED  # its one row was not compared: the gate compared nothing
+    res.stdout.fnmatch_lines(["*not timed on the other tree: softmax_forward 4x128 bfloat16 oink: the other tree's "
+                              "row failed its gate (seed 1: raised AttributeError*softmax_forward*)",
+                              "*the regression gate compared nothing*"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--oink-against=no-such-ref-or-dir",), "--oink-against=no-such-ref-or-dir: neither a directory nor a git ref"),
+    (("--oink-against=.",), "--oink-against=.: the directory * holds no oink/ package"),
+    (("--oink-against=HEAD", "--oink-baseline=b.json"), "--oink-against and --oink-baseline: give one*"),
+])
+def test_bad_against_is_a_usage_error(pytester, args, message):
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    res = pytester.runpytest_subprocess("--collect-only", *ROW, *args, *PLUGIN)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines([f"*{message}*"])
