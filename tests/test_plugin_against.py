@@ -96,9 +96,19 @@ def test_a_directory_tree_and_rows_it_cannot_time(pytester, tmp_path):
     (("--oink-against=.",), "--oink-against=.: the directory * holds no oink/ package"),
     (("--oink-against=HEAD", "--oink-baseline=b.json"), "--oink-against and --oink-baseline: give one*"),
 ])
-def test_bad_against_is_a_usage_error(pytester, args, message):
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
+def test_bad_against_is_a_usage_error(pytester, slow_repo, args, message):
     res = pytester.runpytest_subprocess("--collect-only", *ROW, *args, *PLUGIN)
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     res.stderr.fnmatch_lines([f"*{message}*"])
+
+
+def test_a_ref_needs_oink_in_a_git_repository(pytester, tmp_path, monkeypatch):
+    """An Oink installed from a wheel has no history: a ref is refused, naming where Oink is."""
+    plain = _copy_of_oink(tmp_path / "plain")
+    harness = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(plain), harness, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no repository above it either
+    res = pytester.runpytest_subprocess("--collect-only", *ROW, "--oink-against=HEAD~1", *PLUGIN)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines([f"*--oink-against=HEAD~1: no such directory, and Oink at {plain} is not in a git "
+                              "repository to find a ref in*"])
