@@ -32,7 +32,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick
-from .reduction import LOG2E, MAX_CLUSTER, MAX_N, RowKernelBase, RowLaunch, pick_row_launch
+from .reduction import LOG2E, MAX_CLUSTER, MAX_N, WARP, RowKernelBase, RowLaunch, add, pick_row_launch
 
 MODES = ("forward", "backward", "fwd_bwd")
 
@@ -90,22 +90,54 @@ def stream_launch(N: int, x_bits: int) -> RowLaunch:
     return RowLaunch(N=N, vec=vec, threads_per_row=256, num_threads=256, cluster_n=cluster_n)
 
 
+@dataclasses.dataclass(frozen=True)
+class CEOptions:
+    """The cross-entropy options, compile-time constants of a kernel (``oink.reference.cross_entropy``
+    says what they mean); the default is the plain kernel."""
+
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        return not self.label_smoothing and not self.z_loss and self.softcap is None
+
+
+PLAIN = CEOptions()
+
+
 class CrossEntropy(RowKernelBase):
-    """Loss and lse (forward), dlogits (backward), or both in one pass (fwd_bwd)."""
+    """Loss and lse (forward), dlogits (backward), or both in one pass (fwd_bwd).
+
+    The options apply in registers to the values loaded: ``softcap`` c maps each logit to c * tanh(x / c)
+    (as c - 2c / (exp(2x / c) + 1): one exp2 and one reciprocal) and the row's padding back to -inf;
+    label smoothing adds the row's sum of logits to the one reduction round (slot 2); the z-loss is
+    per-row arithmetic. Rows holding +inf logits take the limit (``oink.reference.cross_entropy``):
+    the reductions count the +inf values where the max is +inf, and the dlogits of a row whose lse is
+    +inf are 1/k on its k +inf logits (the backward counts them, each warp its row, only there)."""
 
     def __init__(self, launch: RowLaunch, dtype, target_dtype, mode: str, n: int | None = None,
-                 stream: bool = False):
+                 stream: bool = False, options: CEOptions = PLAIN):
         """``n``: the row's width where ``launch.N`` is the window of a shifted-rows forward;
         ``stream``: CTAs that pass over their columns ``STREAM_UNITS`` units at a time."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
-        super().__init__(launch, num_reductions=0 if mode == "backward" else 2)
+        self.options = options
+        self.posinf = options.softcap is None  # capped logits are finite: no +inf limit to take
+        sums = 3 if options.label_smoothing else 2
+        super().__init__(launch, num_reductions=0 if mode == "backward" else sums)
         self.x_dtype = dtype
         self.mode = mode
         self.target_dtype = target_dtype
         self.n = launch.N if n is None else n
         self.shifted = self.n != launch.N
         self.stream = stream
+        if stream:
+            width, passes = self.stream_tiling()
+            self.padded = passes * width * launch.cluster_n != launch.N or self.shifted
+        else:
+            self.padded = not launch.even_n or self.shifted  # registers holding columns outside the row
         if stream and launch.rows_per_cta != 1:
             raise ValueError(f"a streamed row: one row a CTA; got {launch}")
         if self.shifted and (launch.rows_per_cta != 1 or launch.N < self.n + launch.vec - 1):
@@ -161,14 +193,24 @@ class CrossEntropy(RowKernelBase):
         bad = valid and (target < 0 or target >= self.n)
         self.wait_cluster()
         x = rX.load().to(Float32)
+        inside = self.inside(rX, tXcX, shift)
+        x = self.capped(x, rX, inside)
+        k = Float32(0.0)  # the row's count of +inf logits, where its lse is +inf
 
         if const_expr(self.mode == "backward"):
             lse = Float32(0.0)
             if row < M:
                 lse = mLseIn[row]
+            if const_expr(self.posinf):
+                k = self.count_posinf(mX, row, M, lse)
         else:
-            m, s = self.row_max_sum(x, buf, mbar)
+            sx = Float32(0.0)
+            if const_expr(self.options.label_smoothing):
+                m, s, sx = self.row_max_sum(x, buf, mbar, posinf=self.posinf, extra=self.row_sum(x, inside))
+            else:
+                m, s = self.row_max_sum(x, buf, mbar, posinf=self.posinf)
             lse = m + cute.math.log(s, fastmath=False)
+            k = s
             # the row's leader (column 0, first CTA of the cluster) writes the row's loss and lse; it
             # loads the target's logit only now (loaded before the reduction, 1-6% slower on H100)
             leader = tXcX[0][1] == 0
@@ -179,7 +221,7 @@ class CrossEntropy(RowKernelBase):
                 if bad:
                     loss = Float32(math.nan)
                 elif valid:
-                    loss = lse - Float32(mX[row, target])
+                    loss = self.row_loss(lse, s, sx, Float32(mX[row, target]))
                 mLoss[row] = loss
                 if const_expr(mLseOut is not None):
                     mLseOut[row] = lse
@@ -191,10 +233,10 @@ class CrossEntropy(RowKernelBase):
             if bad:
                 scale = Float32(math.nan)
             rD = cute.make_rmem_tensor_like(rX, Float32)
-            rD.store(cute.math.exp2((x - lse) * LOG2E, fastmath=True) * scale)
-            for i in cutlass.range_constexpr(cute.size(rD)):
-                if tXcX[i][1] == target + shift:  # ignored rows have scale 0, so no column needs the guard
-                    rD[i] = rD[i] - scale
+            if const_expr(self.options.plain or self.options.softcap is not None):
+                self.dlogits(rD, x, lse, scale, k, tXcX, target + shift)
+            else:  # x again from the loaded row: its fp32 copy need not live through the reduction
+                self.dlogits(rD, rX.load().to(Float32), lse, scale, k, tXcX, target + shift)
             rO = cute.make_rmem_tensor_like(rX, self.x_dtype)
             rO.store(rD.load().to(self.x_dtype))
             if row < M:
@@ -229,34 +271,47 @@ class CrossEntropy(RowKernelBase):
             target = Int32(mTarget[row])
 
         lse = Float32(0.0)
+        k = Float32(0.0)  # the row's count of +inf logits, where its lse is +inf
         if const_expr(self.mode == "backward"):
             if row < M:
                 lse = mLseIn[row]
+            if const_expr(self.posinf):
+                k = self.count_posinf(mX, row, M, lse)
         else:
-            m, s = Float32(-math.inf), Float32(0.0)
+            m, s, sx = Float32(-math.inf), Float32(0.0), Float32(0.0)
             if row < M:
                 for p in cutlass.range(passes, unroll=2):
-                    rX, _ = self.stream_tile(src, ident, thr, at, cy * passes + p, lo)
-                    x = rX.load().to(Float32)
+                    rX, tXcX = self.stream_tile(src, ident, thr, at, cy * passes + p, lo)
+                    inside = self.inside(rX, tXcX, lo)
+                    x = self.capped(rX.load().to(Float32), rX, inside)
+                    if const_expr(self.options.label_smoothing):
+                        sx = sx + self.row_sum(x, inside)
                     m_new = cute.arch.fmax(m, x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf),
                                                        reduction_profile=0))
                     shift = m_new
                     if m_new == Float32(-math.inf):  # only -inf so far: sums stay 0, never NaN
                         shift = Float32(0.0)
-                    s = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
-                        (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
-                                                                   reduction_profile=0)
+                    if const_expr(self.posinf):
+                        s = self.fold_posinf(m, s, m_new, shift, x)
+                    else:
+                        s = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
+                            (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
+                                                                       reduction_profile=0)
                     m = m_new
             self.wait_cluster()
-            m, s = self.merge_max_sum(m, s, buf, mbar)
+            if const_expr(self.options.label_smoothing):
+                m, s, sx = self.merge_max_sum(m, s, buf, mbar, self.posinf, sx)
+            else:
+                m, s = self.merge_max_sum(m, s, buf, mbar, self.posinf)
             lse = m + cute.math.log(s, fastmath=False)
+            k = s
             if tidx == 0 and cy == 0 and row < M:
                 loss = Float32(0.0)
                 if target != ignore_index:
                     if target < 0 or target >= self.n:
                         loss = Float32(math.nan)
                     else:
-                        loss = lse - Float32(mX[row, target])
+                        loss = self.row_loss(lse, s, sx, Float32(mX[row, target]))
                 mLoss[row] = loss
                 if const_expr(mLseOut is not None):
                     mLseOut[row] = lse
@@ -274,15 +329,176 @@ class CrossEntropy(RowKernelBase):
                     tile = cy * passes + p
                     rX, tXcX = self.stream_tile(src, ident, thr, at, tile, lo)
                     rD = cute.make_rmem_tensor_like(rX, Float32)
-                    rD.store(cute.math.exp2((rX.load().to(Float32) - lse) * LOG2E, fastmath=True) * scale)
-                    for i in cutlass.range_constexpr(cute.size(rD)):
-                        if tXcX[i][1] == target + lo:  # ignored rows have scale 0: no column needs the guard
-                            rD[i] = rD[i] - scale
+                    x = self.capped(rX.load().to(Float32), rX, None)  # dx past the row is not stored
+                    self.dlogits(rD, x, lse, scale, k, tXcX, target + lo)
                     rO = cute.make_rmem_tensor_like(rX)
                     rO.store(rD.load().to(self.x_dtype))
                     self.store_stream_tile(rO, thr.partition_D(cute.local_tile(dst, (1, width), (at, tile))), tXcX,
                                            lo)
         self.launch_dependents()
+
+    # ---- the options and the +inf limit, in registers
+    @cute.jit
+    def inside(self, rX: cute.Tensor, tXcX: cute.Tensor, lo):
+        """Which of the thread's values are the row's columns (``lo``: the row's first column in the
+        coordinates), as booleans; None where every one is, or no option needs it (padding is -inf,
+        which the plain sums ignore; a capped -inf and the smoothing sum do not)."""
+        O = self.options
+        if const_expr(not self.padded or (O.softcap is None and not O.label_smoothing)):
+            return None
+        L = self.launch
+        keep = cute.make_rmem_tensor_like(rX, cutlass.Boolean)
+        if const_expr(self.shifted):
+            for i in cutlass.range_constexpr(cute.size(keep)):
+                col = tXcX[i][1]
+                keep[i] = col >= lo and col < lo + self.n
+        else:  # vec divides N: a vector is in or out; only those that can pass N are tested
+            for i in cutlass.range_constexpr(cute.size(keep, mode=[2])):
+                vec_i = keep[None, None, i]
+                if const_expr(not self.stream and L.cluster_n == 1 and (i + 1) * L.threads_per_row * L.vec <= L.N):
+                    for j in cutlass.range_constexpr(cute.size(vec_i)):
+                        vec_i[j] = cutlass.Boolean(True)
+                else:
+                    vec_in = cute.elem_less(tXcX[(0, 0), 0, i][1], L.N)
+                    for j in cutlass.range_constexpr(cute.size(vec_i)):
+                        vec_i[j] = vec_in
+        return keep.load()
+
+    @cute.jit
+    def capped(self, x, rX: cute.Tensor, inside):
+        """fp32 values x through the softcap c: c * tanh(x / c) = c - 2c / (exp(2x / c) + 1) (+-inf to
+        +-c), the columns outside the row (``inside`` false) back to -inf; x itself without a softcap."""
+        c = self.options.softcap
+        if const_expr(c is None):
+            return x
+        rC = cute.make_rmem_tensor_like(rX, Float32)
+        rC.store(cute.math.exp2(x * Float32(2 * LOG2E / c), fastmath=True))
+        for i in cutlass.range_constexpr(cute.size(rC)):
+            rC[i] = Float32(c) - Float32(2 * c) * cute.arch.rcp_approx(rC[i] + Float32(1.0))
+        y = rC.load()
+        if const_expr(inside is not None):
+            y = cute.where(inside, y, cute.full_like(y, -math.inf))
+        return y
+
+    @cute.jit
+    def capped_one(self, x: Float32) -> Float32:
+        """``capped`` of one value (the target's logit)."""
+        c = self.options.softcap
+        if const_expr(c is not None):
+            x = Float32(c) - Float32(2 * c) * cute.arch.rcp_approx(
+                cute.math.exp2(x * Float32(2 * LOG2E / c), fastmath=True) + Float32(1.0))
+        return x
+
+    @cute.jit
+    def row_sum(self, x, inside) -> Float32:
+        """The thread's sum of its values in the row (label smoothing's sum of logits)."""
+        if const_expr(inside is not None):
+            x = cute.where(inside, x, cute.full_like(x, 0.0))
+        return x.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+
+    @cute.jit
+    def row_loss(self, lse: Float32, s: Float32, sx: Float32, xt: Float32) -> Float32:
+        """A row's loss from its lse, its sum of exp (the count of +inf logits where lse is +inf), its
+        sum of logits ``sx`` (label smoothing) and the target's logit as loaded."""
+        O = self.options
+        xt = self.capped_one(xt)
+        nll = lse - xt
+        if const_expr(self.posinf):
+            if xt == Float32(math.inf):  # the limit: log k
+                nll = cute.math.log(s, fastmath=False)
+        loss = nll
+        if const_expr(O.label_smoothing):
+            smooth = lse - sx * Float32(1.0 / self.n)  # mean_j -log p_j
+            if const_expr(self.posinf):
+                if lse == Float32(math.inf):  # log k at the +inf logits, +inf elsewhere: log V if all are
+                    smooth = Float32(math.inf)
+                    if s == Float32(self.n):
+                        smooth = cute.math.log(s, fastmath=False)
+            loss = Float32(1.0 - O.label_smoothing) * nll + Float32(O.label_smoothing) * smooth
+        if const_expr(O.z_loss):
+            loss = loss + Float32(O.z_loss) * lse * lse
+        return loss
+
+    @cute.jit
+    def dlogits(self, rD: cute.Tensor, x, lse: Float32, scale: Float32, k: Float32, tXcX: cute.Tensor, tcol):
+        """The row's fp32 dlogits into ``rD`` from its (capped) values x: scale * ((1 + 2 z lse) p - eps / V
+        - (1 - eps) onehot(target)), times 1 - (x / c)^2 through the softcap; p is exp(x - lse), or 1/k
+        on the k +inf logits of a row whose lse is +inf. ``tcol``: the target's column in ``tXcX``."""
+        O = self.options
+        coef = scale
+        if const_expr(O.z_loss):
+            coef = scale * (Float32(1.0) + Float32(2 * O.z_loss) * lse)
+        smooth = Float32(0.0)
+        if const_expr(O.label_smoothing):
+            smooth = scale * Float32(O.label_smoothing / self.n)
+        at_target = scale
+        if const_expr(O.label_smoothing):
+            at_target = scale * Float32(1.0 - O.label_smoothing)
+        if const_expr(O.softcap is not None):
+            # one value at a time, in place: the factor 1 - (x / c)^2 needs x after p, and whole arrays of
+            # both would spill (capped logits are finite: no +inf limit here)
+            rD.store(x)
+            for i in cutlass.range_constexpr(cute.size(rD)):
+                xi = rD[i]
+                d = cute.math.exp2((xi - lse) * LOG2E, fastmath=True) * coef - smooth
+                if tXcX[i][1] == tcol:
+                    d = d - at_target
+                t = xi * Float32(1.0 / O.softcap)
+                rD[i] = d * (Float32(1.0) - t * t)
+            return
+        p = cute.math.exp2((x - lse) * LOG2E, fastmath=True)
+        if const_expr(O.label_smoothing):
+            rD.store(p * coef - smooth)
+        else:
+            rD.store(p * coef)
+        if const_expr(self.posinf and not O.z_loss):  # (with a z-loss such a row's gradient is undefined)
+            if lse == Float32(math.inf):
+                # exp(x - lse) is NaN exactly at the +inf logits here (a NaN logit makes the forward's lse
+                # NaN, and count_posinf's k): read from rD, so x need not stay live beside it
+                for i in cutlass.range_constexpr(cute.size(rD)):
+                    v = rD[i]
+                    rD[i] = -smooth
+                    if v != v:
+                        rD[i] = coef / k - smooth
+        for i in cutlass.range_constexpr(cute.size(rD)):
+            if tXcX[i][1] == tcol:  # ignored rows have scale 0, so no column needs the guard
+                rD[i] = rD[i] - at_target
+
+    @cute.jit
+    def count_posinf(self, mX: cute.Tensor, row, M, lse: Float32) -> Float32:
+        """The backward's count of the row's +inf logits where its lse is +inf (else 0): the row's
+        group of lanes reads the row once more, a warp at a time (only such rows pay)."""
+        L = self.launch
+        group = min(L.threads_per_row, WARP)
+        k = Float32(0.0)
+        if cute.arch.vote_any_sync(lse == Float32(math.inf)):  # warp-uniform: the shuffles below
+            lane = cute.arch.lane_idx() % group
+            if row < M:
+                for j in cutlass.range(cute.ceil_div(self.n, group)):
+                    col = j * group + lane
+                    if col < self.n:
+                        v = Float32(mX[row, col])
+                        if v == Float32(math.inf):
+                            k = k + Float32(1.0)
+                        if v != v:  # a NaN: the row's dlogits stay NaN
+                            k = k + v
+            k = cute.arch.warp_reduction(k, add, threads_in_group=group)
+        return k
+
+    @cute.jit
+    def fold_posinf(self, m: Float32, s: Float32, m_new: Float32, shift: Float32, x) -> Float32:
+        """A streamed tile x folded into the thread's running sum s (at max m, the new max m_new); where
+        m_new is +inf the sum counts the +inf values (the limit)."""
+        s_new = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
+            (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
+                                                       reduction_profile=0)
+        if m_new == Float32(math.inf):
+            carried = Float32(0.0)
+            if m == Float32(math.inf):
+                carried = s
+            s_new = carried + cute.where(x == Float32(math.inf), cute.full_like(x, 1.0), cute.full_like(x, 0.0)).reduce(
+                cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        return s_new
 
     def stream_tiling(self) -> tuple[int, int]:
         """(columns a streamed tile covers, tiles a CTA passes over)."""
@@ -379,10 +595,11 @@ def shifted_window(N: int, x_bits: int) -> int | None:
 
 @memo
 def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arch: str, store_lse: bool = True,
-                           window: bool = True):
-    """Compile (or fetch) one kernel for (mode, dtypes, N, flags, arch); M, strides and
+                           window: bool = True, options: CEOptions = PLAIN):
+    """Compile (or fetch) one kernel for (mode, dtypes, N, flags, options, arch); M, strides and
     ignore_index are runtime. ``window=False``: dlogits rows do not lie at the logits' offsets
-    (another row stride), so rows off 16-byte boundaries are not moved as aligned windows."""
+    (another row stride), so rows off 16-byte boundaries are not moved as aligned windows.
+    ``options``: compile-time constants (the plain kernel's key and code without them)."""
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the cross-entropy kernels handle 1 <= N <= {MAX_N}")
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
@@ -403,10 +620,11 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
         f32 = gmem_ptr(Float32, 4)
         fwd, bwd = mode != "backward", mode != "forward"
         return compile_kernel(
-            CrossEntropy(launch, dt, tt, mode, N, stream), gmem_ptr(dt), gmem_ptr(tt, tt.width // 8),
+            CrossEntropy(launch, dt, tt, mode, N, stream, options), gmem_ptr(dt), gmem_ptr(tt, tt.width // 8),
             f32 if bwd else None, f32 if mode == "backward" else None, f32 if fwd else None,
             f32 if store_lse else None, gmem_ptr(dt) if bwd else None, Int32(1), one, one, Int32(-100),
             fake_stream(), arch=arch)
 
     key = ("cross_entropy", mode, dtype, target_dtype, store_lse, N, arch, launch)
-    return CACHE.get(key + ((STREAM_UNITS,) if stream else ()), build)
+    key += (STREAM_UNITS,) if stream else ()
+    return CACHE.get(key if options.plain else key + (options,), build)

@@ -10,16 +10,28 @@ import torch
 from .compile import CACHE, current_stream, stream_of
 from ..reference.cross_entropy import (loss_from_lse, per_row, reduce_loss, reduction_dloss, row_weight, safe_target,
                                        z_loss_rows)
-from .cross_entropy import compiled_cross_entropy
+from .cross_entropy import PLAIN, CEOptions, compiled_cross_entropy
 from .host import allocator, dtype_name, kernel_ready_rows, ld, prepare_rows, ptr, vec_for, width_reason
 
 INT32 = torch.iinfo(torch.int32)
 
 
+def options_of(t: dict) -> CEOptions:
+    """The call's options as the kernels' compile-time constants."""
+    eps, z, cap = t.get("label_smoothing", 0.0), t.get("z_loss", 0.0), t.get("softcap")
+    if not eps and not z and cap is None:
+        return PLAIN
+    return CEOptions(float(eps), float(z), None if cap is None else float(cap))
+
+
 def options_reason(t: dict) -> str | None:
-    """Why the options send a call to the reference, or None."""
-    if t.get("label_smoothing") or t.get("z_loss") or t.get("softcap") is not None:
-        return "cross-entropy options (label_smoothing, z_loss, softcap): reference"
+    """Why the options send a call to the reference, or None: label smoothing with a class weight needs
+    the weighted sum of each row's logits (not in the kernels); a forward's ``target_logit`` with an
+    option is read on the host, where the kernel's loss is not rebuilt."""
+    if t.get("label_smoothing") and t.get("weight") is not None:
+        return "label_smoothing with a class weight: reference"
+    if t.get("target_logit") is not None and not options_of(t).plain:
+        return "target_logit with label_smoothing, z_loss or softcap: reference"
     return None
 
 
@@ -53,13 +65,14 @@ def _row_vector(t: torch.Tensor, M: int, dtype) -> torch.Tensor:
     return torch.broadcast_to(t.reshape(-1).to(dtype), (M,)).contiguous()
 
 
-def launch(mode, arch, x2, target, ignore_index, dloss=None, lse_in=None, loss=None, lse_out=None, dx=None):
+def launch(mode, arch, x2, target, ignore_index, dloss=None, lse_in=None, loss=None, lse_out=None, dx=None,
+           options: CEOptions = PLAIN):
     """x2: kernel-ready [M, V] logits; per-row tensors contiguous; dx may be x2 itself."""
     M, V = x2.shape
     if M == 0:
         return
     fn = compiled_cross_entropy(mode, dtype_name(x2), dtype_name(target), V, arch, lse_out is not None,
-                                dx is None or ld(dx) == ld(x2))
+                                dx is None or ld(dx) == ld(x2), options)
     fn(ptr(x2), ptr(target, target.element_size()), ptr(dloss, 4), ptr(lse_in, 4), ptr(loss, 4), ptr(lse_out, 4),
        ptr(dx), M, ld(x2), ld(dx), int(ignore_index), current_stream(x2.device))
 
@@ -99,7 +112,8 @@ def run_forward(arch, logits, target, ignore_index=-100, reduction="none", weigh
     M = x2.shape[0]
     loss = torch.empty(M, device=logits.device, dtype=torch.float32)
     lse = torch.empty(M, device=logits.device, dtype=torch.float32)
-    launch("forward", arch, x2, tgt, ignore_index, loss=loss, lse_out=lse)
+    opts = options_of(dict(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap))
+    launch("forward", arch, x2, tgt, ignore_index, loss=loss, lse_out=lse, options=opts)
     if target_logit is None and weight is None and reduction == "none" and not return_z_loss:
         return loss, lse  # the kernel's loss is final (0 on ignored rows): no per-row torch ops
     valid, safe = safe_target(tgt, ignore_index)
@@ -118,7 +132,8 @@ def run_backward(arch, dloss, logits, target, lse, ignore_index=-100, weight=Non
     M = x2.shape[0]
     dx = torch.empty_like(x2)
     launch("backward", arch, x2, tgt, ignore_index, dloss=_scaled_dloss(dloss, M, _row_factor(weight, tgt, ignore_index)),
-           lse_in=_row_vector(lse, M, torch.float32), dx=dx)
+           lse_in=_row_vector(lse, M, torch.float32), dx=dx,
+           options=options_of(dict(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)))
     return dx
 
 
@@ -128,7 +143,8 @@ def run_backward_(arch, dloss, logits, target, lse, ignore_index=-100, weight=No
     M = logits.shape[0]
     tgt = target.contiguous()
     launch("backward", arch, logits, tgt, ignore_index, dloss=_scaled_dloss(dloss, M, _row_factor(weight, tgt, ignore_index)),
-           lse_in=_row_vector(lse, M, torch.float32), dx=logits)
+           lse_in=_row_vector(lse, M, torch.float32), dx=logits,
+           options=options_of(dict(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)))
 
 
 def run_fwd_bwd(arch, dloss, logits, target, ignore_index=-100, weight=None, return_lse=False, reduction="none",
@@ -142,7 +158,8 @@ def run_fwd_bwd(arch, dloss, logits, target, ignore_index=-100, weight=None, ret
     if reduction == "mean":  # the mean's divisor, on device
         rw_all = rw if rw is not None else row_weight(None, *safe_target(tgt, ignore_index))
         dloss = reduction_dloss(dloss.float(), rw_all, reduction)
-    launch("fwd_bwd", arch, x2, tgt, ignore_index, dloss=_scaled_dloss(dloss, M, rw), loss=loss, lse_out=lse, dx=dx)
+    launch("fwd_bwd", arch, x2, tgt, ignore_index, dloss=_scaled_dloss(dloss, M, rw), loss=loss, lse_out=lse, dx=dx,
+           options=options_of(dict(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)))
     if rw is not None:
         loss = loss * rw
     if reduction != "none":
@@ -167,7 +184,7 @@ def _plan(mode: str):
         # dloss (backward, fwd_bwd) and lse (backward) are required where the op has them
         if (logits.numel() == 0 or a.get("weight") is not None or a.get("lse_partial") is not None
                 or a.get("target_logit") is not None or a.get("reduction", "none") != "none"
-                or options_reason(a) or a.get("return_z_loss")
+                or not options_of(a).plain or a.get("return_z_loss")
                 or not kernel_ready_rows(logits, vec_for(V, logits)) or not target.is_contiguous()
                 or any(n in a and not _plain_rows(a[n], M) for n in ("dloss", "lse"))):
             return None

@@ -371,18 +371,28 @@ class RowKernelBase:
         return m, e, self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
 
     @cute.jit
-    def row_max_sum(self, x, buf, mbar, with_exp: cutlass.Constexpr = False):
+    def row_max_sum(self, x, buf, mbar, with_exp: cutlass.Constexpr = False, posinf: cutlass.Constexpr = False,
+                    extra=None):
         """(row max m, the row's sum of exp(x - m)) in one reduction round (slots 0 and 1), where
         ``row_exp_sum`` takes two, one after the other: each thread's (max, sum of exp(x - its max))
         pairs merge by rescaling both sums to the larger max (online softmax). ``with_exp``: also
-        exp(x - m), as the thread's exp(x - its max) times one rescale factor (softmax)."""
+        exp(x - m), as the thread's exp(x - its max) times one rescale factor (softmax). ``posinf``
+        (cross-entropy): where the max is +inf the sum counts the +inf values (the limit of those
+        values growing together; exp(inf - inf) would be NaN). ``extra``: a thread's partial of a
+        further row sum, reduced in the same round (slot 2) and returned third."""
         m = x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
         shift = m
         if m == Float32(-math.inf):  # only padding (-inf) here: exp2(-inf) sums to 0, never NaN
             shift = Float32(0.0)
         e = cute.math.exp2((x - shift) * LOG2E, fastmath=True)
         s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-        row_m, s = self.merge_max_sum(m, s, buf, mbar)
+        if const_expr(posinf):
+            if m == Float32(math.inf):
+                s = cute.where(x == Float32(math.inf), cute.full_like(x, 1.0), cute.full_like(x, 0.0)).reduce(
+                    cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        if const_expr(extra is not None):
+            return self.merge_max_sum(m, s, buf, mbar, posinf, extra)
+        row_m, s = self.merge_max_sum(m, s, buf, mbar, posinf)
         if const_expr(with_exp):
             # a thread of -inf only has e = 0 and shift 0, whose factor may overflow: 0, not 0 * inf
             scale = Float32(0.0)
@@ -392,23 +402,31 @@ class RowKernelBase:
         return row_m, s
 
     @cute.jit
-    def merge_max_sum(self, m: Float32, s: Float32, buf, mbar):
+    def merge_max_sum(self, m: Float32, s: Float32, buf, mbar, posinf: cutlass.Constexpr = False, extra=None):
         """Every thread's (max, sum of exp(x - max)) pair merged over its row: butterflies within the
-        warp, then one exchange through shared memory (and DSMEM across a cluster). Slots 0 and 1."""
+        warp, then one exchange through shared memory (and DSMEM across a cluster). Slots 0 and 1;
+        ``extra`` (a plain sum, or None) rides along in slot 2. ``posinf``: see ``row_max_sum``."""
         L = self.launch
         group = min(L.threads_per_row, WARP)
         for i in cutlass.range_constexpr(int(math.log2(group))):
-            m, s = _merge_max_sum(m, s, *_bfly_pair(m, s, group >> (i + 1)))
+            if const_expr(extra is not None):
+                extra = extra + cute.arch.shuffle_sync_bfly(extra, offset=group >> (i + 1), mask=-1,
+                                                            mask_and_clamp=31)
+            m, s = _merge_max_sum(m, s, *_bfly_pair(m, s, group >> (i + 1)), posinf)
         width = const_expr(L.warps_per_row * L.cluster_n)
         if const_expr(width > 1):
-            buf_m, buf_s, row, lane = self._publish(m, s, buf, mbar, 0, 1, 0)
+            buf_m, buf_s, row, lane = self._publish(m, s, buf, mbar, 0, 1, 0, extra)
             m, s = Float32(-math.inf), Float32(0.0)
+            if const_expr(extra is not None):
+                extra = self._combine(buf[None, None, 2], row, lane, width, add, Float32(0.0))
             for i in cutlass.range_constexpr(cute.ceil_div(width, WARP)):
                 idx = lane + i * WARP
                 if idx < width:
-                    m, s = _merge_max_sum(m, s, buf_m[row, idx], buf_s[row, idx])
+                    m, s = _merge_max_sum(m, s, buf_m[row, idx], buf_s[row, idx], posinf)
             for i in cutlass.range_constexpr(5):
-                m, s = _merge_max_sum(m, s, *_bfly_pair(m, s, WARP >> (i + 1)))
+                m, s = _merge_max_sum(m, s, *_bfly_pair(m, s, WARP >> (i + 1)), posinf)
+        if const_expr(extra is not None):
+            return m, s, extra
         return m, s
 
     @cute.jit
@@ -430,10 +448,11 @@ class RowKernelBase:
         return a, b
 
     @cute.jit
-    def _publish(self, a: Float32, b, buf, mbar, slot_a, slot_b, phase):
+    def _publish(self, a: Float32, b, buf, mbar, slot_a, slot_b, phase, c=None):
         """Each warp's partial of its row (lane 0's ``a``, and ``b`` unless None) into the row's
-        shared buffer of every CTA of the cluster (slots ``slot_a``, ``slot_b``), waiting until all
-        have arrived. -> (buffer a, buffer b, row in the CTA, lane) to read them back."""
+        shared buffer of every CTA of the cluster (slots ``slot_a``, ``slot_b``; ``c`` unless None
+        into slot 2), waiting until all have arrived. -> (buffer a, buffer b, row in the CTA, lane) to
+        read them back."""
         L = self.launch
         width = const_expr(L.warps_per_row * L.cluster_n)
         lane = cute.arch.lane_idx()
@@ -447,6 +466,8 @@ class RowKernelBase:
                 buf_a[row, col] = a
                 if const_expr(b is not None):
                     buf_b[row, col] = b
+                if const_expr(c is not None):
+                    buf[row, col, 2] = c
             cute.arch.barrier()
         else:
             rank = cute.arch.block_idx_in_cluster()
@@ -456,14 +477,21 @@ class RowKernelBase:
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar + slot_a, nbytes)
                     if const_expr(b is not None):
                         cute.arch.mbarrier_arrive_and_expect_tx(mbar + slot_b, nbytes)
+                    if const_expr(c is not None):
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2, nbytes)
             if lane < L.cluster_n:
                 at = cute.crd2idx((row, col + rank * L.warps_per_row), buf_a.layout)
                 _store_remote_f32(a, buf_a.iterator + at, mbar + slot_a, lane)
                 if const_expr(b is not None):
                     _store_remote_f32(b, buf_b.iterator + at, mbar + slot_b, lane)
+                if const_expr(c is not None):
+                    buf_c = buf[None, None, 2]
+                    _store_remote_f32(c, buf_c.iterator + at, mbar + 2, lane)
             cute.arch.mbarrier_wait(mbar + slot_a, phase=phase)
             if const_expr(b is not None):
                 cute.arch.mbarrier_wait(mbar + slot_b, phase=phase)
+            if const_expr(c is not None):
+                cute.arch.mbarrier_wait(mbar + 2, phase=phase)
         return buf_a, buf_b, row, lane
 
     @cute.jit
@@ -505,14 +533,25 @@ def _bfly_pair(m: Float32, s: Float32, offset: cutlass.Constexpr):
 
 
 @cute.jit
-def _merge_max_sum(m1: Float32, s1: Float32, m2: Float32, s2: Float32):
+def _merge_max_sum(m1: Float32, s1: Float32, m2: Float32, s2: Float32, posinf: cutlass.Constexpr = False):
     """Two (max, sum of exp(x - max)) partials as one, at the larger max. Two all-padding partials
-    (max -inf, sum 0) stay (-inf, 0), where exp2(-inf - -inf) would make the sum NaN."""
+    (max -inf, sum 0) stay (-inf, 0), where exp2(-inf - -inf) would make the sum NaN. ``posinf``: a
+    partial at the merged max keeps its sum as it is (factor 1, exact for finite maxes too), so at a
+    max of +inf the counts of +inf values add and the others drop (exp2(-inf) = 0)."""
     m = cute.arch.fmax(m1, m2)
     s = s1 + s2
-    if m != Float32(-math.inf):
-        s = s1 * cute.math.exp2((m1 - m) * LOG2E, fastmath=True) + s2 * cute.math.exp2((m2 - m) * LOG2E,
-                                                                                       fastmath=True)
+    if const_expr(posinf):
+        f1 = cute.math.exp2((m1 - m) * LOG2E, fastmath=True)
+        f2 = cute.math.exp2((m2 - m) * LOG2E, fastmath=True)
+        if m1 == m:
+            f1 = Float32(1.0)
+        if m2 == m:
+            f2 = Float32(1.0)
+        s = s1 * f1 + s2 * f2
+    else:
+        if m != Float32(-math.inf):
+            s = s1 * cute.math.exp2((m1 - m) * LOG2E, fastmath=True) + s2 * cute.math.exp2((m2 - m) * LOG2E,
+                                                                                           fastmath=True)
     return m, s
 
 
