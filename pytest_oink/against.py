@@ -170,6 +170,23 @@ def configure(config) -> None:
     state["baseline"] = {}
 
 
+def worker_output(config) -> str:
+    """An xdist worker's share for the controller, which gates: the other tree's entries and notes."""
+    import dataclasses
+
+    state = config.stash[STATE]
+    entries = [[list(key), [dataclasses.asdict(e) for e in found]] for key, found in state["baseline"].items()]
+    return json.dumps({"entries": entries, "notes": state["against"].notes})
+
+
+def merge_worker_output(config, payload: str) -> None:
+    state, data = config.stash[STATE], json.loads(payload)
+    for key, found in data["entries"]:
+        entries = [report.BaselineEntry(**dict(e, samples=tuple(e["samples"]))) for e in found]
+        state["baseline"].setdefault(tuple(key), []).extend(entries)
+    state["against"].notes.extend(data["notes"])
+
+
 def finish(config) -> list[str]:
     """The worker ended, the exported tree removed; the summary's lines on the A/B."""
     other = config.stash[STATE].get("against")

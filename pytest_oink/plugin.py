@@ -327,6 +327,10 @@ def pytest_sessionfinish(session, exitstatus):
 
         config.workeroutput["oink_rows"] = rows_json(config.stash[ROWS])
         config.workeroutput["oink_clock_note"] = config.stash[STATE].get("clock_note")
+        if config.stash[STATE].get("against"):  # the other tree's rows are the controller's baseline
+            from . import against
+
+            config.workeroutput["oink_against"] = against.worker_output(config)
         return
     from . import machine, outputs, regression
 

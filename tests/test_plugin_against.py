@@ -112,3 +112,13 @@ def test_a_ref_needs_oink_in_a_git_repository(pytester, tmp_path, monkeypatch):
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     res.stderr.fnmatch_lines([f"*--oink-against=HEAD~1: no such directory, and Oink at {plain} is not in a git "
                               "repository to find a ref in*"])
+
+
+def test_under_xdist_the_controller_gates_on_the_workers_rows(pytester, slow_repo):
+    pytest.importorskip("xdist")
+    res = pytester.runpytest_subprocess("-n", "2", *ROW[:3], "--oink-configs=4x128,8x128", *ROW[4:],
+                                        "--oink-against=HEAD~1", *PLUGIN)
+    assert res.ret == pytest.ExitCode.TESTS_FAILED, res.stdout.str()[-3000:]
+    res.stdout.fnmatch_lines(["SLOWER beyond 5% (fails the session): softmax_forward 4x128 bfloat16 oink: SLOWER, "
+                              "x*; softmax_forward 8x128 bfloat16 oink: SLOWER, x*"])
+    assert "not compared" not in res.stdout.str()
