@@ -1,8 +1,15 @@
 """The one place the ``OINK_*`` environment knobs are read: once, at import, into ``CONFIG``.
-Hot paths read ``config.get()``; sweeps that change the environment in-process call ``reload()``.
+Hot paths read ``config.get()``; a process that changes the environment calls ``reload()``.
+
+Two kinds of settings: the user's knobs (``ENV_KNOBS``, docs/knobs.md), read from the environment, and
+development settings (``DEV_DEFAULTS``: the A/B switches that force one side of a rule, and the
+launch dials of sweeps), never read from the environment: tests and the tuner set them with
+``override()`` (``python -m oink.tune --set NAME=VALUE``). Their defaults are the rules' own choices.
 No torch or cutlass here."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -26,15 +33,10 @@ def _cache_dir() -> str | None:
     return None if value.strip().lower() in FALSY else value
 
 
-def _int(name: str) -> int | None:
-    value = os.environ.get(name, "").strip()
-    return int(value) if value else None
-
-
-def _flag(name: str) -> bool | None:
-    """An A/B switch: None where unset (the heuristic decides), else whether it is not "0"."""
-    value = os.environ.get(name, "").strip()
-    return None if not value else value != "0"
+# the environment variables read (docs/knobs.md documents each); OINK_KEEP_CUBIN is the profilers' own
+# (the plugin and scripts/spill_scan.py set it), not a user's
+ENV_KNOBS = ("OINK_FORCE_REFERENCE", "OINK_ARCH", "OINK_CACHE_DIR", "OINK_CHECK_VALUES", "OINK_PDL", "OINK_TVM_FFI",
+             "OINK_KEEP_CUBIN")
 
 
 @dataclass(frozen=True)
@@ -42,43 +44,61 @@ class Config:
     force_reference: bool  # OINK_FORCE_REFERENCE: the reference everywhere
     arch: str | None  # OINK_ARCH: compile target override
     keep_cubin: bool  # OINK_KEEP_CUBIN: keep cubins on compiled functions (kernel profiles)
-    fwd_upt: int | None  # OINK_FWD_UPT: norm forward units a thread (sweeps)
-    fwd_late: bool | None  # OINK_FWD_LATE=0/1: norm forward loads weight/bias after the reduction (A/B)
-    fwd_stage: bool | None  # OINK_FWD_STAGE=0/1: norm forward stages x (and residual) in shared memory (A/B)
-    fp4_upt: int | None  # OINK_FP4_UPT: FP4 scale blocks a thread (sweeps)
-    bwd_upt: int | None  # OINK_BWD_UPT / _TPSM / _DEPTH: norm backward knobs (sweeps)
-    bwd_tpsm: int | None
-    bwd_depth: int | None
-    bwd_split: bool | None  # OINK_BWD_SPLIT=0/1: the norm backward's split kernels off/on (A/B)
-    bwd_partial_sum: str  # OINK_BWD_PARTIAL_SUM: "kernel" or "torch" (A/B)
     # OINK_PDL=0: no programmatic dependent launch. On (SM90+): a row kernel may be launched while the
     # kernel before it in the stream finishes, and waits (griddepcontrol.wait) before its first read;
     # it lets the next one launch once its stores are issued (as FlashInfer's norms do by default)
     pdl: bool
-    softmax_online: bool | None  # OINK_SOFTMAX_ONLINE=0/1: the softmax's max and sum in one reduction round (A/B)
-    ce_stream: bool | None  # OINK_CE_STREAM=0/1: the cross-entropy kernels stream their rows (A/B; default: wide forwards)
-    bwd_exact: bool  # OINK_BWD_EXACT=0: power-of-two threads per row only (A/B)
     tvm_ffi: bool  # OINK_TVM_FFI=0: launch through CuTeDSL's generic executor (default: TVM-FFI if installed)
     cache_dir: str | None  # OINK_CACHE_DIR: compiled kernels kept on disk there (see _cache_dir)
     # OINK_CHECK_VALUES=1: where a kernel serves the call, also run the checks that read values on the
     # host (the cross-entropy target range: one sync a call, costlier than the rest of the call). Off by
     # default: the kernels give a bad target's row a NaN loss and NaN dlogits; the reference raises.
     check_values: bool
+    # ---- development settings (``override``; DEV_DEFAULTS): None or the default is the rule's choice
+    fwd_upt: int | None = None  # norm forward units a thread (a sweep's dial)
+    fwd_late: bool | None = None  # norm forward loads weight/bias after the reduction (forced either way)
+    fwd_stage: bool | None = None  # norm forward stages x (and residual) in shared memory (forced either way)
+    fp4_upt: int | None = None  # FP4 scale blocks a thread (a sweep's dial)
+    bwd_upt: int | None = None  # norm backward units a thread, threads a SM its grid is sized for, pipeline
+    bwd_tpsm: int | None = None  # depth (sweeps' dials)
+    bwd_depth: int | None = None
+    bwd_split: bool | None = None  # the norm backward's split kernels (forced either way)
+    bwd_partial_sum: str = "kernel"  # "torch": a torch sum of the backward's dweight partials
+    softmax_online: bool | None = None  # the softmax's max and sum in one reduction round (forced either way)
+    ce_stream: bool | None = None  # the cross-entropy kernels stream their rows (forced either way)
+    bwd_exact: bool = True  # False: power-of-two threads per row only in the norm backward
+
+
+DEV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not dataclasses.MISSING}
+# the development settings in effect (``override``), applied over the environment's knobs by ``reload``
+DEV: dict = {}
+
+
+# OINK_* variables once read, now development settings: named in a warning where one is still set
+RETIRED = {"OINK_FWD_UPT": "fwd_upt", "OINK_FWD_LATE": "fwd_late", "OINK_FWD_STAGE": "fwd_stage",
+           "OINK_FP4_UPT": "fp4_upt", "OINK_BWD_UPT": "bwd_upt", "OINK_BWD_TPSM": "bwd_tpsm",
+           "OINK_BWD_DEPTH": "bwd_depth", "OINK_BWD_SPLIT": "bwd_split", "OINK_BWD_PARTIAL_SUM": "bwd_partial_sum",
+           "OINK_SOFTMAX_ONLINE": "softmax_online", "OINK_CE_STREAM": "ce_stream", "OINK_BWD_EXACT": "bwd_exact"}
+
+
+def _warn_retired() -> None:
+    for name, setting in RETIRED.items():
+        if os.environ.get(name, "").strip():
+            import warnings
+
+            warnings.warn(f"{name} is no longer read: the rule decides; to force it (tests, sweeps) use "
+                          f"oink.config.override({setting}=...) or python -m oink.tune --set {setting}=...",
+                          stacklevel=3)
 
 
 def _from_env() -> Config:
+    _warn_retired()
     env = os.environ.get
     return Config(
         force_reference=truthy(env("OINK_FORCE_REFERENCE")), arch=env("OINK_ARCH") or None,
-        keep_cubin=truthy(env("OINK_KEEP_CUBIN")), fwd_upt=_int("OINK_FWD_UPT"),
-        fwd_late=_flag("OINK_FWD_LATE"), fwd_stage=_flag("OINK_FWD_STAGE"), fp4_upt=_int("OINK_FP4_UPT"),
-        bwd_upt=_int("OINK_BWD_UPT"), bwd_tpsm=_int("OINK_BWD_TPSM"), bwd_depth=_int("OINK_BWD_DEPTH"),
-        bwd_split=_flag("OINK_BWD_SPLIT"),
-        bwd_partial_sum=env("OINK_BWD_PARTIAL_SUM", "kernel"), pdl=env("OINK_PDL", "1") != "0",
-        bwd_exact=env("OINK_BWD_EXACT", "1") != "0", softmax_online=_flag("OINK_SOFTMAX_ONLINE"),
-        ce_stream=_flag("OINK_CE_STREAM"),
+        keep_cubin=truthy(env("OINK_KEEP_CUBIN")), pdl=env("OINK_PDL", "1") != "0",
         tvm_ffi=env("OINK_TVM_FFI", "1") != "0" and importlib.util.find_spec("tvm_ffi") is not None,
-        cache_dir=_cache_dir(), check_values=truthy(env("OINK_CHECK_VALUES")))
+        cache_dir=_cache_dir(), check_values=truthy(env("OINK_CHECK_VALUES")), **DEV)
 
 
 CONFIG = _from_env()
@@ -93,9 +113,32 @@ ON_RELOAD: list = []
 
 
 def reload() -> Config:
-    """Read the environment again (after a sweep changes a knob in this process)."""
+    """Read the environment again (after a process changes a knob), with the development settings in effect."""
     global CONFIG
     CONFIG = _from_env()
     for clear in ON_RELOAD:
         clear()
     return CONFIG
+
+
+def dev_settings(**settings) -> dict:
+    """``settings`` checked against ``DEV_DEFAULTS``' names (a ValueError names an unknown one)."""
+    unknown = sorted(set(settings) - set(DEV_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown development setting(s) {unknown}; known: {', '.join(DEV_DEFAULTS)}")
+    return settings
+
+
+@contextlib.contextmanager
+def override(**settings):
+    """Development settings (``DEV_DEFAULTS``' names, e.g. ``fwd_stage=True``, ``bwd_depth=3``) in effect
+    inside the block, then the ones before it again; the caches derived from the config are cleared
+    both times. For tests and the tuner: the library's users have only the environment's knobs."""
+    saved = dict(DEV)
+    DEV.update(dev_settings(**settings))
+    try:
+        yield reload()
+    finally:
+        DEV.clear()
+        DEV.update(saved)
+        reload()

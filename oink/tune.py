@@ -20,7 +20,9 @@ more than ``--min-gain``; ``--grid-only`` skips the shape search and sizes the c
 ``--stage`` tries each norm forward shape three ways: rows in registers, and staged in shared memory with
 the weight and bias loaded before or after the reduction (the entry's "stage": "early" / "late").
 Row counts of at most ``launch_table.FEW_ROWS`` tune the ops' "/few" keys (the launches calls of so
-few rows take), larger ones the keys themselves.
+few rows take), larger ones the keys themselves. ``--set NAME=VALUE`` runs the whole search under a
+development setting (``oink.config.DEV_DEFAULTS``: a rule's side forced, a sweep's dial such as the norm
+backward's pipeline depth), the sweeps' way to time one; entries found so hold for that setting only.
 
     python3 -m oink.tune --ops rmsnorm_forward,softmax_forward --widths 40960,98304 --rows 2048 --clusters 4,8,16
     python3 scripts/tune_launch.py --ops rmsnorm_fp8quant,silu_mul_fp8quant --widths 7168,18432 \
@@ -30,6 +32,7 @@ few rows take), larger ones the keys themselves.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -122,7 +125,39 @@ def main(argv=None, default_out: Path | None = None) -> int:
     ap.add_argument("--out", default=str(out_default) if out_default else None,
                     help=f"the table to write (default: {out_default or 'none: OINK_CACHE_DIR is off, name one'})")
     ap.add_argument("--log", default=None, help="also write every trial as JSON lines here")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a development setting for the whole search (oink.config.DEV_DEFAULTS: an A/B switch "
+                         "forced, a sweep's launch dial), e.g. bwd_depth=3; entries found under one hold for it "
+                         "only, so name a scratch --out")
     a = ap.parse_args(argv)
+    with config.override(**dev_settings(ap, a.set)):
+        return _tune(ap, a)
+
+
+def dev_settings(ap, items) -> dict:
+    """``--set NAME=VALUE`` items as ``config.override``'s arguments, each value of its setting's type
+    (``none`` for None); an unknown name or a bad value is the parser's error."""
+    out = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in config.DEV_DEFAULTS:
+            ap.error(f"--set {item!r}: expected NAME=VALUE, NAME one of {', '.join(config.DEV_DEFAULTS)}")
+        kind = next(f.type for f in dataclasses.fields(config.Config) if f.name == name)
+        text = text.strip().lower()
+        if text == "none" and "None" in kind:
+            out[name] = None
+        elif "bool" in kind and text in (*config.TRUTHY, *config.FALSY[1:]):
+            out[name] = config.truthy(text)
+        elif "int" in kind and text.isdigit():
+            out[name] = int(text)
+        elif kind == "str" and text:
+            out[name] = text
+        else:
+            ap.error(f"--set {item!r}: not a value for {name} ({kind})")
+    return out
+
+
+def _tune(ap, a) -> int:
     if not torch.cuda.is_available():
         print("oink.tune: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine (after `source .gpu/part2/setup.sh`): time ops under several launch settings
 # and print each setting's geomean lines; with SWEEP_CSV=DIR also keep one CSV per setting.
-# A setting is comma-separated VAR=value pairs of the kernels' override knobs, e.g.
-#   OINK_OPS=layernorm_backward SWEEP="OINK_BWD_UPT=2,OINK_BWD_TPSM=1024 OINK_BWD_UPT=1" bash scripts/gpu_sweep.sh
-#   OINK_OPS=nvfp4_quantize SUITE=nvfp4 PROVIDERS=oink SWEEP="OINK_FP4_UPT=1 OINK_FP4_UPT=2" bash scripts/gpu_sweep.sh
+# A setting is comma-separated VAR=value pairs of the environment knobs (docs/knobs.md), e.g.
+#   OINK_OPS=rmsnorm_forward,layernorm SWEEP="OINK_PDL=1 OINK_PDL=0" bash scripts/gpu_sweep.sh
+# The development settings (launch dials, a rule's side forced) are not environment variables: time them
+# with `python -m oink.tune --set NAME=VALUE` (docs/tuning.md) or in code with oink.config.override.
 set -uo pipefail
 ops=${OINK_OPS:-rmsnorm_backward,layernorm_backward}
 for setting in ${SWEEP:?SWEEP=\"VAR=value,... VAR=value ...\"}; do

@@ -356,7 +356,56 @@ def test_knobs_are_read_once_and_reloaded(monkeypatch):
 
     assert [config.truthy(v) for v in ("1", " TRUE ", "yes", "On", "0", "", None, "no")] == [True] * 4 + [False] * 4
     before = config.get()
-    monkeypatch.setenv("OINK_BWD_DEPTH", "3")
+    monkeypatch.setenv("OINK_PDL", "0")
     assert config.get() is before  # the hot path does not read the environment
-    set_knob(monkeypatch, "OINK_BWD_DEPTH", "3")
-    assert config.get().bwd_depth == 3 and config.get().pdl and config.get().bwd_partial_sum == "kernel"
+    set_knob(monkeypatch, "OINK_PDL", "0")
+    assert not config.get().pdl and config.get().bwd_partial_sum == "kernel"
+
+
+def test_development_settings_are_not_environment_knobs(monkeypatch):
+    """The A/B switches and the sweeps' launch dials are set in code (``config.override``, ``python -m
+    oink.tune --set``), never from the environment: a retired OINK_* name is ignored, with a warning
+    naming what replaced it; an override holds inside its block only, nested ones included."""
+    from oink import config
+
+    monkeypatch.setenv("OINK_BWD_DEPTH", "3")
+    with pytest.warns(UserWarning, match=r"OINK_BWD_DEPTH is no longer read.*bwd_depth"):
+        assert config.reload().bwd_depth is None
+    monkeypatch.delenv("OINK_BWD_DEPTH")
+    with config.override(bwd_depth=3, fwd_stage=True) as inside:
+        assert inside is config.get() and (inside.bwd_depth, inside.fwd_stage) == (3, True)
+        with config.override(bwd_depth=1):
+            assert (config.get().bwd_depth, config.get().fwd_stage) == (1, True)
+        assert config.get().bwd_depth == 3
+    assert (config.get().bwd_depth, config.get().fwd_stage) == (None, None)
+    with pytest.raises(ValueError, match="unknown development setting"):
+        with config.override(bwd_dpeth=3):
+            pass
+    assert config.DEV == {} and config.get() == config.reload()
+
+
+def test_tune_set_parses_development_settings():
+    import argparse
+
+    pytest.importorskip("pytest_benchmark")  # oink.tune imports the plugin's stack
+    from oink import tune
+
+    ap = argparse.ArgumentParser()
+    assert tune.dev_settings(ap, ["bwd_depth=3", "fwd_stage=1", "ce_stream=none", "bwd_partial_sum=torch"]) == {
+        "bwd_depth": 3, "fwd_stage": True, "ce_stream": None, "bwd_partial_sum": "torch"}
+    for bad in ("nope=1", "bwd_depth=x", "fwd_stage=maybe", "bwd_depth"):
+        with pytest.raises(SystemExit):
+            tune.dev_settings(ap, [bad])
+
+
+def test_the_environment_knobs_are_the_documented_ones():
+    """docs/knobs.md names every OINK_* variable oink.config reads (and the plugin's OINK_FAKE_SM), and
+    no other: a retired one left in the docs, or a new one left out, fails here."""
+    import re
+    from pathlib import Path
+
+    from oink import config
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "knobs.md").read_text()
+    assert set(re.findall(r"`(OINK_[A-Z0-9_]+)", text)) == {*config.ENV_KNOBS, "OINK_FAKE_SM"}
+    assert len(set(config.ENV_KNOBS) - {"OINK_KEEP_CUBIN"}) <= 6  # the knobs a user needs (issue #33)

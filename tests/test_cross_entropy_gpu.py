@@ -121,15 +121,15 @@ def test_shifted_rows_write_only_their_row(dtype, mode, N, ld_pad, dx_rows, seed
 @pytest.mark.parametrize("M", [1, 7, 300])
 @pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
 def test_streamed_rows(monkeypatch, mode, dtype, N, M, seed):
-    """Streamed rows (forced at every width, OINK_CE_STREAM=1: a row in passes, a running (max, sum
+    """Streamed rows (forced at every width, ``ce_stream=True``: a row in passes, a running (max, sum
     of exp) a thread; the dlogits modes read the row again to store dx) against the fp32 reference
     where the row's max sits in its first or last column, where whole passes of a row are -inf
     (masked), where every logit is far below zero, with rows 24 elements apart beyond N (a view of a
     wider buffer: rows of 50257 start off 16-byte boundaries and go through their aligned windows;
     dx's padding must stay unwritten); targets some ignored."""
-    from tests.helpers import set_knob
+    from tests.helpers import set_dev
 
-    set_knob(monkeypatch, "OINK_CE_STREAM", "1")
+    set_dev(monkeypatch, ce_stream=True)
     g = torch.Generator(device="cuda").manual_seed(seed)
     buf = torch.randn(M, N + 24, device="cuda", generator=g) * 4
     logits = buf[:, :N]

@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
 from oink.kernels.compile import CACHE, SUPPORTED_ARCHS  # noqa: E402
-from tests.helpers import set_knob  # noqa: E402
+from tests.helpers import set_dev, set_knob  # noqa: E402
 from oink.kernels.reduction import RowLaunch, pick_row_launch  # noqa: E402
 from oink.kernels.rowsumsq import compiled_rowsumsq  # noqa: E402
 
@@ -112,20 +112,20 @@ def test_rmsnorm_backward_compiles(arch, dtype, w, has_db, dres):
 
 def test_forward_launch_for_a_wider_weight(monkeypatch):
     """An fp32 weight with 16-bit x: 2 units a thread where that tiles the row exactly, else the
-    default; OINK_FWD_UPT overrides both."""
+    default; the ``fwd_upt`` setting overrides both."""
     from oink.kernels.rmsnorm import forward_launch
 
     assert forward_launch(4096, 16, "sm_90a").threads_per_row == 128
     assert forward_launch(4096, 16, "sm_90a", 32).threads_per_row == 256
     assert forward_launch(6144, 16, "sm_90a", 32) == forward_launch(6144, 16, "sm_90a")  # 2 units: not exact
     assert forward_launch(4096, 32, "sm_90a", 32) == forward_launch(4096, 32, "sm_90a")  # same width
-    set_knob(monkeypatch, "OINK_FWD_UPT", "4")
+    set_dev(monkeypatch, fwd_upt=4)
     assert forward_launch(4096, 16, "sm_90a", 32).threads_per_row == 128
 
 
 def test_backward_launch_whole_warp_rows(monkeypatch):
     """Rows that whole warps cover exactly take that many threads (no idle last access); others
-    keep the power-of-two shape, and OINK_BWD_EXACT=0 restores it everywhere."""
+    keep the power-of-two shape, and ``bwd_exact=False`` restores it everywhere."""
     from oink.kernels.rmsnorm_bwd import backward_launch
 
     for N, tpr in ((6144, 384), (7168, 448), (8192, 512), (4096, 256)):
@@ -133,7 +133,7 @@ def test_backward_launch_whole_warp_rows(monkeypatch):
         assert (L.threads_per_row, L.num_threads, L.even_n, L.iters) == (tpr, tpr, True, 2), L
     assert backward_launch(7168, 16, "sm_90a", layernorm=True).threads_per_row == 224  # 4 accesses
     assert not backward_launch(1000, 16, "sm_90a").even_n  # 125 accesses: no whole-warp split
-    set_knob(monkeypatch, "OINK_BWD_EXACT", "0")
+    set_dev(monkeypatch, bwd_exact=False)
     assert backward_launch(6144, 16, "sm_90a").threads_per_row == 512
     with pytest.raises(ValueError, match="whole warps"):
         RowLaunch(N=6144, vec=8, threads_per_row=48, num_threads=96)
@@ -162,11 +162,15 @@ def test_pdl_setting_is_part_of_the_compile_key(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
-@pytest.mark.parametrize("knob", ["OINK_BWD_DEPTH=1", "OINK_BWD_DEPTH=3", "OINK_PDL=0"])
-def test_backward_ab_variants_compile(arch, knob, monkeypatch):
+@pytest.mark.parametrize("setting", ["bwd_depth=1", "bwd_depth=3", "OINK_PDL=0"])
+def test_backward_ab_variants_compile(arch, setting, monkeypatch):
     """The A/B settings the sweeps use still compile (RMSNorm's moved-register pipeline, a deeper
     rotation, the partials' sum without PDL)."""
-    set_knob(monkeypatch, *knob.split("="))
+    name, value = setting.split("=")
+    if name.startswith("OINK_"):
+        set_knob(monkeypatch, name, value)
+    else:
+        set_dev(monkeypatch, **{name: int(value)})
     for N in (64, 1000, 6144):  # several rows a CTA (guarded loads), a predicated tail, whole warps
         assert callable(compiled_backward("bfloat16", N, arch, "bfloat16", "bfloat16", None, True))
     assert callable(compiled_partial_sum(6144, 2, "bfloat16", arch))
@@ -211,9 +215,7 @@ def test_softmax_compiles(arch, dtype, mode):
 def test_softmax_reduction_rounds_both_ways_compile(monkeypatch, arch, online):
     """The A/B switch's sides the defaults do not take: one round in forwards within a CTA and over a
     cluster of 8, two rounds in the fused forward+backward."""
-    from tests.helpers import set_knob
-
-    set_knob(monkeypatch, "OINK_SOFTMAX_ONLINE", online)
+    set_dev(monkeypatch, softmax_online=online == "1")
     for mode in ("forward", "fwd_bwd"):
         for N in (1000, 65536):
             assert callable(compiled_softmax(mode, "bfloat16", N, arch))
@@ -257,15 +259,14 @@ def test_cross_entropy_streamed_rows_compile(monkeypatch, arch, dtype, mode):
     widths through aligned windows, or element accesses where dlogits' rows lie elsewhere), and the
     register-held forward at widths that stream by default (the A/B switch's other side)."""
     from oink.kernels import cross_entropy as ce
-    from tests.helpers import set_knob
 
-    set_knob(monkeypatch, "OINK_CE_STREAM", "1")
+    set_dev(monkeypatch, ce_stream=True)
     for N in [7, 1000, 32000, 50257, 200008, 262144]:
         assert ce.stream_rows(N, 16, mode)
         assert callable(compiled_cross_entropy(mode, dtype, "int64", N, arch))
     assert callable(compiled_cross_entropy(mode, dtype, "int64", 50257, arch, window=False))
     if mode == "forward":
-        set_knob(monkeypatch, "OINK_CE_STREAM", "0")
+        set_dev(monkeypatch, ce_stream=False)
         for N in [65536, 262144]:
             assert not ce.stream_rows(N, 16, mode)
             assert callable(compiled_cross_entropy(mode, dtype, "int64", N, arch))
@@ -273,9 +274,8 @@ def test_cross_entropy_streamed_rows_compile(monkeypatch, arch, dtype, mode):
 
 def test_cross_entropy_streams_wide_rows(monkeypatch):
     from oink.kernels import cross_entropy as ce
-    from tests.helpers import set_knob
 
-    set_knob(monkeypatch, "OINK_CE_STREAM", None)
+    set_dev(monkeypatch, ce_stream=None)
     assert not ce.stream_rows(32000, 16) and ce.stream_rows(128256, 16) and ce.stream_rows(65536, 32)
     assert not ce.stream_rows(128256, 16, "backward") and not ce.stream_rows(128256, 16, "fwd_bwd")
     assert [ce.stream_launch(N, 16).cluster_n for N in (32000, 128256, 256000)] == [1, 2, 4]
@@ -476,9 +476,9 @@ def test_forward_loads_parameters_late_where_registers_limit_it():
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("late", ["0", "1"])
 def test_forward_parameter_load_variants_compile(arch, late, monkeypatch):
-    """Both placements of the forward's weight and bias loads, forced (OINK_FWD_LATE), for LayerNorm,
+    """Both placements of the forward's weight and bias loads, forced (``fwd_late``), for LayerNorm,
     RMSNorm with a residual and a wider weight, and per-head parameters, at even and uneven widths."""
-    set_knob(monkeypatch, "OINK_FWD_LATE", late)
+    set_dev(monkeypatch, fwd_late=late == "1")
     for N in (1000, 16384, 131072):
         assert callable(compiled_forward("bfloat16", N, arch, "bfloat16", "bfloat16", None, None, True,
                                          layernorm=True, store_mean=True))
@@ -488,13 +488,13 @@ def test_forward_parameter_load_variants_compile(arch, late, monkeypatch):
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_forward_stages_rows_where_the_tile_fits(arch, monkeypatch):
-    """OINK_FWD_STAGE=1 stages the forward's rows in shared memory (RMSNorm, a wider weight, a residual
+    """``fwd_stage=True`` stages the forward's rows in shared memory (RMSNorm, a wider weight, a residual
     in place, LayerNorm with its statistics) wherever the tile has no padding and fits STAGE_MAX_BYTES
-    (the cases tests/test_wide_rows_gpu.py runs on a GPU), and never otherwise; =0 never."""
+    (the cases tests/test_wide_rows_gpu.py runs on a GPU), and never otherwise; False never."""
     from oink.kernels.profile import ROW_FAMILIES
     from oink.kernels.rmsnorm import STAGE_MAX_BYTES, ran_staged
 
-    set_knob(monkeypatch, "OINK_FWD_STAGE", "1")
+    set_dev(monkeypatch, fwd_stage=True)
     for family in ("rmsnorm_fwd", "rmsnorm_fwd_w32", "rmsnorm_fwd_res", "layernorm_fwd"):
         for dtype, N in (("bfloat16", 4096), ("bfloat16", 262144), ("float32", 262144), ("bfloat16", 1000)):
             CACHE.clear_used()
@@ -504,7 +504,7 @@ def test_forward_stages_rows_where_the_tile_fits(arch, monkeypatch):
                 2 if family == "rmsnorm_fwd_res" else 1)  # x, and the residual of its dtype
             fits = N != 1000 and tile_bytes <= STAGE_MAX_BYTES  # 1000: padding in every tiling
             assert ran_staged(CACHE.used) == fits, (family, dtype, N, CACHE.used_launches())
-    set_knob(monkeypatch, "OINK_FWD_STAGE", "0")
+    set_dev(monkeypatch, fwd_stage=False)
     CACHE.clear_used()
     ROW_FAMILIES["layernorm_fwd"]("bfloat16", 4096, arch)
     assert not ran_staged(CACHE.used)
@@ -553,9 +553,9 @@ def test_split_backward_takes_rows_too_wide_for_one_kernel(monkeypatch):
                 assert split_rows(N, bits, "sm_90a", layernorm), (N, bits, layernorm)
             assert not split_rows(65536, bits, "sm_100a", layernorm)
             assert split_rows(73728, bits, "sm_100a", layernorm)
-    set_knob(monkeypatch, "OINK_BWD_SPLIT", "0")
+    set_dev(monkeypatch, bwd_split=False)
     assert not split_rows(262144, 16, "sm_90a", False)
-    set_knob(monkeypatch, "OINK_BWD_SPLIT", "1")
+    set_dev(monkeypatch, bwd_split=True)
     assert split_rows(4096, 16, "sm_90a", False)
 
 

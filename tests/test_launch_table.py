@@ -109,12 +109,11 @@ def test_backward_grid_takes_the_knob_then_the_table_then_the_default(override, 
     assert (launch.num_threads, launch.cluster_n) == (256, 8)
     assert persistent_ctas(launch, 16, 2048) == 16 * 8  # 8 CTAs of 256 a SM, in 16 clusters of 8 at once
     assert persistent_ctas(launch, 16, 128) == 16  # at least one a SM
-    monkeypatch.setenv("OINK_BWD_TPSM", "1024")
-    config.reload()
+    from tests.helpers import set_dev
+
+    set_dev(monkeypatch, bwd_tpsm=1024)
     assert backward_tpsm(65536, 16, "sm_90a") == 1024
-    monkeypatch.setenv("OINK_BWD_TPSM", "")
-    monkeypatch.setenv("OINK_BWD_UPT", "4")  # the heuristic's launch: not the entry's grid
-    config.reload()
+    set_dev(monkeypatch, bwd_tpsm=None, bwd_upt=4)  # the heuristic's launch: not the entry's grid
     assert backward_tpsm(65536, 16, "sm_90a") == TUNING["rmsnorm"][1]
 
 

@@ -192,8 +192,9 @@ def test_norm_backward_plans_leave_copies_to_the_runner(recorder):
 
 
 def test_norm_backward_plan_off_with_the_torch_partial_sum(recorder, monkeypatch):
-    monkeypatch.setenv("OINK_BWD_PARTIAL_SUM", "torch")
-    config.reload()
+    from tests.helpers import set_dev
+
+    set_dev(monkeypatch, bwd_partial_sum="torch")
     route = dispatch.Route("layernorm_backward", "kernel", "test", "sm_90a")
     args = dict(dout=_x(4, 256), x=_x(4, 256), weight=torch.randn(256), rstd=torch.rand(4), mean=torch.rand(4),
                 bias=None)

@@ -157,18 +157,18 @@ STAGED_OPS = ("rmsnorm_forward", "rmsnorm_forward_w32", "fused_add_rmsnorm_", "l
 @pytest.mark.parametrize("N", [4096, 65536, 262144])
 @pytest.mark.parametrize("op", STAGED_OPS)
 def test_staged_forward_runs_correctly(op, N, dtype, M, monkeypatch):
-    """The norm forward with its rows staged in shared memory (OINK_FWD_STAGE=1: every even tile that
+    """The norm forward with its rows staged in shared memory (``fwd_stage=True``: every even tile that
     fits, so the table's and the heuristic's launches both), against the reference at one row, a
     partial CTA and many rows; it must have run staged where the tile allows it."""
     import torch
 
-    from tests.helpers import set_knob
+    from tests.helpers import set_dev
     from oink.kernels.compile import CACHE
     from oink.kernels.rmsnorm import STAGE_MAX_BYTES, ran_staged
     from pytest_oink.bench_runner import gate
     from pytest_oink.providers import SPECS, build
 
-    set_knob(monkeypatch, "OINK_FWD_STAGE", "1")
+    set_dev(monkeypatch, fwd_stage=True)
     device = torch.device("cuda")
     CACHE.clear_used()
     result = gate(SPECS[op], build(op, "oink", device), Case("test", op, M, N, dtype), getattr(torch, dtype), device)

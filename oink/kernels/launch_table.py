@@ -139,7 +139,7 @@ def few_rows(M: int) -> bool:
 
 def pick(key: str, arch: str, default: RowLaunch, knob: int | None = None, few: bool = False) -> RowLaunch:
     """The launch for ``key`` at ``default.N``: a trial override, the table's entry, or ``default``
-    (also where a sweep knob such as OINK_FP4_UPT is set: ``knob``, which ``default`` obeys). With
+    (also where a sweep's setting such as ``fp4_upt`` is set: ``knob``, which ``default`` obeys). With
     ``few`` (``few_rows(M)``) the key is ``key + "/few"``, whose default is ``key``'s choice."""
     if few:
         default, key = _resolved(key, arch, default, knob), f"{key}/few"

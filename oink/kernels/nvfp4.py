@@ -50,7 +50,7 @@ MODES = ("quantize", "silu_mul")
 # units (1, 2, 4) that keep its row within this. Chosen by timing the nvfp4 suite at 1, 2 and 4
 # units a thread: the plain quantizers ran slower with 512- or 1024-thread rows (N = 7168, 14336),
 # the fused RMSNorm (one row reduction) faster with 512.
-# OINK_FP4_UPT overrides the units per thread for sweeps.
+# The ``fp4_upt`` development setting (oink.config) overrides the units per thread, for sweeps.
 MAX_THREADS_PER_ROW = {"quantize": 256, "silu_mul": 256, "add_rmsnorm": 512}
 
 

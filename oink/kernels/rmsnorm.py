@@ -46,7 +46,7 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     6144 and 7168, 4 units a thread stay faster).
     LayerNorm rows take whole warps where that tiles them exactly (7168 bf16: 224 threads): its
     padded tail costs registers (mask, corrected mean: 105 instead of 80 at 256 threads).
-    OINK_FWD_UPT (units a thread) overrides, for sweeps."""
+    The ``fwd_upt`` development setting (units a thread, oink.config) overrides, for sweeps."""
     if config.get().fwd_upt:
         return pick_row_launch(N, x_bits, units_per_thread=config.get().fwd_upt)
     if N > CLUSTER_ROWS_MIN_N:  # LayerNorm's two reduction rounds: a cluster of 16 cost more than 8
@@ -89,7 +89,7 @@ STAGE_MAX_BYTES = 128 * 1024
 
 def stage_rows(launch: RowLaunch, x_bits: int, res_bits: int, tuned: bool) -> bool:
     """Whether the forward stages x (and the residual) in shared memory (``RMSNormForward.stage``):
-    OINK_FWD_STAGE where set, else the launch table's choice (``tuned``; without an entry, not: it
+    the ``fwd_stage`` setting where set, else the launch table's choice (``tuned``; without an entry, not: it
     pays only with a launch searched for it, and was slower with the heuristic's launch);
     never for a tile with padding or too big a tile."""
     tile_bytes = launch.rows_per_cta * launch.cols_per_cta * (x_bits + res_bits) // 8

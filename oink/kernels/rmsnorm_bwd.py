@@ -37,7 +37,7 @@ from .rmsnorm import RMSNormForward
 # tile; depth D >= 2: D register sets in rotation (the loop body unrolled D times), D - 1 tiles
 # ahead. RMSNorm gains from the rotation at depth 2 (depth 3 spills at 8192); LayerNorm, near 255
 # registers, loses.
-# OINK_BWD_UPT / OINK_BWD_TPSM / OINK_BWD_DEPTH override; A/B switch: OINK_BWD_EXACT=0 keeps
+# The development settings (oink.config) bwd_upt / bwd_tpsm / bwd_depth override; bwd_exact=False keeps
 # power-of-two threads per row.
 TUNING = {"rmsnorm": (2, 512, 2), "layernorm": (4, 256, 1)}
 # A backward thread holds x, dout and (RMSNorm, depth 2) the next tile's: 128-145 registers for
@@ -68,8 +68,8 @@ def head_launch(launch: RowLaunch, heads: int) -> RowLaunch | None:
 
 
 def _table_key(x_bits: int, layernorm: bool) -> tuple[str, bool]:
-    """(the backward's launch-table key, whether a knob makes it ignore the table: OINK_BWD_UPT or
-    OINK_BWD_EXACT=0 ask for the heuristic's variant)."""
+    """(the backward's launch-table key, whether a setting makes it ignore the table: ``bwd_upt`` or
+    ``bwd_exact=False`` ask for the heuristic's variant)."""
     c = config.get()
     return f"{'layernorm' if layernorm else 'rmsnorm'}_bwd/x{x_bits}", bool(c.bwd_upt or not c.bwd_exact)
 
@@ -82,7 +82,7 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few
     (6144 = 384 threads x 2 x 8 bf16), a row takes that many threads rather than the next power
     of two, whose last access would be idle on a quarter of the threads (512 x 2 x 8 > 6144).
     The launch table's entry for (``rmsnorm_bwd/x<bits>`` or ``layernorm_bwd/x<bits>``, N) wins
-    unless a knob (OINK_BWD_UPT, OINK_BWD_EXACT=0) asks for the heuristic's variant; ``few``: for
+    unless a setting (``bwd_upt``, ``bwd_exact=False``) asks for the heuristic's variant; ``few``: for
     calls of ``launch_table.few_rows`` rows (the key's "/few" entry where there is one)."""
     upt = _knobs(layernorm)[0]
     most = BWD_MAX_THREADS["layernorm" if layernorm else "rmsnorm"]
@@ -114,7 +114,7 @@ def thread_values(launch: RowLaunch) -> int:
 
 @memo
 def backward_tpsm(N: int, x_bits: int, arch: str, layernorm: bool = False, few: bool = False) -> int:
-    """Threads a SM the persistent grid is sized for: OINK_BWD_TPSM, else the launch table's "grid"
+    """Threads a SM the persistent grid is sized for: ``bwd_tpsm``, else the launch table's "grid"
     for the launch ``backward_launch`` takes (its knobs likewise make it ignore the table), else the
     family's default (``TUNING``)."""
     key, knob = _table_key(x_bits, layernorm)
@@ -436,7 +436,7 @@ SPLIT_ROW_GROUPS, SPLIT_DEPTH = 4, 4  # B: CTAs along the rows (partial rows), r
 @memo
 def split_rows(N: int, x_bits: int, arch: str, layernorm: bool) -> bool:
     """Whether the norm backward of rows of N columns takes the split kernels: where a thread of
-    the heuristic's launch would hold more than ``BWD_MAX_VALUES`` (OINK_BWD_SPLIT=0/1 forces it
+    the heuristic's launch would hold more than ``BWD_MAX_VALUES`` (the ``bwd_split`` setting forces it
     off/on, for A/B runs)."""
     forced = config.get().bwd_split
     if forced is not None:

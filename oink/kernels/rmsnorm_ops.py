@@ -189,7 +189,7 @@ def partial_buffers(parts: int, N: int, has_dw: bool, has_db: bool, device, allo
 
 def sum_partials(arch: str, buf, has_dw: bool, has_db: bool, N: int, dtype):
     """(dweight, dbias) in ``dtype`` from the partials: the PartialSum kernel (one launch for both),
-    or with OINK_BWD_PARTIAL_SUM=torch (an A/B switch for benchmarks) one torch fp32 sum and a
+    or with ``bwd_partial_sum="torch"`` (a development setting, to time both) one torch fp32 sum and a
     cast per kind. Each output gets its own storage: a custom op's outputs may not share any."""
     kinds = buf.shape[1]
     if kinds == 0:

@@ -55,7 +55,7 @@ def online_reduction(launch: RowLaunch, mode: str) -> bool:
     values, rescaled at each merge) rather than two. One round saves a barrier (a DSMEM exchange
     over a cluster) but costs exps at every merge. Timed both ways over the sweep suite: the fused
     forward+backward gains at nearly every shape, the forward only over clusters of 16 (where the saved
-    exchange weighs most), and it loses on rows within one CTA (OINK_SOFTMAX_ONLINE=0/1)."""
+    exchange weighs most), and it loses on rows within one CTA (the ``softmax_online`` setting forces it)."""
     return mode == "fwd_bwd" or (mode == "forward" and launch.cluster_n >= 16)
 
 
