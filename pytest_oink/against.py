@@ -153,6 +153,7 @@ class OtherTree:
             other += more["samples"]
             reply["throttled"] = more["throttled"]
             rounds += 1
+        self.ask({"cmd": "done"})  # the worker frees the row's tensors before this session's next row
         config.stash[STATE]["baseline"].setdefault(row.key, []).insert(0, entry())
         return samples, rounds
 
@@ -201,7 +202,7 @@ def finish(config) -> list[str]:
 def worker_main() -> None:
     """Answers one JSON line per request on stdout (whatever else is printed goes to stderr):
     {"cmd": "row", ...} gates and times a row's first round; {"cmd": "round"} times it once more;
-    {"cmd": "quit"} ends."""
+    {"cmd": "done"} frees the row; {"cmd": "quit"} ends."""
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # kernels' and libraries' prints must not break the protocol
     sys.path.insert(0, os.environ["OINK_AGAINST_TREE"])
@@ -216,13 +217,24 @@ def worker_main() -> None:
             break
         if tree not in imported.parents:
             reply = {"status": "not run", "why": f"the worker imported Oink from {imported}, not from {tree}"}
-        elif msg["cmd"] == "row":
-            reply, current = _worker_row(msg)
+        elif msg["cmd"] in ("row", "done"):
+            current = None  # the last row's tensors go (and its cached blocks: the GPU is shared)
+            _free_memory()
+            reply, current = _worker_row(msg) if msg["cmd"] == "row" else ({}, None)
         else:  # one more round of the current row
             time_once, watch = current
             reply = {"samples": list(time_once()), "throttled": watch.record(False)[1] if watch else False}
         proto.write(json.dumps(reply) + "\n")
         proto.flush()
+
+
+def _free_memory() -> None:
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _worker_row(msg):
