@@ -4,6 +4,9 @@ For each op and width: the op runs once to learn the launch keys it looks up; ea
 every key a launch (forced through ``launch_table.OVERRIDES``), which is gated against the op's
 reference (the benchmark gate) and timed (CUDA-graph replay, inputs cycled past L2). ``current`` is
 the library's own choice; ``--peers`` are timed the same way. One JSON line per trial, then a table.
+A rule is ``current``, a name of RULES, ``stream`` / ``held`` (cross-entropy's streaming forced),
+``fixed:TxC[xB]`` (T threads a row, a cluster of C, CTAs of B), ``units:U`` (a streamed pass's accesses)
+or ``file:PATH``; ``+`` joins them (``held+fixed:64x1x64``).
 
     python3 scripts/rule_probe.py --ops rmsnorm_forward,softmax_forward --widths 40960,98304 \
         --rules current,small8,mid8 --peers quack --log $OUT/probe.jsonl
@@ -18,6 +21,7 @@ from pathlib import Path
 import torch
 
 from oink import config  # noqa: E402
+from oink.kernels import cross_entropy as ce  # noqa: E402
 from oink.kernels import launch_table  # noqa: E402
 from oink.kernels.compile import CACHE  # noqa: E402
 from oink.kernels.reduction import RowLaunch, cluster_rows, pick_row_launch  # noqa: E402
@@ -57,6 +61,18 @@ RULES = {
 }
 
 
+# rules that are a development setting the op reads (oink.config.DEV), its launches its own
+SETTING_RULES = {"stream": {"ce_stream": True}, "held": {"ce_stream": False}}
+
+
+def _set_rules(names) -> None:
+    """Only the development settings of ``names`` (SETTING_RULES) in effect; the library re-reads them."""
+    config.DEV.clear()
+    for name in names:
+        config.DEV.update(config.dev_settings(**SETTING_RULES[name]))
+    config.reload()
+
+
 def rows_for(spec, N, itemsize, target=256 << 20) -> int:
     M = 1
     while spec.nbytes(M, N, itemsize) < target and M * N < 2**28:
@@ -80,6 +96,7 @@ def main(argv=None) -> int:
     print(f"# {card}: copy {roof.copy_tbs:.2f} TB/s", flush=True)
     log = open(a.log, "a") if a.log else None
     table = []
+    stream_units = ce.STREAM_UNITS
     for op in a.ops.split(","):
         spec, run = SPECS[op], build(op, "oink", device)
         peers = {}
@@ -95,17 +112,30 @@ def main(argv=None) -> int:
             row = {"op": op, "N": N, "M": M, "card": card, "copy_tbs": roof.copy_tbs}
             for rule in a.rules.split(","):
                 launch_table.OVERRIDES.clear()
+                ce.STREAM_UNITS = stream_units
+                _set_rules(())
+                parts = rule.split("+")  # e.g. stream+fixed:256x2: a setting, then launches on its keys
+                settings = [p for p in parts if p in SETTING_RULES]
+                _set_rules(settings)
+                rkeys = keys_of(spec, run, M, N, dtype, device) if settings else keys
                 shapes = {}
-                if rule.startswith("file:"):  # launches saved by another tree: {"key|arch|N": shape}
-                    saved = json.loads(Path(rule[5:]).read_text())
-                    for (key, arch, width) in keys:
-                        if f"{key}|{arch}|{width}" in saved:
-                            launch_table.OVERRIDES[(key, arch, width)] = tuple(saved[f"{key}|{arch}|{width}"])
-                elif rule != "current":
-                    for (key, arch, width), default in keys.items():
-                        L = RULES[rule](width, default.vec)
-                        shapes[key] = launch_table.OVERRIDES[(key, arch, width)] = (
-                            L.threads_per_row, L.num_threads, L.cluster_n)
+                for part in (p for p in parts if p not in SETTING_RULES):
+                    if part.startswith("file:"):  # launches saved by another tree: {"key|arch|N": shape}
+                        saved = json.loads(Path(part[5:]).read_text())
+                        for (key, arch, width) in rkeys:
+                            if f"{key}|{arch}|{width}" in saved:
+                                launch_table.OVERRIDES[(key, arch, width)] = tuple(saved[f"{key}|{arch}|{width}"])
+                    elif part.startswith("fixed:"):  # fixed:TxC[xB]: T threads a row, a cluster of C, CTAs of B
+                        tpr, cl, *cta = (int(v) for v in part[6:].split("x"))
+                        for (key, arch, width) in rkeys:
+                            launch_table.OVERRIDES[(key, arch, width)] = (tpr, cta[0] if cta else max(128, tpr), cl)
+                    elif part.startswith("units:"):  # units:U: a streamed cross-entropy pass loads U accesses
+                        ce.STREAM_UNITS = int(part[6:])
+                    elif part != "current":
+                        for (key, arch, width), default in rkeys.items():
+                            L = RULES[part](width, default.vec)
+                            shapes[key] = launch_table.OVERRIDES[(key, arch, width)] = (
+                                L.threads_per_row, L.num_threads, L.cluster_n)
                 config.reload()
                 CACHE.clear_used()
                 try:
@@ -124,7 +154,8 @@ def main(argv=None) -> int:
                     log.write(json.dumps(line) + "\n")
                     log.flush()
             launch_table.OVERRIDES.clear()
-            config.reload()
+            ce.STREAM_UNITS = stream_units
+            _set_rules(())
             for p, prun in peers.items():
                 try:
                     g = gate(spec, prun, case, dtype, device)

@@ -234,11 +234,12 @@ def test_softmax_merges_online_where_it_was_measured_faster():
 from oink.kernels.cross_entropy import MODES as CE_MODES  # noqa: E402
 from oink.kernels.cross_entropy import compiled_cross_entropy  # noqa: E402
 
-# vocabularies: tiny and odd (scalar loads), one warp, Llama-2's 32000 (forward: 2 CTAs of 256),
+# vocabularies: tiny and odd (scalar loads), one warp, the forward's CTAs of 64 threads (3072; an odd
+# 8322's window and 9216: 18 accesses a thread), Llama-2's 32000 (forward: 2 CTAs of 256),
 # GPT-2's odd 50257 and cl100k's odd 100277 (shifted rows: an aligned window, the dlogits stored
 # through it; scalar accesses where dlogits' rows lie elsewhere), Llama-3's 128256 (forward: 8 CTAs)
 # and the widest
-CE_WIDTHS = [7, 64, 1000, 3072, 32000, 50257, 65536, 100277, 128256, 262144]
+CE_WIDTHS = [7, 64, 1000, 3072, 8322, 9216, 32000, 50257, 65536, 100277, 128256, 262144]
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -276,9 +277,19 @@ def test_cross_entropy_streams_wide_rows(monkeypatch):
     from oink.kernels import cross_entropy as ce
 
     set_dev(monkeypatch, ce_stream=None)
-    assert not ce.stream_rows(32000, 16) and ce.stream_rows(128256, 16) and ce.stream_rows(65536, 32)
+    # 16-bit rows past 64 threads x 18 accesses stream, fp32 rows past 4096 accesses
+    assert not ce.stream_rows(9216, 16) and ce.stream_rows(9224, 16) and ce.stream_rows(32000, 16)
+    assert not ce.stream_rows(16384, 32) and ce.stream_rows(16388, 32)
     assert not ce.stream_rows(128256, 16, "backward") and not ce.stream_rows(128256, 16, "fwd_bwd")
     assert [ce.stream_launch(N, 16).cluster_n for N in (32000, 128256, 256000)] == [1, 2, 4]
+    assert [ce.stream_launch(N, 16).threads_per_row for N in (9224, 32768, 32776, 128256)] == [128, 128, 256, 256]
+    # held forward rows of 257-1152 accesses: one CTA of 64 threads, aligned or a shifted window
+    for N in (2056, 2512, 4008, 9216):
+        for shifted in (False, True):
+            L = ce.cross_entropy_launch(N, 16, "sm_90a", "forward", shifted)
+            assert (L.threads_per_row, L.num_threads, L.cluster_n) == (64, 64, 1), (N, L)
+    assert ce.cross_entropy_launch(2048, 16, "sm_90a").num_threads == 128  # 4 accesses a thread: 2 rows a CTA
+    assert ce.cross_entropy_launch(4008, 16, "sm_90a", "backward").threads_per_row != 64
     two_rows = RowLaunch(N=4096, vec=8, threads_per_row=128, num_threads=256)
     with pytest.raises(ValueError, match="streamed row"):
         ce.CrossEntropy(two_rows, None, None, "forward", stream=True)

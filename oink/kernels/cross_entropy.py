@@ -39,16 +39,17 @@ MODES = ("forward", "backward", "fwd_bwd")
 
 def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", shifted: bool = False) -> RowLaunch:
     """Launch heuristic for the cross-entropy family's register-held rows (with ``stream_launch``,
-    the one place it is chosen). The forward only reads: a row wider than one CTA of 256 threads at 8
-    units a thread goes to CTAs of 256 threads over a cluster of up to 8, where more, smaller CTAs a
-    SM keep more rows loading while others reduce (4096 x 32000 bf16 on H100: 86 us over 2 CTAs of
-    256 against 112 us on one of 1024). Wider forward rows stream (``stream_rows``); with streaming
-    off (OINK_CE_STREAM=0) a 16-bit sm_90a forward past 8 CTAs of 256 takes a cluster of 16 (a
-    non-portable size, as Quack's), elsewhere CTAs of up to 1024 threads. The modes that write
-    dlogits lose more to a spill: 5 units a thread, then a larger cluster (128256: 129 -> 97 us over
-    4 CTAs instead of 2). A ``shifted`` launch (rows off 16-byte boundaries; N is its window) keeps
-    a register-held forward on one CTA of up to 1024 threads as long as it can; the dlogits modes'
-    is their usual one."""
+    the one place it is chosen). A forward row of more than 4 and at most ``HELD_MAX_UNITS`` accesses
+    a thread at ``HELD_THREADS`` threads takes one CTA of those threads, aligned or ``shifted`` (rows
+    off 16-byte boundaries; N is their window). Wider forward rows held in registers (fp32 rows short
+    of streaming, or streaming off) take CTAs of 256 threads over a cluster of up to 8: more, smaller
+    CTAs a SM keep more rows loading while others reduce; a 16-bit sm_90a forward past 8 CTAs of 256
+    takes a cluster of 16 (a non-portable size, as Quack's); a shifted one, one CTA of up to 1024
+    threads as long as it can. The modes that write dlogits lose more to a spill: 5 units a thread,
+    then a larger cluster."""
+    vec = math.gcd(N, 128 // x_bits)
+    if mode == "forward" and HELD_THREADS * 4 < N // vec <= HELD_THREADS * HELD_MAX_UNITS:
+        return RowLaunch(N=N, vec=vec, threads_per_row=HELD_THREADS, num_threads=HELD_THREADS)
     if mode == "forward" and not shifted:
         small = pick_row_launch(N, x_bits, units_per_thread=8, max_units_per_thread=8, max_threads=256)
         units = N // small.vec
@@ -61,10 +62,15 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", 
 
 # A streamed forward row: each pass loads this many 128-bit units a thread and folds them into the
 # thread's running (max, sum of exp) pair, so registers bound neither the row's width nor the CTAs a
-# SM (H100, 512 x 256000 bf16: 90 us streamed against 100 us held in registers over 16 CTAs; 2 or
-# 8 units a pass, or no unrolled pass, were no faster)
+# SM: small CTAs, many of them a SM, keep more loads in flight than one holding the row
 STREAM_UNITS = 4
-# rows of more units than this stream (32768 bf16 columns); at 32000 streaming was even (0.99-1.01)
+# A register-held forward row takes one CTA of this many threads, each holding up to HELD_MAX_UNITS
+# accesses: few threads a row, each with many loads in flight, many CTAs a SM (Quack's rule holds rows
+# so too); wider forward rows stream (bench/RESULTS.md, "Cross-entropy forward")
+HELD_THREADS = 64
+HELD_MAX_UNITS = 18
+# fp32 forward rows stream past this many accesses: held over the older rule's CTAs up to here, they were as
+# fast as streamed or faster
 STREAM_MIN_UNITS = 4096
 
 
@@ -76,18 +82,20 @@ def stream_rows(N: int, x_bits: int, mode: str = "forward") -> bool:
     forced = config.get().ce_stream
     if forced is not None:
         return forced
-    return mode == "forward" and N // math.gcd(N, 128 // x_bits) > STREAM_MIN_UNITS
+    held = HELD_THREADS * HELD_MAX_UNITS if x_bits == 16 else STREAM_MIN_UNITS
+    return mode == "forward" and N // math.gcd(N, 128 // x_bits) > held
 
 
 def stream_launch(N: int, x_bits: int) -> RowLaunch:
     """A streamed forward's launch: one row a CTA of 256 threads, over a cluster of up to 8 CTAs
-    so a thread passes over about 32 units."""
+    so a thread passes over about 32 units; 128 threads up to 32 units each."""
     vec = math.gcd(N, 128 // x_bits)
     units = N // vec
+    threads = 128 if units <= 128 * 32 else 256
     cluster_n = 1
-    while units > 256 * 32 * cluster_n and cluster_n < MAX_CLUSTER:
+    while units > threads * 32 * cluster_n and cluster_n < MAX_CLUSTER:
         cluster_n *= 2
-    return RowLaunch(N=N, vec=vec, threads_per_row=256, num_threads=256, cluster_n=cluster_n)
+    return RowLaunch(N=N, vec=vec, threads_per_row=threads, num_threads=threads, cluster_n=cluster_n)
 
 
 @dataclasses.dataclass(frozen=True)
