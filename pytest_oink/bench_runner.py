@@ -56,6 +56,42 @@ def provider_compile_failed(e: Exception) -> bool:
     return isinstance(e, (BackendCompilerFailed, InductorError))
 
 
+def out_of_memory(e: Exception) -> bool:
+    import torch
+
+    return isinstance(e, torch.cuda.OutOfMemoryError)
+
+
+def refusal(error_line: str) -> str:
+    """An out-of-memory error (its first line) as the reason a row was not run, the memory it held
+    freed first: a provider that needs more memory than the device has at a shape refuses it, it
+    does not fail. Called outside the ``except`` block, so the error's frames are gone."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    return f"out of memory at this shape ({error_line[:200]})"
+
+
+def peak_memory(run, args, device) -> int | None:
+    """The most memory allocated during one untimed call of ``run`` beyond what was allocated just
+    before it (the inputs and everything else held then): the call's workspace and outputs, in
+    bytes. None off a GPU (torch counts CUDA allocations only)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = run(args)
+    torch.cuda.synchronize(device)
+    del out
+    return torch.cuda.max_memory_allocated(device) - base
+
+
 def _outputs(out) -> tuple:
     """A callable's outputs as a tuple: a single tensor returned bare is one output (``len`` of a
     tensor would count its rows)."""
@@ -68,6 +104,8 @@ def gate(spec, run, case, dtype, device) -> dict:
     """Worst error stats over the seeds; ``passed`` False if any output of any seed fails or the
     provider raises (the exception is the report)."""
     rows = max(1, min(case.M, GATE_MAX_ELEMS // max(case.N, 1)))
+    if 8 < rows < case.M:
+        rows -= rows % 8  # capped: whole 8-row groups, as the suites' M are (peers' matmul paths need them)
     case = dataclasses.replace(case, M=rows)
     worst = {"passed": True, "max_abs": 0.0, "rel_l2": 0.0, "p99_abs": 0.0, "rows_checked": rows}
     for seed in GATE_SEEDS:
@@ -81,14 +119,21 @@ def gate(spec, run, case, dtype, device) -> dict:
                 _EXPECTED.clear()  # one case's outputs at a time
             expected = spec.reference(_clone(args))
             _EXPECTED[key] = (spec, expected)
+        oom = None
         try:
             actual = run(_clone(args))
+        except Unavailable:  # a provider that finds it can't serve these inputs says so
+            raise
         except Exception as e:  # noqa: BLE001  (a crashing provider is a failed row, not a crashed session)
             if provider_compile_failed(e):
                 raise Unavailable(f"torch.compile could not compile it here: {_first_line(e)}") from None
-            worst["passed"] = False
-            worst["report"] = f"seed {seed}: raised {type(e).__name__}: {e}"
-            return worst
+            if not out_of_memory(e):
+                worst["passed"] = False
+                worst["report"] = f"seed {seed}: raised {type(e).__name__}: {e}"
+                return worst
+            oom = _first_line(e)
+        if oom is not None:  # raised here, its frames (and their tensors) gone with the exception
+            raise Unavailable(refusal(oom))
         actual, expected = _outputs(actual), _outputs(expected)
         if len(actual) != len(expected):
             worst["passed"] = False
@@ -181,8 +226,18 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
         row.status = "failed"
         return row
     watch = _clock_watch(request.config, device)
-    samples, time_once = _time_row(request, case, provider, run, spec, dtype, device, row,
-                                   wrap=watch.wrap if watch else None)
+    try:
+        row.peak_mem_bytes = peak_memory(run, _inputs(spec, case, dtype, device, 100), device)
+        samples, time_once = _time_row(request, case, provider, run, spec, dtype, device, row,
+                                       wrap=watch.wrap if watch else None)
+    except Exception as e:  # noqa: BLE001  (re-raised unless it is an out-of-memory refusal)
+        if not out_of_memory(e):
+            raise
+        oom = _first_line(e)
+    else:
+        oom = None
+    if oom is not None:
+        pytest.skip(f"{provider}: {refusal(oom)}")
     retimed = False
     if watch is not None and watch.last_causes() and time_once is not None:
         watch.drop_last()  # timed while the card was held down: once more, the first round's samples dropped

@@ -752,3 +752,6 @@ def build(op: str, name: str, device):
     except KeyError:
         raise Unavailable(f"no provider {name!r} for {op}") from None
     return builder(device)
+
+
+from . import training  # noqa: E402,F401  (registers the training suite's specs and providers)

@@ -14,7 +14,11 @@ from .modes import describe as describe_modes
 
 CSV_FIELDS = ("suite", "seed", "op", "provider", "label", "M", "N", "dtype", "device", "status", "method", "mode",
               "median_ms", "min_ms", "spread", "bytes", "tbs", "roofline_frac", "max_abs_err", "rel_l2_err",
-              "p99_abs_err", "registers", "spill_bytes", "static_smem", "occupancy", "test", "sm_mhz_min", "throttled")
+              "p99_abs_err", "registers", "spill_bytes", "static_smem", "occupancy", "test", "sm_mhz_min", "throttled",
+              "peak_mem_mib")
+PEAK_MEMORY = ("memory allocated during one untimed call beyond what was allocated before it (the inputs and all "
+               "else held): the call's workspace and outputs; n/a where not measured (CPU rows: torch counts CUDA "
+               "allocations only)")
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Row:
     retimes: int = 0  # extra rounds timed because the gate was unsure of the row (verdicts.RETIME_ROUNDS at most)
     clocks: dict = field(default_factory=dict)  # SM clocks and clock-event reasons around its rounds (clocks.Watch)
     throttled: bool = False  # timed while the GPU was held down, after one re-timing: never SLOWER in the gate
+    peak_mem_bytes: int | None = None  # PEAK_MEMORY of one call, in bytes; None where not measured (CPU)
 
     @property
     def key(self):
@@ -64,7 +69,7 @@ class Row:
              "roofline_tbs": self.roofline_tbs, "roofline_frac": self.roofline_frac, "method": self.method,
              "mode": self.mode,
              "spread": self.spread, "gate": self.gate, "samples": list(self.samples), "retimes": self.retimes,
-             "clocks": self.clocks, "throttled": self.throttled}
+             "clocks": self.clocks, "throttled": self.throttled, "peak_mem_bytes": self.peak_mem_bytes}
         if self.profile:
             d["profile"] = self.profile
         return d
@@ -86,7 +91,17 @@ class Row:
             # the lowest SM clock read around its rounds, and 1 where it ran held down ("" where not read)
             "sm_mhz_min": min((m for m in self.clocks.get("sm_mhz", ()) if m), default=""),
             "throttled": int(self.throttled) if self.clocks else "",
+            "peak_mem_mib": mib(self.peak_mem_bytes),
         }
+
+
+def mib(nbytes: int | None) -> str:
+    """Bytes as MiB for the CSV and summary; "n/a" where not measured (never 0)."""
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
+def from_mib(text) -> int | None:
+    return None if text in (None, "", "n/a") else round(float(text) * 2**20)
 
 
 def read_csv(path) -> list:
@@ -110,7 +125,8 @@ def read_csv(path) -> list:
                             roofline_tbs=tbs / frac if tbs and frac else None, gate=gate, profile=profile,
                             test=d["test"], seed=int(d["seed"]) if d.get("seed") else None,
                             throttled=d.get("throttled") == "1",
-                            clocks={"sm_mhz": [int(d["sm_mhz_min"])]} if d.get("sm_mhz_min") else {}))
+                            clocks={"sm_mhz": [int(d["sm_mhz_min"])]} if d.get("sm_mhz_min") else {},
+                            peak_mem_bytes=from_mib(d.get("peak_mem_mib"))))
     return rows
 
 
@@ -243,6 +259,11 @@ def summary_markdown(rows, roofline=None) -> str:
                                     f"{r.profile['static_smem']} B smem, occupancy {r.profile['occupancy']}"
                                     if "registers" in r.profile else r.profile.get("error", "n/a"))
                 for r in profiled)]
+        lines += ["", f"Peak memory, MiB ({PEAK_MEMORY}):", "",
+                  "| M | N | dtype | " + " | ".join(f"{p} MiB" for p in provs) + " |", "|" + "---|" * (len(provs) + 3)]
+        for M, N, dt in shapes:
+            cs = ["-" if (p, M, N, dt) not in cell else mib(cell[(p, M, N, dt)].peak_mem_bytes) for p in provs]
+            lines.append(f"| {M} | {N} | {dt} | " + " | ".join(cs) + " |")
         if op in sp:
             lines += ["", "Geomean speedup of oink: " + ", ".join(
                 f"vs {p} {geomean(v):.2f}x (min {min(v):.2f}x, {len(v)} shapes)" for p, v in sorted(sp[op].items()))]
@@ -251,37 +272,52 @@ def summary_markdown(rows, roofline=None) -> str:
 
 
 def write_svg(rows, directory, roofline=None) -> list[str]:
-    """One SVG per (suite, op): TB/s per shape per provider, the measured roofline drawn."""
+    """Per (suite, op): an SVG of TB/s per shape per provider with the measured roofline drawn (ms
+    for ops that count no bytes: the training suite's), and one of peak memory where rows have it."""
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    for suite, op in sorted({(r.suite, r.op) for r in rows}):
+        ok = [r for r in rows if r.suite == suite and r.op == op and r.status == "ok"]
+        sel = [r for r in ok if r.tbs]
+        if sel:
+            line = (roofline.copy_tbs, f"copy {roofline.copy_tbs:.2f} TB/s") if roofline is not None else None
+            written.append(_plot(sel, lambda r: r.tbs, "TB/s", f"{op} ({suite})", line,
+                                 os.path.join(directory, f"{suite}-{op}.svg")))
+        elif any(r.median_s for r in ok):
+            written.append(_plot([r for r in ok if r.median_s], lambda r: r.median_s * 1e3, "ms per call",
+                                 f"{op} ({suite})", None, os.path.join(directory, f"{suite}-{op}.svg")))
+        mem = [r for r in ok if r.peak_mem_bytes is not None]
+        if mem:
+            written.append(_plot(mem, lambda r: r.peak_mem_bytes / 2**20, "peak MiB (beyond the inputs)",
+                                 f"{op} ({suite}): peak memory", None,
+                                 os.path.join(directory, f"{suite}-{op}-memory.svg")))
+    return written
+
+
+def _plot(sel, value, ylabel: str, title: str, hline, path: str) -> str:
+    """``value(row)`` per shape, one line per provider (Oink first); ``hline``: (y, label) or None."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    os.makedirs(directory, exist_ok=True)
-    written = []
-    for suite, op in sorted({(r.suite, r.op) for r in rows}):
-        sel = [r for r in rows if r.suite == suite and r.op == op and r.status == "ok" and r.tbs]
-        if not sel:
-            continue
-        shapes = sorted({(r.M, r.N) for r in sel})
-        fig, ax = plt.subplots(figsize=(max(6, len(shapes) * 0.6), 4))
-        for prov in sorted({r.provider for r in sel}, key=lambda p: (p != "oink", p)):
-            pts = {(r.M, r.N): r.tbs for r in sel if r.provider == prov}
-            xs = [i for i, s in enumerate(shapes) if s in pts]
-            ax.plot(xs, [pts[shapes[i]] for i in xs], marker="o", label=prov)
-        if roofline is not None:
-            ax.axhline(roofline.copy_tbs, color="black", linestyle="--", label=f"copy {roofline.copy_tbs:.2f} TB/s")
-        ax.set_xticks(range(len(shapes)))
-        ax.set_xticklabels([f"{M}x{N}" for M, N in shapes], rotation=45, ha="right", fontsize=7)
-        ax.set_ylabel("TB/s")
-        ax.set_title(f"{op} ({suite})")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(directory, f"{suite}-{op}.svg")
-        fig.savefig(path, format="svg")
-        plt.close(fig)
-        written.append(path)
-    return written
+    shapes = sorted({(r.M, r.N) for r in sel})
+    fig, ax = plt.subplots(figsize=(max(6, len(shapes) * 0.6), 4))
+    for prov in sorted({r.provider for r in sel}, key=lambda p: (p != "oink", p)):
+        pts = {(r.M, r.N): value(r) for r in sel if r.provider == prov}
+        xs = [i for i, s in enumerate(shapes) if s in pts]
+        ax.plot(xs, [pts[shapes[i]] for i in xs], marker="o", label=prov)
+    if hline is not None:
+        ax.axhline(hline[0], color="black", linestyle="--", label=hline[1])
+    ax.set_xticks(range(len(shapes)))
+    ax.set_xticklabels([f"{M}x{N}" for M, N in shapes], rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, format="svg")
+    plt.close(fig)
+    return path
 
 
 @dataclass(frozen=True)

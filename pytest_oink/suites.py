@@ -131,7 +131,24 @@ def _random_shapes(op: str, seed: int, dtype: str = "bfloat16"):
     return sorted(shapes)
 
 
-DEDICATED = ("fp8",)  # suites that run only the ops whose spec names them (OpSpec.only_in)
+# The training suite: lm heads of real models and their loss (linear cross-entropy, forward and
+# backward). op -> (model, vocabulary V, hidden H, logit softcap or None, tokens M a step). A case's N
+# is V (--oink-configs MxN: M tokens, vocabulary N, the op's hidden size). The largest M only where
+# the suite's time allows: each row is a few full training steps' lm heads.
+TRAINING_MODELS = {
+    "linear_cross_entropy_llama3": ("Llama-3 8B", 128256, 4096, None, (4096, 16384, 32768)),
+    "linear_cross_entropy_qwen7b": ("Qwen-2.5 7B", 151936, 3584, None, (4096, 16384)),
+    "linear_cross_entropy_qwen14b": ("Qwen-2.5 14B", 151936, 5120, None, (4096, 16384)),
+    "linear_cross_entropy_gemma2": ("Gemma-2 2B", 256000, 2304, 30.0, (4096, 16384)),
+}
+
+
+def _training_shapes(op: str):
+    model = TRAINING_MODELS.get(op)
+    return [(M, model[1]) for M in model[4]] if model else []
+
+
+DEDICATED = ("fp8", "training")  # suites that run only the ops whose spec names them (OpSpec.only_in)
 HOST_TIMED = ("launch",)  # suites timed as eager calls on the host (bench_runner), not as kernels
 SEEDED = ("random",)  # suites whose shapes are drawn from --oink-seed: called (op, seed, dtype)
 SUITES = {
@@ -143,6 +160,7 @@ SUITES = {
     "launch": lambda op: [(1, 4096), (128, 4096)],
     "smoke": lambda op: [(4, 128), (64, 1024)],
     "random": _random_shapes,
+    "training": _training_shapes,
 }
 # what each suite is, and whether it is sized for a GPU (skipped on a CPU unless asked)
 ABOUT = {
@@ -156,6 +174,8 @@ ABOUT = {
     "random": ("random widths 256-262144 drawn from --oink-seed per op (vocabularies 3072-262144 for "
                "cross-entropy; odd and non-power-of-two widths), rows moving >= 64 MB, plus decode rows 1-1024 "
                "at the 3 narrowest", True),
+    "training": ("lm head + loss, forward and backward (linear cross-entropy): Llama-3, Qwen-2.5 7B/14B, Gemma-2 "
+                 "(softcap 30) vocabularies and hidden sizes, M 4096-32768 tokens; time and peak memory", True),
 }
 
 # how long a suite took where it was measured (bench/RESULTS.md, "Suite runs"); None: not yet timed
@@ -167,6 +187,7 @@ DURATION = {
     "smoke": "about a minute on a 2-core CPU",
     "nvfp4": None,
     "random": None,
+    "training": None,
     "sweep": "7.5 min on one H100 for its 12 norm, softmax and cross-entropy ops with every peer (1663 rows,"
              " before its 2048 x 131072 and 1024 x 262144 shapes)",
 }
@@ -215,14 +236,14 @@ def expand(suite: str, ops=None, configs=None, dtype: str = "bfloat16", seed: in
         raise ValueError(f"--oink-ops: unknown {unknown}; known: {', '.join(SPECS)}")
     cases = []
     for op in ops or SPECS:
+        if suite not in SPECS[op].only_in and (SPECS[op].only_in or suite in DEDICATED):
+            continue  # not this suite's op: its shapes are never drawn
         if configs:
             shapes = parse_configs(configs)
         else:
             shapes = SUITES[suite](op, seed, dtype) if suite in SEEDED else SUITES[suite](op)
         for M, N in shapes:
             if N % SPECS[op].block:  # FP4 blocks and FP8 groups must tile the row
-                continue
-            if suite not in SPECS[op].only_in and (SPECS[op].only_in or suite in DEDICATED):
                 continue
             cases.append(Case(suite, op, M, N, dtype, seed if suite in SEEDED else None))
     return cases

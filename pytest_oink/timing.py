@@ -125,11 +125,17 @@ def time_cuda_graph(fn, rotation, calls_per_replay: int | None = None, replays: 
     calls = calls_per_replay or max(10, len(rotation.sets))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
     with torch.cuda.stream(stream):
         for _ in range(max(warmup, len(rotation.sets))):  # every input set once: per-set lazy work stays out
             fn(rotation())
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    if calls_per_replay is None and budget_s is not None:
+        # calls of tens of ms (a training step's lm head): fewer a replay, so that the replays fit the budget
+        per_call = (time.perf_counter() - t0) / max(warmup, len(rotation.sets))
+        calls = max(len(rotation.sets), min(calls, math.ceil(budget_s / per_call)))
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):

@@ -31,6 +31,14 @@ _OVERRIDES = {
     ("fp8_code_step", "float32"): (1.0, 0.0),
     # FP8 scales: a fused op's amax may come from values one bf16 ulp away (2^-8 relative)
     ("fp8_scale", "float32"): (0.0, 1e-2),
+    # linear cross-entropy (training suite): the loss from 16-bit logits (each rounded once; capped
+    # eagerly in bf16 by torch's eager peer), the gradients as their shapes (over their root mean
+    # square: elements far above it round at their own magnitude) and their root mean squares
+    ("linear_ce_loss", "float32"): (1e-3, 2e-3),
+    ("linear_ce_grad", "bfloat16"): (0.125, 0.25),
+    ("linear_ce_grad", "float16"): (0.03, 0.06),
+    ("linear_ce_grad", "float32"): (1e-3, 1e-2),
+    ("linear_ce_scale", "float32"): (0.0, 1.5e-2),
 }
 
 
