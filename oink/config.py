@@ -63,10 +63,8 @@ class Config:
     bwd_tpsm: int | None = None  # depth (sweeps' dials)
     bwd_depth: int | None = None
     bwd_split: bool | None = None  # the norm backward's split kernels (forced either way)
-    bwd_partial_sum: str = "kernel"  # "torch": a torch sum of the backward's dweight partials
     softmax_online: bool | None = None  # the softmax's max and sum in one reduction round (forced either way)
     ce_stream: bool | None = None  # the cross-entropy kernels stream their rows (forced either way)
-    bwd_exact: bool = True  # False: power-of-two threads per row only in the norm backward
 
 
 DEV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not dataclasses.MISSING}
@@ -74,11 +72,12 @@ DEV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.defau
 DEV: dict = {}
 
 
-# OINK_* variables once read, now development settings: named in a warning where one is still set
+# OINK_* variables once read: now development settings, or (None) settled comparisons whose losing side
+# is gone (the partials' sum in torch, power-of-two backward rows); named in a warning where one is still set
 RETIRED = {"OINK_FWD_UPT": "fwd_upt", "OINK_FWD_LATE": "fwd_late", "OINK_FWD_STAGE": "fwd_stage",
            "OINK_FP4_UPT": "fp4_upt", "OINK_BWD_UPT": "bwd_upt", "OINK_BWD_TPSM": "bwd_tpsm",
-           "OINK_BWD_DEPTH": "bwd_depth", "OINK_BWD_SPLIT": "bwd_split", "OINK_BWD_PARTIAL_SUM": "bwd_partial_sum",
-           "OINK_SOFTMAX_ONLINE": "softmax_online", "OINK_CE_STREAM": "ce_stream", "OINK_BWD_EXACT": "bwd_exact"}
+           "OINK_BWD_DEPTH": "bwd_depth", "OINK_BWD_SPLIT": "bwd_split", "OINK_BWD_PARTIAL_SUM": None,
+           "OINK_SOFTMAX_ONLINE": "softmax_online", "OINK_CE_STREAM": "ce_stream", "OINK_BWD_EXACT": None}
 
 
 def _warn_retired() -> None:
@@ -86,9 +85,9 @@ def _warn_retired() -> None:
         if os.environ.get(name, "").strip():
             import warnings
 
-            warnings.warn(f"{name} is no longer read: the rule decides; to force it (tests, sweeps) use "
-                          f"oink.config.override({setting}=...) or python -m oink.tune --set {setting}=...",
-                          stacklevel=3)
+            how = (f"to force it (tests, sweeps) use oink.config.override({setting}=...) or python -m oink.tune "
+                   f"--set {setting}=..." if setting else "the comparison is settled and its other side removed")
+            warnings.warn(f"{name} is no longer read: {how}", stacklevel=3)
 
 
 def _from_env() -> Config:

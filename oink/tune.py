@@ -150,8 +150,6 @@ def dev_settings(ap, items) -> dict:
             out[name] = config.truthy(text)
         elif "int" in kind and text.isdigit():
             out[name] = int(text)
-        elif kind == "str" and text:
-            out[name] = text
         else:
             ap.error(f"--set {item!r}: not a value for {name} ({kind})")
     return out

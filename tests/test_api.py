@@ -359,7 +359,7 @@ def test_knobs_are_read_once_and_reloaded(monkeypatch):
     monkeypatch.setenv("OINK_PDL", "0")
     assert config.get() is before  # the hot path does not read the environment
     set_knob(monkeypatch, "OINK_PDL", "0")
-    assert not config.get().pdl and config.get().bwd_partial_sum == "kernel"
+    assert not config.get().pdl and config.get().bwd_depth is None
 
 
 def test_development_settings_are_not_environment_knobs(monkeypatch):
@@ -391,8 +391,8 @@ def test_tune_set_parses_development_settings():
     from oink import tune
 
     ap = argparse.ArgumentParser()
-    assert tune.dev_settings(ap, ["bwd_depth=3", "fwd_stage=1", "ce_stream=none", "bwd_partial_sum=torch"]) == {
-        "bwd_depth": 3, "fwd_stage": True, "ce_stream": None, "bwd_partial_sum": "torch"}
+    assert tune.dev_settings(ap, ["bwd_depth=3", "fwd_stage=1", "ce_stream=none", "softmax_online=off"]) == {
+        "bwd_depth": 3, "fwd_stage": True, "ce_stream": None, "softmax_online": False}
     for bad in ("nope=1", "bwd_depth=x", "fwd_stage=maybe", "bwd_depth"):
         with pytest.raises(SystemExit):
             tune.dev_settings(ap, [bad])

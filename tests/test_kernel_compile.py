@@ -125,7 +125,7 @@ def test_forward_launch_for_a_wider_weight(monkeypatch):
 
 def test_backward_launch_whole_warp_rows(monkeypatch):
     """Rows that whole warps cover exactly take that many threads (no idle last access); others
-    keep the power-of-two shape, and ``bwd_exact=False`` restores it everywhere."""
+    keep the power-of-two shape."""
     from oink.kernels.rmsnorm_bwd import backward_launch
 
     for N, tpr in ((6144, 384), (7168, 448), (8192, 512), (4096, 256)):
@@ -133,8 +133,6 @@ def test_backward_launch_whole_warp_rows(monkeypatch):
         assert (L.threads_per_row, L.num_threads, L.even_n, L.iters) == (tpr, tpr, True, 2), L
     assert backward_launch(7168, 16, "sm_90a", layernorm=True).threads_per_row == 224  # 4 accesses
     assert not backward_launch(1000, 16, "sm_90a").even_n  # 125 accesses: no whole-warp split
-    set_dev(monkeypatch, bwd_exact=False)
-    assert backward_launch(6144, 16, "sm_90a").threads_per_row == 512
     with pytest.raises(ValueError, match="whole warps"):
         RowLaunch(N=6144, vec=8, threads_per_row=48, num_threads=96)
 

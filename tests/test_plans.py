@@ -180,7 +180,7 @@ def test_no_plan_where_a_copy_is_needed(recorder):
 
 
 def test_norm_backward_plans_leave_copies_to_the_runner(recorder):
-    """A strided row statistic, per-head weights or the torch partial sum keep the runner."""
+    """A strided row statistic or per-head weights keep the runner."""
     route = dispatch.Route("rmsnorm_backward", "kernel", "test", "sm_90a")
     base = dict(x=_x(4, 256), weight=torch.randn(256), dout=_x(4, 256), rstd=torch.rand(4), dresidual_out=None,
                 has_bias=False, has_residual=False, weight_offset=0.0)
@@ -189,16 +189,6 @@ def test_norm_backward_plans_leave_copies_to_the_runner(recorder):
     heads = dict(base, x=_x(4, 256).view(4, 2, 128), dout=_x(4, 256).view(4, 2, 128), rstd=torch.rand(4, 2),
                  weight=torch.randn(2, 128))
     assert dispatch.with_plan(route, heads).plan is None
-
-
-def test_norm_backward_plan_off_with_the_torch_partial_sum(recorder, monkeypatch):
-    from tests.helpers import set_dev
-
-    set_dev(monkeypatch, bwd_partial_sum="torch")
-    route = dispatch.Route("layernorm_backward", "kernel", "test", "sm_90a")
-    args = dict(dout=_x(4, 256), x=_x(4, 256), weight=torch.randn(256), rstd=torch.rand(4), mean=torch.rand(4),
-                bias=None)
-    assert dispatch.with_plan(route, args).plan is None
 
 
 @pytest.mark.parametrize("M,few", [(32, True), (33, False)])

@@ -37,8 +37,8 @@ from .rmsnorm import RMSNormForward
 # tile; depth D >= 2: D register sets in rotation (the loop body unrolled D times), D - 1 tiles
 # ahead. RMSNorm gains from the rotation at depth 2 (depth 3 spills at 8192); LayerNorm, near 255
 # registers, loses.
-# The development settings (oink.config) bwd_upt / bwd_tpsm / bwd_depth override; bwd_exact=False keeps
-# power-of-two threads per row.
+# The development settings (oink.config) bwd_upt / bwd_tpsm / bwd_depth override, for sweeps; a row
+# takes whole warps where they tile it (``whole_warp_rows``, which replaced power-of-two rows).
 TUNING = {"rmsnorm": (2, 512, 2), "layernorm": (4, 256, 1)}
 # A backward thread holds x, dout and (RMSNorm, depth 2) the next tile's: 128-145 registers for
 # RMSNorm's 2 units, 216-255 for LayerNorm's 4, so CTAs stop where the register file allows them
@@ -68,10 +68,10 @@ def head_launch(launch: RowLaunch, heads: int) -> RowLaunch | None:
 
 
 def _table_key(x_bits: int, layernorm: bool) -> tuple[str, bool]:
-    """(the backward's launch-table key, whether a setting makes it ignore the table: ``bwd_upt`` or
-    ``bwd_exact=False`` ask for the heuristic's variant)."""
+    """(the backward's launch-table key, whether a setting makes it ignore the table: ``bwd_upt``
+    asks for the heuristic's variant)."""
     c = config.get()
-    return f"{'layernorm' if layernorm else 'rmsnorm'}_bwd/x{x_bits}", bool(c.bwd_upt or not c.bwd_exact)
+    return f"{'layernorm' if layernorm else 'rmsnorm'}_bwd/x{x_bits}", bool(c.bwd_upt)
 
 
 @memo
@@ -82,13 +82,13 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few
     (6144 = 384 threads x 2 x 8 bf16), a row takes that many threads rather than the next power
     of two, whose last access would be idle on a quarter of the threads (512 x 2 x 8 > 6144).
     The launch table's entry for (``rmsnorm_bwd/x<bits>`` or ``layernorm_bwd/x<bits>``, N) wins
-    unless a setting (``bwd_upt``, ``bwd_exact=False``) asks for the heuristic's variant; ``few``: for
+    unless a setting (``bwd_upt``) asks for the heuristic's variant; ``few``: for
     calls of ``launch_table.few_rows`` rows (the key's "/few" entry where there is one)."""
     upt = _knobs(layernorm)[0]
     most = BWD_MAX_THREADS["layernorm" if layernorm else "rmsnorm"]
     launch = _fitted_launch(N, x_bits, arch, layernorm)
-    if config.get().bwd_exact:
-        launch = whole_warp_rows(launch, upt, most)
+    # whole warps where they tile the row exactly (power-of-two rows otherwise)
+    launch = whole_warp_rows(launch, upt, most)
     key, knob = _table_key(x_bits, layernorm)
     return pick(key, arch, launch, knob, few)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import config
 from .compile import CACHE, current_stream, stream_of
 from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector,
                    ptr, resident_clusters, rows_view, vec_for, width_reason)
@@ -188,22 +187,16 @@ def partial_buffers(parts: int, N: int, has_dw: bool, has_db: bool, device, allo
 
 
 def sum_partials(arch: str, buf, has_dw: bool, has_db: bool, N: int, dtype):
-    """(dweight, dbias) in ``dtype`` from the partials: the PartialSum kernel (one launch for both),
-    or with ``bwd_partial_sum="torch"`` (a development setting, to time both) one torch fp32 sum and a
-    cast per kind. Each output gets its own storage: a custom op's outputs may not share any."""
+    """(dweight, dbias) in ``dtype`` from the partials: the PartialSum kernel, one launch for both (it
+    replaced a torch fp32 sum and a cast per kind). Each output gets its own storage: a custom op's
+    outputs may not share any."""
     kinds = buf.shape[1]
     if kinds == 0:
         return None, None
-    if config.get().bwd_partial_sum != "torch":
-        outs = [torch.empty(N, device=buf.device, dtype=dtype) for _ in range(kinds)]
-        fn = compiled_partial_sum(N, kinds, dtype_name(outs[0]), arch)
-        fn(ptr(buf), ptr(outs[0], outs[0].element_size()), ptr(outs[-1], outs[-1].element_size()) if kinds == 2
-           else None, buf.shape[0], current_stream(buf.device))
-    else:
-        total = buf.sum(0)
-        outs = [total[i, :N].to(dtype) for i in range(kinds)]
-        if kinds == 2 and outs[1].untyped_storage().data_ptr() == outs[0].untyped_storage().data_ptr():
-            outs[1] = outs[1].clone()  # fp32 weights: .to() returned views of one buffer
+    outs = [torch.empty(N, device=buf.device, dtype=dtype) for _ in range(kinds)]
+    fn = compiled_partial_sum(N, kinds, dtype_name(outs[0]), arch)
+    fn(ptr(buf), ptr(outs[0], outs[0].element_size()), ptr(outs[-1], outs[-1].element_size()) if kinds == 2
+       else None, buf.shape[0], current_stream(buf.device))
     return (outs[0] if has_dw else None), (outs[-1] if has_db else None)
 
 
@@ -339,10 +332,10 @@ def plan_layernorm(arch, a: dict):
 def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_offset, has_residual=None):
     """The norm backward (its launches: dx with the partials, by the split kernels' two where
     ``split_rows``, then their sum) with the compiled functions, grid and partial-buffer layout fixed; None where the runner must prepare something
-    (a copy, per-head weights, a strided row statistic, the torch partial sum)."""
+    (a copy, per-head weights, a strided row statistic)."""
     N = x.shape[-1]
     vec = vec_for(N, x)
-    if (x.numel() == 0 or heads_of(weight, None) > 1 or config.get().bwd_partial_sum == "torch"
+    if (x.numel() == 0 or heads_of(weight, None) > 1
             or not all(kernel_ready_rows(t, vec) for t in (x, weight, dout, dres))
             or not all(t is None or t.is_contiguous() for t in (rstd, mean))):
         return None
