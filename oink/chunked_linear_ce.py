@@ -29,10 +29,12 @@ from .reference.cross_entropy import REDUCTIONS
 
 log = logging.getLogger("oink.dispatch")
 
-# One chunk's logits buffer at most this large (and a quarter of the free memory at most): large
-# enough that the per-chunk costs (one read-modify-write of dweight, the matmuls' tails) stay small
-# next to the chunk's matmuls; small next to dweight itself, which every chunked method holds.
-CHUNK_LOGITS_BYTES = 256 * 2**20
+# One chunk's logits buffer by default: as large as the hidden states themselves (the memory a
+# chunked loss adds is then no more than its input's, Liger's rule), within these bounds and a quarter
+# of the free memory. Larger chunks cost memory and save per-chunk work (one read-modify-write of
+# dweight, the matmuls' tails); the floor keeps small batches from splitting into many thin chunks.
+CHUNK_MIN_BYTES = 128 * 2**20
+CHUNK_MAX_BYTES = 512 * 2**20
 CHUNK_ROW_MULTIPLE = 128  # whole matmul tiles a chunk
 OPTION_DEFAULTS = {"label_smoothing": 0.0, "z_loss": 0.0, "softcap": None}
 
@@ -120,11 +122,12 @@ def chunk_loss_and_grad(logits: Tensor, target: Tensor, dloss: Tensor | None, ig
     return ops.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index, **options)
 
 
-def default_chunk_rows(M: int, V: int, elem_size: int, buffers: int, device: torch.device) -> int:
-    """Rows a chunk: its ``buffers`` [rows, V] buffers within CHUNK_LOGITS_BYTES and within a
-    quarter of the memory free now (the allocator's cached blocks included), whole
-    CHUNK_ROW_MULTIPLE tiles (one tile at least), and never more than M."""
-    budget = CHUNK_LOGITS_BYTES
+def default_chunk_rows(M: int, H: int, V: int, elem_size: int, buffers: int, device: torch.device) -> int:
+    """Rows a chunk: its ``buffers`` [rows, V] buffers within the hidden states' size M x H (bounded
+    by CHUNK_MIN_BYTES and CHUNK_MAX_BYTES) and within a quarter of the memory free now (the
+    allocator's cached blocks included), whole CHUNK_ROW_MULTIPLE tiles (one tile at least), and
+    never more than M."""
+    budget = min(CHUNK_MAX_BYTES, max(CHUNK_MIN_BYTES, M * H * elem_size))
     if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():  # no driver queries in a capture
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -165,7 +168,7 @@ def fwd_bwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
     grads = dloss is not None and (need_dhidden or need_dweight or need_dbias)
     dloss = dloss if grads else None
     buffers = 1 if not grads or inplace_backward(options) else 2
-    C = chunk_size or default_chunk_rows(M, V, hidden.element_size(), buffers, device)
+    C = chunk_size or default_chunk_rows(M, H, V, hidden.element_size(), buffers, device)
     C = min(C, max(M, 1))
     if M:
         c.target_values(weight.t(), target, ignore_index)  # [H, V]: the check reads V from the last dim
@@ -315,19 +318,35 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                          ignore_index: int = -100, reduction: str = "mean", *, label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: float | None = None, chunk_size: int | None = None,
                          accum_dtype: torch.dtype | None = None) -> Tensor:
-    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against int targets, without the [M, V]
-    logits: chunks of rows, memory O(chunk x V). hidden [..., H], weight [V, H] (same dtype),
-    target [...] int, bias [V]; fp32 loss ("mean" over rows not ignored, 0 if none; "sum"; "none":
-    per row, target's shape). Differentiable in hidden, weight and bias: for "mean" and "sum" the
-    gradients are computed in the forward and the backward scales them (so a second backward
-    through the same forward raises); "none" computes them in the backward.
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against int targets, without the [M, V] logits:
+    chunks of rows, memory O(chunk x V) (see ``oink.chunked_linear_ce``).
 
-    ``label_smoothing`` in [0, 1), ``z_loss`` (coefficient of lse^2) and ``softcap`` (> 0: logits
-    -> softcap * tanh(logits / softcap)) are passed to Oink's cross-entropy (NotImplementedError
-    where it does not take them yet). ``chunk_size``: rows a chunk (default: from V and the free
-    memory, see ``default_chunk_rows``). ``accum_dtype=torch.float32`` sums dweight over chunks in
-    fp32 (V x H x 4 bytes more; default: the weight's dtype, one rounding a chunk). On CPU tensors
-    (and GPUs the kernels don't serve) each chunk's cross-entropy is the reference's."""
+    Args:
+        hidden: [..., H] fp32, fp16 or bf16 (M rows in all).
+        weight: [V, H], hidden's dtype (the lm head, ``torch.nn.Linear``'s layout).
+        target: [...] (hidden's leading dims) int32 or int64 class indices, or ``ignore_index``.
+        bias: [V] in weight's dtype, or None.
+        ignore_index: rows with this target count for nothing (loss and gradients 0).
+        reduction: "mean" (over rows not ignored; 0 when none counts), "sum" or "none" (per row).
+        label_smoothing: eps in [0, 1), torch's rule.
+        z_loss: coefficient z >= 0 of z * lse^2 added to each row.
+        softcap: c > 0: logits -> c * tanh(logits / c) before the softmax (Gemma-2); None for none.
+        chunk_size: rows a chunk; default from H, V and the free memory (``default_chunk_rows``).
+        accum_dtype: torch.float32 sums dweight over chunks in fp32 (V x H x 4 bytes more); None sums
+            in the weight's dtype (cuBLAS accumulates each chunk's product in fp32, rounded once a chunk).
+
+    Returns:
+        The fp32 loss: 0-d, or target's shape for "none". Differentiable in hidden, weight and bias:
+        for "mean" and "sum" the gradients are computed in the forward and the backward scales them
+        (in place: a second backward through the same forward raises); "none" computes them in the
+        backward from the per-row gradient. On CPU tensors (and GPUs the kernels don't serve) each
+        chunk's cross-entropy is the reference's.
+
+    Raises:
+        ValueError: a shape, reduction, option or chunk size out of range, naming the argument; a
+            target outside [0, V) that is not ``ignore_index``.
+        TypeError: a dtype not supported, or hidden, weight and bias of different dtypes.
+    """
     check_args(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size,
                accum_dtype)
     H = weight.shape[1]

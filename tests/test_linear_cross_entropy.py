@@ -186,11 +186,15 @@ def test_never_makes_the_full_logits(reduction):
 
 def test_default_chunk_rows():
     cpu = torch.device("cpu")
-    rows = lce.default_chunk_rows(100000, 128256, 2, 1, cpu)
-    assert rows % lce.CHUNK_ROW_MULTIPLE == 0 and rows * 128256 * 2 <= lce.CHUNK_LOGITS_BYTES
-    assert lce.default_chunk_rows(100000, 128256, 2, 2, cpu) <= rows // 2 + lce.CHUNK_ROW_MULTIPLE
-    assert lce.default_chunk_rows(10, 128256, 2, 1, cpu) == 10  # never more than M
-    assert lce.default_chunk_rows(100000, 2**31, 4, 2, cpu) == lce.CHUNK_ROW_MULTIPLE  # one tile at least
+    V = 128256
+    for M, H in ((16384, 4096), (4096, 4096), (100000, 8192)):
+        rows = lce.default_chunk_rows(M, H, V, 2, 1, cpu)
+        budget = min(lce.CHUNK_MAX_BYTES, max(lce.CHUNK_MIN_BYTES, M * H * 2))
+        assert rows % lce.CHUNK_ROW_MULTIPLE == 0 and rows * V * 2 <= budget < (rows + 128) * V * 2
+        assert lce.default_chunk_rows(M, H, V, 2, 2, cpu) <= rows // 2 + lce.CHUNK_ROW_MULTIPLE
+    assert lce.default_chunk_rows(16384, 4096, V, 2, 1, cpu) == 512  # the logits no larger than the hidden states
+    assert lce.default_chunk_rows(10, 4096, V, 2, 1, cpu) == 10  # never more than M
+    assert lce.default_chunk_rows(100000, 4096, 2**31, 4, 2, cpu) == lce.CHUNK_ROW_MULTIPLE  # one tile at least
 
 
 def test_torch_compile_fullgraph():

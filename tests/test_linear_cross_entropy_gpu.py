@@ -107,7 +107,7 @@ def test_peak_memory_is_chunk_sized():
     loss.backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    rows = lce.default_chunk_rows(M, V, 2, 1, hidden.device)
+    rows = lce.default_chunk_rows(M, H, V, 2, 1, hidden.device)
     grads = (M * H + V * H) * 2
     assert peak <= grads + rows * V * 2 + 64 * 2**20, f"peak {peak / 2**20:.0f} MiB above the inputs"
     assert peak < M * V * 2 / 2, "half the logits' size: chunking is not bounding memory"
