@@ -76,9 +76,9 @@ STREAM_MIN_UNITS = 4096
 
 def stream_rows(N: int, x_bits: int, mode: str = "forward") -> bool:
     """Whether ``mode`` streams rows of N columns (a shifted row's N: its window's width);
-    OINK_CE_STREAM=0/1 forces it off/on. Only the forward does by default: the dlogits modes read a
-    streamed row twice (the second time mostly from L2), which on H100 cost fwd_bwd 1.0-1.4x the
-    register-held kernel over the sweep's shapes and the backward 0.95-1.08x (no rule by width)."""
+    the ``ce_stream`` development setting forces it off/on. Only the forward does by default: the dlogits
+    modes read a streamed row twice (the second time mostly from L2), which timed slower than the
+    register-held kernel over the sweep's shapes for fwd_bwd and mixed for the backward (no rule by width)."""
     forced = config.get().ce_stream
     if forced is not None:
         return forced
@@ -220,7 +220,7 @@ class CrossEntropy(RowKernelBase):
             lse = m + cute.math.log(s, fastmath=False)
             k = s
             # the row's leader (column 0, first CTA of the cluster) writes the row's loss and lse; it
-            # loads the target's logit only now (loaded before the reduction, 1-6% slower on H100)
+            # loads the target's logit only now (loaded before the reduction it timed slower)
             leader = tXcX[0][1] == 0
             if const_expr(L.cluster_n > 1):
                 leader = leader and cy == 0
