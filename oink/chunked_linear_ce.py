@@ -107,19 +107,22 @@ def inplace_backward(options: dict) -> bool:
     return _accepts(ops.cross_entropy_forward, options) and _accepts(ops.cross_entropy_backward_, options)
 
 
-def chunk_loss_and_grad(logits: Tensor, target: Tensor, dloss: Tensor | None, ignore_index: int, options: dict):
-    """-> (loss fp32 [C], dlogits or None without ``dloss``); dlogits may be ``logits`` itself."""
-    if dloss is None:
-        if not _accepts(ops.cross_entropy_forward, options):
-            raise _unsupported(options, ops.cross_entropy_forward)
-        return ops.cross_entropy_forward(logits, target, ignore_index, "none", **options)[0], None
-    if inplace_backward(options):
-        loss, lse = ops.cross_entropy_forward(logits, target, ignore_index, "none", **options)
-        torch.ops.oink.cross_entropy_backward_(dloss, logits, target, lse, ignore_index, **options)
-        return loss, logits
-    if not _accepts(ops.cross_entropy_fwd_bwd, options):
-        raise _unsupported(options, ops.cross_entropy_fwd_bwd)
-    return ops.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index, **options)
+def chunk_loss_and_grad(logits: Tensor, target: Tensor, dloss: Tensor | None, ignore_index: int, options: dict,
+                        z_rows: bool = False):
+    """-> (loss fp32 [C], dlogits or None without ``dloss``, each row's z-loss part or None without
+    ``z_rows``); dlogits may be ``logits`` itself."""
+    asked = dict(options, return_z_loss=True) if z_rows else options
+    if dloss is None or inplace_backward(options):
+        if not _accepts(ops.cross_entropy_forward, asked):
+            raise _unsupported(asked, ops.cross_entropy_forward)
+        out = ops.cross_entropy_forward(logits, target, ignore_index, "none", **asked)
+        if dloss is not None:
+            torch.ops.oink.cross_entropy_backward_(dloss, logits, target, out[1], ignore_index, **options)
+        return out[0], None if dloss is None else logits, out[2] if z_rows else None
+    if not _accepts(ops.cross_entropy_fwd_bwd, asked):
+        raise _unsupported(asked, ops.cross_entropy_fwd_bwd)
+    out = ops.cross_entropy_fwd_bwd(dloss, logits, target, ignore_index, **asked)
+    return out[0], out[1], out[2] if z_rows else None
 
 
 def default_chunk_rows(M: int, H: int, V: int, elem_size: int, buffers: int, device: torch.device) -> int:
@@ -156,11 +159,12 @@ def _accumulate_dweight(dw: Tensor, dlogits: Tensor, h: Tensor, first: bool) -> 
 def fwd_bwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, dloss: Tensor | None,
             ignore_index: int = -100, options: dict | None = None, chunk_size: int | None = None,
             need_dhidden: bool = True, need_dweight: bool = True, need_dbias: bool = True,
-            accum_dtype: torch.dtype | None = None):
+            accum_dtype: torch.dtype | None = None, return_z_loss: bool = False):
     """The chunked loop on hidden [M, H], weight [V, H], target [M]: -> (loss fp32 [M], dhidden |
-    None, dweight | None, dbias | None). ``dloss``: None for the loss alone, else the gradient of
-    each row's loss (a scalar or [M], fp32). Gradients in their parameters' dtypes; dbias summed in
-    fp32, dweight in ``accum_dtype`` (default the weight's) then cast."""
+    None, dweight | None, dbias | None, z-loss part fp32 [M] | None). ``dloss``: None for the loss
+    alone, else the gradient of each row's loss (a scalar or [M], fp32). Gradients in their
+    parameters' dtypes; dbias summed in fp32, dweight in ``accum_dtype`` (default the weight's) then
+    cast."""
     options = options or {}
     M, H = hidden.shape
     V = weight.shape[0]
@@ -173,6 +177,7 @@ def fwd_bwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
     if M:
         c.target_values(weight.t(), target, ignore_index)  # [H, V]: the check reads V from the last dim
     loss = torch.empty(M, device=device, dtype=torch.float32)
+    z_rows = torch.empty(M, device=device, dtype=torch.float32) if return_z_loss else None
     dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if grads and need_dhidden else None
     dw = db = None
     if grads and need_dweight:
@@ -193,8 +198,11 @@ def fwd_bwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
         else:
             torch.mm(h, wt, out=logits)
         d = dloss[start:end] if per_row else dloss
-        loss_c, dlogits = chunk_loss_and_grad(logits, target[start:end], d, ignore_index, options)
+        loss_c, dlogits, z_c = chunk_loss_and_grad(logits, target[start:end], d, ignore_index, options,
+                                                   return_z_loss)
         loss[start:end] = loss_c
+        if z_rows is not None:
+            z_rows[start:end] = z_c
         if dlogits is None:
             continue
         if dh is not None:
@@ -210,7 +218,7 @@ def fwd_bwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
         dw = dw.to(weight.dtype)
     if db is not None:
         db = db.to(bias.dtype if bias is not None else weight.dtype)
-    return loss, dh, dw, db
+    return loss, dh, dw, db, z_rows
 
 
 def reduce(loss_rows: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
@@ -236,30 +244,33 @@ def row_scale(target: Tensor, ignore_index: int, reduction: str) -> Tensor:
 def _op(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], dloss: Optional[Tensor],
         ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, softcap: Optional[float],
         chunk_size: Optional[int], need_dhidden: bool, need_dweight: bool, need_dbias: bool,
-        accum_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> (loss reduced, dhidden, dweight, dbias), gradients empty where not asked for. Without
-    ``dloss`` and with a "mean" or "sum" reduction the gradients are of the reduced loss."""
+        accum_dtype: Optional[torch.dtype], return_z_loss: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (loss reduced, dhidden, dweight, dbias, z-loss part reduced), gradients and z-loss empty
+    where not asked for. Without ``dloss`` and with a "mean" or "sum" reduction the gradients are of
+    the reduced loss."""
     options = ce_options(label_smoothing, z_loss, softcap)
     grads = need_dhidden or need_dweight or need_dbias
     if dloss is None and grads and reduction != "none":
         dloss = row_scale(target, ignore_index, reduction)
-    loss, dh, dw, db = fwd_bwd(hidden, weight, target, bias, dloss if grads else None, ignore_index, options,
-                               chunk_size, need_dhidden, need_dweight, need_dbias, accum_dtype)
+    loss, dh, dw, db, z = fwd_bwd(hidden, weight, target, bias, dloss if grads else None, ignore_index, options,
+                                  chunk_size, need_dhidden, need_dweight, need_dbias, accum_dtype, return_z_loss)
     empty = hidden.new_empty(0)
     return (reduce(loss, target, ignore_index, reduction), empty if dh is None else dh,
-            empty.clone() if dw is None else dw, empty.clone() if db is None else db)
+            empty.clone() if dw is None else dw, empty.clone() if db is None else db,
+            loss.new_empty(0) if z is None else reduce(z, target, ignore_index, reduction))
 
 
 @_op.register_fake
 def _(hidden, weight, target, bias, dloss, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size,
-      need_dhidden, need_dweight, need_dbias, accum_dtype):
+      need_dhidden, need_dweight, need_dbias, accum_dtype, return_z_loss):
     M = hidden.shape[0]
     loss = hidden.new_empty((M,) if reduction == "none" else (), dtype=torch.float32)
+    z = torch.empty_like(loss) if return_z_loss else loss.new_empty(0)
     dh = torch.empty_like(hidden) if need_dhidden else hidden.new_empty(0)
     dw = torch.empty_like(weight) if need_dweight else hidden.new_empty(0)
     db = weight.new_empty(weight.shape[0], dtype=bias.dtype if bias is not None else weight.dtype) \
         if need_dbias else hidden.new_empty(0)
-    return loss, dh, dw, db
+    return loss, dh, dw, db, z
 
 
 # ---------------------------------------------------------------- autograd
@@ -270,11 +281,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
-                chunk_size, accum_dtype, need_dhidden, need_dweight, need_dbias):
+                chunk_size, accum_dtype, return_z_loss, need_dhidden, need_dweight, need_dbias):
         eager = reduction != "none"
-        loss, dh, dw, db = torch.ops.oink.linear_cross_entropy_fwd_bwd(
+        loss, dh, dw, db, z = torch.ops.oink.linear_cross_entropy_fwd_bwd(
             hidden, weight, target, bias, None, ignore_index, reduction, label_smoothing, z_loss, softcap,
-            chunk_size, need_dhidden and eager, need_dweight and eager, need_dbias and eager, accum_dtype)
+            chunk_size, need_dhidden and eager, need_dweight and eager, need_dbias and eager, accum_dtype,
+            return_z_loss)
         ctx.eager = eager
         ctx.need = (need_dhidden, need_dweight, need_dbias)
         ctx.args = (ignore_index, label_smoothing, z_loss, softcap, chunk_size, accum_dtype)
@@ -283,17 +295,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(dh, dw, db)
         else:
             ctx.save_for_backward(hidden, weight, target, bias)
+        if return_z_loss:  # logged, not differentiated (the loss holds it)
+            ctx.mark_non_differentiable(z)
+            return loss, z
         return loss
 
     @staticmethod
-    def backward(ctx, dloss):
+    def backward(ctx, dloss, *_dz_loss):
         need_dh, need_dw, need_db = ctx.need
         if not ctx.eager:
             hidden, weight, target, bias = ctx.saved_tensors
             ignore_index, ls, z, softcap, chunk_size, accum_dtype = ctx.args
-            _, dh, dw, db = torch.ops.oink.linear_cross_entropy_fwd_bwd(
+            _, dh, dw, db, _ = torch.ops.oink.linear_cross_entropy_fwd_bwd(
                 hidden, weight, target, bias, dloss.float().contiguous(), ignore_index, "none", ls, z, softcap,
-                chunk_size, need_dh, need_dw, need_db, accum_dtype)
+                chunk_size, need_dh, need_dw, need_db, accum_dtype, False)
         elif torch.compiler.is_compiling():
             dh, dw, db = (t * dloss.to(t.dtype) for t in ctx.saved_tensors)
         else:  # scaled in place: the forward's buffers are ours, and a second backward would scale twice
@@ -307,7 +322,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if t.numel():
                     t.mul_(g.to(t.dtype))
         return (dh if need_dh else None, dw if need_dw else None, None, db if need_db else None,
-                None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None)
 
 
 def _needs_grad(t) -> bool:
@@ -317,7 +332,7 @@ def _needs_grad(t) -> bool:
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
                          ignore_index: int = -100, reduction: str = "mean", *, label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: float | None = None, chunk_size: int | None = None,
-                         accum_dtype: torch.dtype | None = None) -> Tensor:
+                         accum_dtype: torch.dtype | None = None, return_z_loss: bool = False):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against int targets, without the [M, V] logits:
     chunks of rows, memory O(chunk x V) (see ``oink.chunked_linear_ce``).
 
@@ -334,9 +349,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
         chunk_size: rows a chunk; default from H, V and the free memory (``default_chunk_rows``).
         accum_dtype: torch.float32 sums dweight over chunks in fp32 (V x H x 4 bytes more); None sums
             in the weight's dtype (cuBLAS accumulates each chunk's product in fp32, rounded once a chunk).
+        return_z_loss: also return the z-loss part of the loss, reduced as the loss is (for logging:
+            not differentiated; the loss holds it).
 
     Returns:
-        The fp32 loss: 0-d, or target's shape for "none". Differentiable in hidden, weight and bias:
+        The fp32 loss, or (loss, z_loss) with ``return_z_loss``: 0-d, or target's shape for "none". Differentiable in hidden, weight and bias:
         for "mean" and "sum" the gradients are computed in the forward and the backward scales them
         (in place: a second backward through the same forward raises); "none" computes them in the
         backward from the per-row gradient. On CPU tensors (and GPUs the kernels don't serve) each
@@ -352,12 +369,16 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     H = weight.shape[1]
     h2, t1 = hidden.reshape(-1, H), target.reshape(-1)
     need = (_needs_grad(hidden), _needs_grad(weight), _needs_grad(bias))
+    cap = softcap if softcap is None else float(softcap)
+    ret_z = bool(return_z_loss)
     if any(need):
-        loss = _LinearCrossEntropy.apply(h2, weight, t1, bias, ignore_index, reduction, float(label_smoothing),
-                                         float(z_loss), softcap if softcap is None else float(softcap), chunk_size,
-                                         accum_dtype, *need)
+        out = _LinearCrossEntropy.apply(h2, weight, t1, bias, ignore_index, reduction, float(label_smoothing),
+                                        float(z_loss), cap, chunk_size, accum_dtype, ret_z, *need)
+        loss, z = out if ret_z else (out, None)
     else:
-        loss = torch.ops.oink.linear_cross_entropy_fwd_bwd(
-            h2, weight, t1, bias, None, ignore_index, reduction, float(label_smoothing), float(z_loss),
-            softcap if softcap is None else float(softcap), chunk_size, False, False, False, accum_dtype)[0]
-    return loss.reshape(target.shape) if reduction == "none" else loss
+        loss, *_, z = torch.ops.oink.linear_cross_entropy_fwd_bwd(
+            h2, weight, t1, bias, None, ignore_index, reduction, float(label_smoothing), float(z_loss), cap,
+            chunk_size, False, False, False, accum_dtype, ret_z)
+    if reduction == "none":  # per-row results in the target's shape
+        loss, z = loss.reshape(target.shape), z.reshape(target.shape) if ret_z else z
+    return (loss, z) if ret_z else loss

@@ -272,21 +272,23 @@ class LayerNorm(_LastDimsNorm):
 class LinearCrossEntropy(torch.nn.Linear):
     """The lm head and its loss in one: ``torch.nn.Linear``'s constructor, parameters and state_dict
     keys (weight [V, H], optional bias), and ``forward(hidden, target)`` -> the loss of
-    ``oink.linear_cross_entropy`` (chunked: the [M, V] logits never exist whole)."""
+    ``oink.linear_cross_entropy`` (chunked: the [M, V] logits never exist whole), or (loss, z_loss)
+    with ``return_z_loss``; the other arguments are its."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, ignore_index: int = -100,
                  reduction: str = "mean", *, label_smoothing: float = 0.0, z_loss: float = 0.0,
                  softcap: float | None = None, chunk_size: int | None = None, accum_dtype: torch.dtype | None = None,
-                 device=None, dtype=None):
+                 return_z_loss: bool = False, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.ignore_index, self.reduction = ignore_index, reduction
         self.label_smoothing, self.z_loss, self.softcap = label_smoothing, z_loss, softcap
-        self.chunk_size, self.accum_dtype = chunk_size, accum_dtype
+        self.chunk_size, self.accum_dtype, self.return_z_loss = chunk_size, accum_dtype, return_z_loss
 
-    def forward(self, hidden: Tensor, target: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor, target: Tensor):
         return linear_cross_entropy(hidden, self.weight, target, self.bias, self.ignore_index, self.reduction,
                                     label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
-                                    chunk_size=self.chunk_size, accum_dtype=self.accum_dtype)
+                                    chunk_size=self.chunk_size, accum_dtype=self.accum_dtype,
+                                    return_z_loss=self.return_z_loss)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, ignore_index={self.ignore_index}, reduction={self.reduction!r}, "

@@ -175,7 +175,7 @@ def test_never_makes_the_full_logits(reduction):
     hidden, weight, target, b = _case(M, H, V, bias=True)
     dloss = torch.rand(M) if reduction == "none" else lce.row_scale(target, IGNORE, reduction)
     with _LargestTensor() as seen:
-        loss, dh, dw, db = lce.fwd_bwd(hidden, weight, target, b, dloss, IGNORE, chunk_size=C)
+        loss, dh, dw, db, _ = lce.fwd_bwd(hidden, weight, target, b, dloss, IGNORE, chunk_size=C)
     assert seen.largest <= C * V, f"a tensor of {seen.largest} elements; a chunk's logits are {C * V}"
     assert seen.largest >= C * V  # the observer does see the chunk's logits
     assert M * V > 8 * C * V
@@ -210,10 +210,10 @@ def test_torch_compile_fullgraph():
 
 def test_opcheck():
     hidden, weight, target, b = _case(12, 8, 30, bias=True)
-    for reduction, need in (("mean", True), ("none", False)):
+    for reduction, need, z in (("mean", True, False), ("none", False, True), ("sum", True, True)):
         torch.library.opcheck(torch.ops.oink.linear_cross_entropy_fwd_bwd.default,
-                              (hidden, weight, target, b, None, IGNORE, reduction, 0.0, 0.0, None, 5, need, need,
-                               need, None))
+                              (hidden, weight, target, b, None, IGNORE, reduction, 0.0, 1e-3 if z else 0.0, None, 5,
+                               need, need, need, None, z))
 
 
 @pytest.mark.parametrize("args,kwargs,error,match", [
@@ -268,3 +268,27 @@ def test_options(option, value):
         out = _run(hidden, weight, target, b, reduction, grad, chunk_size=8, **{option: value})
         _assert_matches(out, _reference(hidden, weight, target, b, reduction, grad, **{option: value}),
                         torch.float32, f"{option}={value} {reduction}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_return_z_loss(reduction):
+    """The z-loss part, reduced as the loss is and not differentiated; the loss still holds it."""
+    hidden, weight, target, _ = _case(30, 16, 45)
+    z = 1e-2
+    h = hidden.clone().requires_grad_()
+    loss, z_part = oink.linear_cross_entropy(h, weight, target, reduction=reduction, z_loss=z, chunk_size=7,
+                                             return_z_loss=True)
+    assert not z_part.requires_grad and z_part.shape == loss.shape
+    flat = F.linear(hidden.double(), weight.double())
+    rows = torch.where(target != IGNORE, z * torch.logsumexp(flat, -1) ** 2, 0)
+    want = rows if reduction == "none" else rows.sum() / (target != IGNORE).sum()
+    torch.testing.assert_close(z_part.double(), want, atol=1e-6, rtol=1e-5)
+    grad = _grad_for(reduction, target)
+    (dh,) = torch.autograd.grad(loss, (h,), grad)
+    ref = _reference(hidden, weight, target, None, reduction, grad, z_loss=z)
+    torch.testing.assert_close(loss.detach().double(), ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dh.double(), ref[1], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        loss2, z2 = oink.linear_cross_entropy(hidden, weight, target, reduction=reduction, z_loss=z,
+                                              return_z_loss=True)
+    torch.testing.assert_close(z2, z_part)
