@@ -1,0 +1,115 @@
+"""Hashes of the cubins of a compile matrix, both archs, on the CPU (no GPU): whether a change to the
+code around the kernels (comments, docstrings, host-side settings) left every kernel byte-identical.
+
+Every row kernel family the public ops launch (``oink.kernels.profile.ROW_FAMILIES``) at two widths and
+two dtypes, the staged and late-parameter forwards, the few-row softmax, FP4 and FP8 kernels, the split
+norm backward, the partials' sum and rowsumsq, for sm_90a and sm_100a (130 kernels, about 2 min on 2
+cores). Compare a tree before a change with the working tree:
+
+    git archive HEAD oink pytest_oink | tar -x -C /tmp/before
+    PYTHONPATH=/tmp/before python3 scripts/cubin_hashes.py /tmp/before.json
+    PYTHONPATH=. python3 scripts/cubin_hashes.py /tmp/after.json
+    python3 scripts/cubin_hashes.py --compare /tmp/before.json /tmp/after.json   # exit 1 if any differs
+
+``--only ce_`` limits the row families to those whose name starts so (and skips the others).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+os.environ["OINK_KEEP_CUBIN"] = "1"  # before oink reads its config: the cubin stays on each compiled function
+os.environ["OINK_CACHE_DIR"] = "0"  # compile every kernel here, never load one
+
+
+def compare(before: str, after: str) -> int:
+    a, b = json.loads(open(before).read()), json.loads(open(after).read())
+    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    for k in differ:
+        print(f"differs: {k}: {a.get(k)} -> {b.get(k)}")
+    print(f"{len(a)} kernels before, {len(b)} after, {len(differ)} differ")
+    return 1 if differ else 0
+
+
+def jobs(arch: str, only: str):
+    from oink.kernels.fp8 import compiled_fp8, compiled_rmsnorm_fp8
+    from oink.kernels.nvfp4 import compiled_add_rmsnorm_fp4, compiled_fp4
+    from oink.kernels.profile import ROW_FAMILIES
+    from oink.kernels.rmsnorm_bwd import compiled_partial_sum, compiled_split_backward
+    from oink.kernels.rowsumsq import compiled_rowsumsq
+    from oink.kernels.softmax import compiled_softmax
+
+    for fam, f in ROW_FAMILIES.items():
+        if fam.startswith(only):
+            for d in ("bfloat16", "float32"):
+                for N in (32000, 128256) if fam.startswith("ce_") else (7168, 65536):
+                    yield f"{fam}/{d}/{N}", lambda f=f, d=d, N=N: f(d, N, arch)
+    if only:
+        return
+    fwd = ROW_FAMILIES
+    yield "rmsnorm_fwd_w32/bfloat16/262144", lambda: fwd["rmsnorm_fwd_w32"]("bfloat16", 262144, arch)  # staged entry
+    yield "layernorm_fwd/bfloat16/16384", lambda: fwd["layernorm_fwd"]("bfloat16", 16384, arch)  # late parameters
+    yield "softmax_few/131072", lambda: compiled_softmax("forward", "bfloat16", 131072, arch, True)
+    yield "fp4/quantize", lambda: compiled_fp4("quantize", "bfloat16", 7168, arch, False)
+    yield "fp4/silu_mul", lambda: compiled_fp4("silu_mul", "bfloat16", 7168, arch, True)
+    yield "mxfp4/quantize", lambda: compiled_fp4("quantize", "bfloat16", 7168, arch, False, True)
+    yield "fp4/add_rmsnorm", lambda: compiled_add_rmsnorm_fp4("bfloat16", "bfloat16", "bfloat16", 7168, arch, False,
+                                                              True)
+    yield "mxfp4/add_rmsnorm", lambda: compiled_add_rmsnorm_fp4("bfloat16", "bfloat16", "bfloat16", 14336, arch, True,
+                                                                False, True)
+    yield "fp8/token", lambda: compiled_fp8("quantize", "bfloat16", 7168, arch, "token", 0, False, False, False)
+    yield "fp8/group", lambda: compiled_fp8("quantize", "bfloat16", 7168, arch, "group", 128, True, True, False)
+    yield "fp8/silu_mul", lambda: compiled_fp8("silu_mul", "bfloat16", 18432, arch, "group", 128, False, False, False)
+    yield "fp8/rmsnorm", lambda: compiled_rmsnorm_fp8("bfloat16", None, "bfloat16", 7168, arch, "token", 0, False,
+                                                      False, False, True)
+    yield "fp8/add_rmsnorm", lambda: compiled_rmsnorm_fp8("bfloat16", "bfloat16", "bfloat16", 131072, arch, "group",
+                                                          128, False, False, False, False)
+    yield "split_bwd/rmsnorm", lambda: compiled_split_backward("bfloat16", 262144, arch, "bfloat16", "bfloat16", None,
+                                                               False)
+    yield "split_bwd/layernorm", lambda: compiled_split_backward("float32", 262144, arch, "float32", "float32", None,
+                                                                 True, True)
+    yield "partial_sum", lambda: compiled_partial_sum(7168, 2, "bfloat16", arch)
+    yield "rowsumsq", lambda: compiled_rowsumsq("bfloat16", 8192, arch)
+
+
+def digest(fn):
+    """sha256 (16 hex digits) of a compiled function's cubin; a list for a tuple of them (the split backward)."""
+    from oink.kernels.compile import COMPILED
+
+    if isinstance(fn, (tuple, list)):
+        return [digest(f) for f in fn if callable(f) or isinstance(f, (tuple, list))]
+    return hashlib.sha256(COMPILED.get(id(fn), fn).artifacts.CUBIN).hexdigest()[:16]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", nargs="?", help="the JSON to write: {arch/kernel: hash}")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    ap.add_argument("--only", default="", help="row families whose name starts so, and nothing else")
+    a = ap.parse_args(argv)
+    if a.compare:
+        return compare(*a.compare)
+    if not a.out:
+        ap.error("name the JSON to write, or --compare two")
+    import oink
+
+    print(f"oink from {os.path.dirname(oink.__file__)}", file=sys.stderr)
+    out, failed = {}, 0
+    for arch in ("sm_90a", "sm_100a"):
+        for name, job in jobs(arch, a.only):
+            try:
+                out[f"{arch}/{name}"] = digest(job())
+            except Exception as e:  # noqa: BLE001  (a kernel that no longer compiles is a difference, said)
+                out[f"{arch}/{name}"] = f"error {type(e).__name__}: {e}"[:200]
+                failed += 1
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1, sort_keys=True)
+    print(f"{len(out)} kernels, {failed} failed to compile", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
