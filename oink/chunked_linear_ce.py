@@ -16,6 +16,7 @@ matmuls are torch's on every device.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Optional
@@ -81,9 +82,13 @@ def check_args(hidden, weight, target, bias=None, ignore_index=-100, reduction="
 
 
 # ---------------------------------------------------------------- options and the chunk's cross-entropy
+@functools.lru_cache(maxsize=None)
+def _parameters(fn) -> frozenset:
+    return frozenset(inspect.signature(fn).parameters)
+
+
 def _accepts(fn, names) -> bool:
-    params = inspect.signature(fn).parameters
-    return all(n in params for n in names)
+    return _parameters(fn).issuperset(names)
 
 
 def ce_options(label_smoothing=0.0, z_loss=0.0, softcap=None) -> dict:
