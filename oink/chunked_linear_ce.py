@@ -358,11 +358,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
             not differentiated; the loss holds it).
 
     Returns:
-        The fp32 loss, or (loss, z_loss) with ``return_z_loss``: 0-d, or target's shape for "none". Differentiable in hidden, weight and bias:
-        for "mean" and "sum" the gradients are computed in the forward and the backward scales them
-        (in place: a second backward through the same forward raises); "none" computes them in the
-        backward from the per-row gradient. On CPU tensors (and GPUs the kernels don't serve) each
-        chunk's cross-entropy is the reference's.
+        The fp32 loss, or (loss, z_loss) with ``return_z_loss``: 0-d, or target's shape for "none".
+        Differentiable in hidden, weight and bias: for "mean" and "sum" the gradients are computed in
+        the forward and the backward scales them (in place: a second backward through the same
+        forward raises); "none" computes them in the backward from the per-row gradient. On CPU
+        tensors (and GPUs the kernels don't serve) each chunk's cross-entropy is the reference's.
 
     Raises:
         ValueError: a shape, reduction, option or chunk size out of range, naming the argument; a
