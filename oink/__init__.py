@@ -54,7 +54,7 @@ def register(force: bool = False) -> bool:
 
 
 def __getattr__(name: str):
-    import importlib
+    import importlib.util
 
     if name in _NN:
         value = getattr(importlib.import_module(".nn", __name__), name)
@@ -62,7 +62,8 @@ def __getattr__(name: str):
         return value
     if name == "reference":
         return importlib.import_module(".reference", __name__)
-    if name.startswith("_") and name != "__all__":
+    if name.startswith("_") and name != "__all__" or importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # a submodule not yet imported (``from . import checks``): the import system loads it next
         raise AttributeError(f"module 'oink' has no attribute {name!r}")
     ops = importlib.import_module(".ops", __name__)  # the declarations: each public op, by its name
     declared = ops.PUBLIC

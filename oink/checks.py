@@ -51,6 +51,16 @@ def same_shape(name: str, t, ref_name: str, ref) -> None:
         raise ValueError(f"{name}: shape {tuple(t.shape)} must equal {ref_name}'s {tuple(ref.shape)}")
 
 
+def fused_add_inputs(x, residual, weight) -> None:
+    """A fused add + RMSNorm's inputs: x [..., N] rows, a residual of x's shape, a weight [N], one device."""
+    rows_input("x", x)
+    tensor("residual", residual)
+    same_shape("residual", residual, "x", x)
+    tensor("weight", weight)
+    vector("weight", weight, x.shape[-1])
+    same_device(x=x, residual=residual, weight=weight)
+
+
 def vector(name: str, t, N: int) -> None:
     """A per-column parameter (weight, bias): shape (N,), any float dtype (x's or another)."""
     if t is None:

@@ -10,7 +10,8 @@ docstring the public docs, its body the metadata checks (run on FakeTensors too)
   ``dispatch.run`` (kernel or reference); under torch.compile, inside a dispatch mode or a
   functorch transform, with tensor subclasses, or when a differentiable op must record a graph, it
   calls the custom op instead;
-- the dispatch route (``kernels``: the module whose CHECKS/RUNNERS serve it) and ``oink.explain``.
+- the dispatch route (``kernels``: a function importing and returning the kernel module whose
+  CHECKS/RUNNERS serve it, called on the first dispatch to a supported GPU) and ``oink.explain``.
 
 Optional outputs: the custom op can't return None, so an output not asked for is an empty tensor
 of the first input's dtype (the fake follows the same rule); ``to_public`` turns the op's outputs
@@ -18,8 +19,10 @@ back into the public ones (None where not asked for).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -81,7 +84,8 @@ def _needs_graph(values) -> bool:
 class Op:
     """An op as declared: see the module docstring."""
 
-    def __init__(self, check: Callable, schema: str, *, kernels: str | None, fake: Callable | None,
+    def __init__(self, check: Callable, schema: str, *, kernels: Callable[[], ModuleType] | None,
+                 fake: Callable | None,
                  route: str | None = None, fixed: dict | None = None, to_public: Callable | None = None,
                  check_values: Callable | None = None, public: bool = True, backward: tuple | None = None,
                  autograd: bool = True, eager_unfixed: bool = False):
@@ -105,7 +109,7 @@ class Op:
         if unknown:
             raise TypeError(f"{self.name}: schema arguments {sorted(unknown)} are not parameters of the op")
         if kernels is not None:
-            dispatch.KERNEL_MODULES[self.route] = kernels
+            dispatch.KERNEL_MODULES[self.route] = functools.cache(kernels)  # imported once, then one call
         LIB.define(schema)
         LIB.impl(self.op_name, self._impl, "CompositeExplicitAutograd")
         if fake is not None:
@@ -211,6 +215,11 @@ class Op:
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()  # the kernel checks read every argument by name, defaults included
         return str(dispatch.route(self.route, {**bound.arguments, **self.fixed}))
+
+
+def absent(x: Tensor) -> Tensor:
+    """An optional output not asked for (the custom op's placeholder): empty, x's dtype."""
+    return x.new_empty(0)
 
 
 def _mark_outputs(ctx, inputs, output):

@@ -9,10 +9,9 @@ carries its reason: ``oink.explain(op, *args)`` (in ``oink.declare``) returns it
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
-import sys
 from dataclasses import dataclass, field, replace
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -36,17 +35,15 @@ class Route:
         return f"{self.op}: {self.backend} ({self.reason})"
 
 
-# op -> the kernel module serving it, filled by the op declarations (``oink.ops``). A kernel
-# module (imported only on a supported GPU, since it imports cutlass) exposes
-# CHECKS[op](args, arch) -> None | reason, and RUNNERS[op](arch, **args).
-KERNEL_MODULES: dict[str, str] = {}
+# op -> a function returning the kernel module serving it (``kernels=`` of the op declarations in
+# ``oink.ops``, which imports the module there). A kernel module (imported only on a supported GPU,
+# since it imports cutlass) exposes CHECKS[op](args, arch) -> None | reason, and RUNNERS[op](arch, **args).
+KERNEL_MODULES: dict[str, Callable[[], ModuleType]] = {}
 
 
-def _kernel_module(op: str):
-    name = KERNEL_MODULES.get(op)
-    if name is None:
-        return None
-    return sys.modules.get(name) or importlib.import_module(name)
+def _kernel_module(op: str) -> ModuleType | None:
+    load = KERNEL_MODULES.get(op)
+    return None if load is None else load()
 
 
 @functools.lru_cache(maxsize=None)

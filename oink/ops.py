@@ -11,20 +11,28 @@ import torch
 
 from . import checks as c
 from .declare import PUBLIC, declare, explain  # noqa: F401
-from .reference import fp8 as fp8_spec
+from .declare import absent as _absent
 from .reference.cross_entropy import REDUCTIONS
-from .reference.nvfp4 import round_up
-
-NORMS = "oink.kernels.rmsnorm_ops"
-SOFTMAX = "oink.kernels.softmax_ops"
-CROSS_ENTROPY = "oink.kernels.cross_entropy_ops"
-FP4 = "oink.kernels.nvfp4_ops"
-FP8 = "oink.kernels.fp8_ops"
 
 
-def _absent(x):
-    """An optional output not asked for (the custom op's placeholder): empty, x's dtype."""
-    return x.new_empty(0)
+# The kernel family serving each op (``kernels=``), imported on the first dispatch to a supported GPU:
+# the kernel modules import cutlass, which ``import oink`` and a CPU never need.
+def norm_kernels():
+    from .kernels import rmsnorm_ops
+
+    return rmsnorm_ops
+
+
+def softmax_kernels():
+    from .kernels import softmax_ops
+
+    return softmax_ops
+
+
+def cross_entropy_kernels():
+    from .kernels import cross_entropy_ops
+
+    return cross_entropy_ops
 
 
 def _keep(t, wanted: bool):
@@ -98,7 +106,7 @@ def _fake_rmsnorm_forward(x, weight, bias, residual, eps, store_rstd, out_dtype=
 @declare("rmsnorm_forward(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool store_rstd, "
          "ScalarType? out_dtype=None, ScalarType? residual_dtype=None, float weight_offset=0.) "
          "-> (Tensor, Tensor, Tensor)",
-         kernels=NORMS, fake=_fake_rmsnorm_forward, backward=(_rmsnorm_backward, _rmsnorm_setup),
+         kernels=norm_kernels, fake=_fake_rmsnorm_forward, backward=(_rmsnorm_backward, _rmsnorm_setup),
          to_public=lambda o, a: (o[0], _keep(o[1], a["store_rstd"]),
                                  _keep(o[2], a["residual"] is not None or a["residual_dtype"] is not None)))
 def rmsnorm_forward(x, weight=None, bias=None, residual=None, eps=1e-6, store_rstd=False, *, out_dtype=None,
@@ -147,7 +155,7 @@ def rmsnorm(x, weight, eps):
 
 
 @declare("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
-         kernels=NORMS, fake=lambda *a: None)
+         kernels=norm_kernels, fake=lambda *a: None)
 def fused_add_rmsnorm_(x, residual, weight, eps=1e-6):
     """Fused add + RMSNorm in place, vLLM's ``fused_add_rms_norm``.
 
@@ -163,12 +171,7 @@ def fused_add_rmsnorm_(x, residual, weight, eps=1e-6):
         TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
         RuntimeError: ``residual`` cannot be written in place (where torch refuses it); nothing is written.
     """
-    c.rows_input("x", x)
-    c.tensor("residual", residual)
-    c.same_shape("residual", residual, "x", x)
-    c.tensor("weight", weight)
-    c.vector("weight", weight, x.shape[-1])
-    c.same_device(x=x, residual=residual, weight=weight)
+    c.fused_add_inputs(x, residual, weight)
 
 
 def _fake_rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias, weight_offset=0.0):
@@ -180,7 +183,7 @@ def _fake_rmsnorm_backward(x, weight, dout, rstd, dresidual_out, has_bias, weigh
 
 @declare("rmsnorm_backward(Tensor x, Tensor? weight, Tensor dout, Tensor rstd, Tensor? dresidual_out, "
          "bool has_bias, float weight_offset=0.) -> (Tensor, Tensor, Tensor)",
-         kernels=NORMS, fake=_fake_rmsnorm_backward, fixed={"has_residual": False},
+         kernels=norm_kernels, fake=_fake_rmsnorm_backward, fixed={"has_residual": False},
          to_public=lambda o, a: (o[0], _keep(o[1], a["weight"] is not None), _keep(o[2], a["has_bias"]),
                                  _keep(o[0], a["has_residual"])))
 def rmsnorm_backward(x, weight, dout, rstd, dresidual_out=None, has_bias=False, has_residual=False, *,
@@ -226,7 +229,8 @@ def _layernorm_outputs(o, a):
 
 
 @declare("layernorm(Tensor x, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
-         kernels=NORMS, fake=_fake_layernorm, fixed={"return_rstd": True, "return_mean": True}, eager_unfixed=True,
+         kernels=norm_kernels, fake=_fake_layernorm, fixed={"return_rstd": True, "return_mean": True},
+         eager_unfixed=True,
          backward=(_layernorm_backward, _layernorm_setup),
          to_public=_layernorm_outputs)
 def layernorm(x, weight, bias=None, eps=1e-6, return_rstd=False, return_mean=False):
@@ -258,7 +262,7 @@ def _fake_layernorm_backward(dout, x, weight, rstd, mean, bias):
 
 @declare("layernorm_backward(Tensor dout, Tensor x, Tensor weight, Tensor rstd, Tensor mean, Tensor? bias) "
          "-> (Tensor, Tensor, Tensor)",
-         kernels=NORMS, fake=_fake_layernorm_backward,
+         kernels=norm_kernels, fake=_fake_layernorm_backward,
          to_public=lambda o, a: (o[0], o[1], _keep(o[2], a["bias"] is not None)))
 def layernorm_backward(dout, x, weight, rstd, mean, bias=None):
     """Gradients of ``layernorm``.
@@ -287,7 +291,7 @@ def layernorm_backward(dout, x, weight, rstd, mean, bias=None):
 
 
 # ---------------------------------------------------------------- Softmax
-@declare("softmax_forward(Tensor x) -> Tensor", kernels=SOFTMAX, fake=lambda x: torch.empty_like(x),
+@declare("softmax_forward(Tensor x) -> Tensor", kernels=softmax_kernels, fake=lambda x: torch.empty_like(x),
          backward=(_softmax_backward, _softmax_setup))
 def softmax_forward(x):
     """Softmax over the last dim, fp32 arithmetic; differentiable.
@@ -304,7 +308,8 @@ def softmax_forward(x):
     c.rows_input("x", x)
 
 
-@declare("softmax_backward(Tensor dy, Tensor y) -> Tensor", kernels=SOFTMAX, fake=lambda dy, y: torch.empty_like(y))
+@declare("softmax_backward(Tensor dy, Tensor y) -> Tensor", kernels=softmax_kernels,
+         fake=lambda dy, y: torch.empty_like(y))
 def softmax_backward(dy, y):
     """Softmax's gradient from its output: dx = y * (dy - sum(dy * y)) per row, in fp32.
 
@@ -329,7 +334,8 @@ def _rows_and_grad(name, t, dy):
     c.same_device(dy=dy, **{name: t})
 
 
-@declare("softmax_fwd_bwd(Tensor dy, Tensor x) -> Tensor", kernels=SOFTMAX, fake=lambda dy, x: torch.empty_like(x))
+@declare("softmax_fwd_bwd(Tensor dy, Tensor x) -> Tensor", kernels=softmax_kernels,
+         fake=lambda dy, x: torch.empty_like(x))
 def softmax_fwd_bwd(dy, x):
     """Softmax's gradient from its input: y = softmax(x) recomputed in the same pass, never stored.
 
@@ -403,7 +409,7 @@ _CE_OPTIONS = "float label_smoothing=0., float z_loss=0., float? softcap=None"
 @declare("cross_entropy_forward(Tensor logits, Tensor target, SymInt ignore_index, str reduction, "
          f"Tensor? weight=None, Tensor? lse_partial=None, Tensor? target_logit=None, {_CE_OPTIONS}, "
          "bool return_z_loss=False) -> (Tensor, Tensor, Tensor)",
-         kernels=CROSS_ENTROPY, fake=_fake_ce_forward, check_values=_forward_targets_in_range,
+         kernels=cross_entropy_kernels, fake=_fake_ce_forward, check_values=_forward_targets_in_range,
          to_public=lambda o, a: tuple(o) if a["return_z_loss"] else tuple(o[:2]))
 def cross_entropy_forward(logits, target, ignore_index=-100, reduction="none", *, weight=None, lse_partial=None,
                           target_logit=None, label_smoothing=0.0, z_loss=0.0, softcap=None, return_z_loss=False):
@@ -453,7 +459,7 @@ def cross_entropy_forward(logits, target, ignore_index=-100, reduction="none", *
 
 @declare("cross_entropy_backward(Tensor dloss, Tensor logits, Tensor target, Tensor lse, SymInt ignore_index, "
          f"Tensor? weight=None, {_CE_OPTIONS}) -> Tensor",
-         kernels=CROSS_ENTROPY, fake=lambda dloss, logits, *a: torch.empty_like(logits),
+         kernels=cross_entropy_kernels, fake=lambda dloss, logits, *a: torch.empty_like(logits),
          check_values=_targets_in_range)
 def cross_entropy_backward(dloss, logits, target, lse, ignore_index=-100, *, weight=None, label_smoothing=0.0,
                            z_loss=0.0, softcap=None):
@@ -482,7 +488,7 @@ def cross_entropy_backward(dloss, logits, target, lse, ignore_index=-100, *, wei
 
 @declare("cross_entropy_backward_(Tensor dloss, Tensor(a!) logits, Tensor target, Tensor lse, SymInt ignore_index, "
          f"Tensor? weight=None, {_CE_OPTIONS}) -> ()",
-         kernels=CROSS_ENTROPY, fake=lambda *a: None, check_values=_targets_in_range, public=False)
+         kernels=cross_entropy_kernels, fake=lambda *a: None, check_values=_targets_in_range, public=False)
 def cross_entropy_backward_(dloss, logits, target, lse, ignore_index=-100, weight=None, label_smoothing=0.0,
                             z_loss=0.0, softcap=None):
     """dlogits written over the logits (no second [M, V] buffer): backs
@@ -505,7 +511,7 @@ def _fwd_bwd_outputs(o, a):
 @declare("cross_entropy_fwd_bwd(Tensor dloss, Tensor logits, Tensor target, SymInt ignore_index, "
          f"Tensor? weight=None, str reduction='none', {_CE_OPTIONS}, bool return_z_loss=False) "
          "-> (Tensor, Tensor, Tensor, Tensor)",
-         kernels=CROSS_ENTROPY, fake=_fake_ce_fwd_bwd, check_values=_targets_in_range,
+         kernels=cross_entropy_kernels, fake=_fake_ce_fwd_bwd, check_values=_targets_in_range,
          fixed={"return_lse": True}, to_public=_fwd_bwd_outputs)
 def cross_entropy_fwd_bwd(dloss, logits, target, ignore_index=-100, *, weight=None, return_lse=False,
                           reduction="none", label_smoothing=0.0, z_loss=0.0, softcap=None, return_z_loss=False):
@@ -540,327 +546,10 @@ def cross_entropy_fwd_bwd(dloss, logits, target, ignore_index=-100, *, weight=No
     _ce_options(label_smoothing, z_loss, softcap)
 
 
-# ---------------------------------------------------------------- NVFP4 / MXFP4
-def _fp4_fake(x, N: int, swizzled: bool, mx: bool = False):
-    """Codes [M, N/2] and scales (NVFP4: E4M3 per 16; MXFP4: UE8M0 per 32) of an N-wide quantization."""
-    M = x.numel() // x.shape[-1]
-    K = N // (32 if mx else 16)
-    q = x.new_empty((M, N // 2), dtype=torch.uint8)
-    shape = (round_up(M, 128), round_up(K, 4)) if swizzled else (M, K)
-    return q, x.new_empty(shape, dtype=torch.float8_e8m0fnu if mx else torch.float8_e4m3fn)
-
-
-def _fake_add_rmsnorm_fp4(x, residual, weight, *rest, mx=False):
-    swizzled, return_y = rest[-2:]
-    q, sf = _fp4_fake(x, x.shape[-1], swizzled, mx)
-    return q, sf, (torch.empty_like(x) if return_y else _absent(x))
-
-
-def _codes_and_scales(q, sf, swizzled, block, sf_dtype):
-    c.tensor("q", q, (torch.uint8,), min_dim=2)
-    c.tensor("sf", sf, (sf_dtype,), min_dim=2)
-    if q.dim() != 2 or sf.dim() != 2:
-        raise ValueError(f"q and sf must be 2-D, got {tuple(q.shape)} and {tuple(sf.shape)}")
-    M, K = q.shape[0], q.shape[1] * 2 // block
-    if (q.shape[1] * 2) % block:
-        raise ValueError(f"q: {q.shape[1]} bytes a row is not a whole number of {block}-element blocks")
-    want = (round_up(M, 128), round_up(K, 4)) if swizzled else (M, K)
-    if tuple(sf.shape) != want:
-        raise ValueError(f"sf: expected shape {want} for q of shape {tuple(q.shape)}, got {tuple(sf.shape)}")
-    c.same_device(q=q, sf=sf)
-
-
-def _gate_up(name, x, multiple_of):
-    c.rows_input(name, x)
-    if x.shape[-1] % 2:
-        raise ValueError(f"{name}: last dim {x.shape[-1]} must be even (gate and up halves)")
-    multiple_of(f"{name} (each half)", x.shape[-1] // 2)
-
-
-def _with_y(o, a):
-    return tuple(o) if a["return_y"] else tuple(o[:2])
-
-
-@declare("nvfp4_quantize(Tensor x, Tensor global_scale, bool swizzled) -> (Tensor, Tensor)",
-         kernels=FP4, fake=lambda x, g, swizzled: _fp4_fake(x, x.shape[-1], swizzled), to_public=lambda o, a: tuple(o))
-def nvfp4_quantize(x, global_scale, swizzled=False):
-    """NVFP4: E2M1 codes with an E4M3 scale per 16 values (rules: ``oink.reference.nvfp4``).
-
-    Args:
-        x: [..., N], fp32, fp16 or bf16, N a multiple of 16 (leading dims flattened into M).
-        global_scale: 1-element fp32 tensor on x's device (never read on the host).
-        swizzled: scales in FlashInfer's 128x4 layout instead of row-major.
-
-    Returns:
-        (q, sf): q uint8 [M, N/2], two codes a byte (element 2j in the low nibble); sf
-        float8_e4m3fn [M, N/16], or [round_up(M, 128), round_up(N/16, 4)] swizzled.
-
-    Raises:
-        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
-    """
-    c.rows_input("x", x)
-    c.multiple_of_16("x", x.shape[-1])
-    c.global_scale("global_scale", global_scale, x.device)
-
-
-@declare("nvfp4_dequantize(Tensor q, Tensor sf, Tensor global_scale, bool swizzled) -> Tensor", kernels=None,
-         fake=lambda q, *a: q.new_empty((q.shape[0], q.shape[1] * 2), dtype=torch.float32))
-def nvfp4_dequantize(q, sf, global_scale, swizzled=False):
-    """The values NVFP4 codes stand for: e2m1(code) * sf / global_scale, fp32 [M, N].
-
-    Args:
-        q, sf: codes and scales as ``nvfp4_quantize`` returns them.
-        global_scale: the 1-element fp32 tensor they were quantized with.
-        swizzled: sf is in the 128x4 layout.
-
-    Raises:
-        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
-    """
-    _codes_and_scales(q, sf, swizzled, 16, torch.float8_e4m3fn)
-    c.global_scale("global_scale", global_scale, q.device)
-
-
-@declare("add_rmsnorm_fp4quant(Tensor x, Tensor(a!) residual, Tensor weight, Tensor global_scale, float eps, "
-         "bool swizzled, bool return_y) -> (Tensor, Tensor, Tensor)",
-         kernels=FP4, fake=_fake_add_rmsnorm_fp4, to_public=_with_y)
-def add_rmsnorm_fp4quant(x, residual, weight, global_scale, eps=1e-6, swizzled=False, return_y=False):
-    """Fused add + RMSNorm + NVFP4: residual <- x + residual, then rmsnorm(residual) * weight quantized.
-
-    Args:
-        x: [..., N], fp32, fp16 or bf16, N a multiple of 16.
-        residual: x's shape; overwritten with the sum (in its dtype).
-        weight: [N], any float dtype.
-        global_scale, swizzled: as ``nvfp4_quantize``.
-        eps: added to the mean of squares.
-        return_y: also return the normalised values (fp32 arithmetic) in x's dtype.
-
-    Returns:
-        (q, sf) as ``nvfp4_quantize``, or (q, sf, y).
-
-    Raises:
-        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
-        RuntimeError: ``residual`` cannot be written in place (where torch refuses it); nothing is written.
-    """
-    fused_add_rmsnorm_.op.check(x, residual, weight, eps)
-    c.multiple_of_16("x", x.shape[-1])
-    c.global_scale("global_scale", global_scale, x.device)
-
-
-@declare("silu_mul_fp4quant(Tensor x, Tensor global_scale, bool swizzled) -> (Tensor, Tensor)", kernels=FP4,
-         fake=lambda x, g, swizzled: _fp4_fake(x, x.shape[-1] // 2, swizzled), to_public=lambda o, a: tuple(o))
-def silu_mul_fp4quant(x, global_scale, swizzled=False):
-    """Fused SiLU-and-multiply + NVFP4: silu(x[..., :K]) * x[..., K:] in fp32, quantized.
-
-    Args:
-        x: [..., 2K], fp32, fp16 or bf16 (gate, then up), K a multiple of 16.
-        global_scale, swizzled: as ``nvfp4_quantize``.
-
-    Returns:
-        (q, sf) of the [M, K] product, as ``nvfp4_quantize``.
-
-    Raises:
-        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
-    """
-    _gate_up("x", x, c.multiple_of_16)
-    c.global_scale("global_scale", global_scale, x.device)
-
-
-@declare("mxfp4_quantize(Tensor x, bool swizzled) -> (Tensor, Tensor)", kernels=FP4,
-         fake=lambda x, swizzled: _fp4_fake(x, x.shape[-1], swizzled, mx=True), to_public=lambda o, a: tuple(o))
-def mxfp4_quantize(x, swizzled=False):
-    """MXFP4 (OCP MX): E2M1 codes, a power-of-two scale per 32 values, no global scale.
-
-    Args:
-        x: [..., N], fp32, fp16 or bf16, N a multiple of 32.
-        swizzled: scales in FlashInfer's 128x4 layout instead of row-major.
-
-    Returns:
-        (q, sf): q uint8 [M, N/2]; sf float8_e8m0fnu [M, N/32], or [round_up(M, 128),
-        round_up(N/32, 4)] swizzled. The scale rule: ``oink.reference.nvfp4``.
-
-    Raises:
-        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
-    """
-    c.rows_input("x", x)
-    c.multiple_of_32("x", x.shape[-1])
-
-
-@declare("mxfp4_dequantize(Tensor q, Tensor sf, bool swizzled) -> Tensor", kernels=None,
-         fake=lambda q, *a: q.new_empty((q.shape[0], q.shape[1] * 2), dtype=torch.float32))
-def mxfp4_dequantize(q, sf, swizzled=False):
-    """The values MXFP4 codes stand for: e2m1(code) * 2^(sf - 127), fp32 [M, N].
-
-    Args:
-        q, sf: codes and scales as ``mxfp4_quantize`` returns them.
-        swizzled: sf is in the 128x4 layout.
-
-    Raises:
-        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
-    """
-    _codes_and_scales(q, sf, swizzled, 32, torch.float8_e8m0fnu)
-
-
-@declare("add_rmsnorm_mxfp4quant(Tensor x, Tensor(a!) residual, Tensor weight, float eps, bool swizzled, "
-         "bool return_y) -> (Tensor, Tensor, Tensor)",
-         kernels=FP4, fake=lambda *a: _fake_add_rmsnorm_fp4(*a, mx=True), to_public=_with_y)
-def add_rmsnorm_mxfp4quant(x, residual, weight, eps=1e-6, swizzled=False, return_y=False):
-    """``add_rmsnorm_fp4quant`` quantizing to MXFP4 (``mxfp4_quantize``'s blocks and scales).
-
-    Args:
-        x: [..., N], fp32, fp16 or bf16, N a multiple of 32.
-        residual: x's shape; overwritten with x + residual.
-        weight: [N], any float dtype.
-        eps, swizzled, return_y: as ``add_rmsnorm_fp4quant``.
-
-    Returns:
-        (q, sf) as ``mxfp4_quantize``, or (q, sf, y).
-
-    Raises:
-        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
-        RuntimeError: ``residual`` cannot be written in place (where torch refuses it); nothing is written.
-    """
-    fused_add_rmsnorm_.op.check(x, residual, weight, eps)
-    c.multiple_of_32("x", x.shape[-1])
-
-
-@declare("silu_mul_mxfp4quant(Tensor x, bool swizzled) -> (Tensor, Tensor)", kernels=FP4,
-         fake=lambda x, swizzled: _fp4_fake(x, x.shape[-1] // 2, swizzled, mx=True), to_public=lambda o, a: tuple(o))
-def silu_mul_mxfp4quant(x, swizzled=False):
-    """``silu_mul_fp4quant`` quantizing to MXFP4 (``mxfp4_quantize``'s blocks and scales).
-
-    Args:
-        x: [..., 2K], fp32, fp16 or bf16 (gate, then up), K a multiple of 32.
-        swizzled: scales in the 128x4 layout.
-
-    Returns:
-        (q, sf) of the [M, K] product, as ``mxfp4_quantize``.
-
-    Raises:
-        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
-    """
-    _gate_up("x", x, c.multiple_of_32)
-
-
-# ---------------------------------------------------------------- FP8 (float8_e4m3fn codes, fp32 scales)
-def _fp8_check(name, x, N, scale, group_size, column_major_scales, ue8m0, scale_ub):
-    fp8_spec.check_args(N, scale, group_size, column_major_scales, ue8m0, scale_ub, name)
-    if scale is not None:
-        c.global_scale("scale", scale, x.device)
-    if scale_ub is not None:
-        c.global_scale("scale_ub", scale_ub, x.device)
-
-
-def _fp8_fake(x, N, scale, group_size, column_major_scales):
-    """Codes [..., N] float8_e4m3fn and the mode's fp32 scales (see ``oink.reference.fp8``)."""
-    q = x.new_empty((*x.shape[:-1], N), dtype=torch.float8_e4m3fn)
-    return q, fp8_spec.empty_scales(x, x.numel() // x.shape[-1], N, scale, group_size, column_major_scales)
-
-
-def _fake_fp8_norm(x, *rest):
-    scale, group_size, column_major_scales = rest[-6:-3]
-    q, s = _fp8_fake(x, x.shape[-1], scale, group_size, column_major_scales)
-    return q, s, (torch.empty_like(x) if rest[-1] else _absent(x))
-
-
-_FP8_ARGS = "Tensor? scale, int group_size, bool column_major_scales, bool ue8m0, Tensor? scale_ub"
-
-
-@declare(f"fp8_quantize(Tensor x, {_FP8_ARGS}) -> (Tensor, Tensor)", kernels=FP8,
-         fake=lambda x, scale, g, cm, ue, ub: _fp8_fake(x, x.shape[-1], scale, g, cm), to_public=lambda o, a: tuple(o))
-def fp8_quantize(x, scale=None, group_size=0, *, column_major_scales=False, ue8m0=False, scale_ub=None):
-    """FP8 (float8_e4m3fn) in vLLM's scale modes: static, per token (default) or per group.
-
-    Args:
-        x: [..., N], fp32, fp16 or bf16.
-        scale: 1-element fp32 tensor: a static scale (q = x * (1 / scale)); None otherwise.
-        group_size: 0, or 64 / 128 for a scale per 1 x group_size (N a multiple of it).
-        column_major_scales: per-group scales with strides (1, M) (DeepGEMM's layout).
-        ue8m0: per-group scales rounded up to powers of two.
-        scale_ub: 1-element fp32 bound on each row's amax (per token only), or None.
-
-    Returns:
-        (q, scales): q float8_e4m3fn in x's shape; scales fp32 [1] (static), [M, 1] (per token) or
-        [M, N / group_size]. Rounding, scale floors and NaN: ``oink.reference.fp8``.
-
-    Raises:
-        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
-    """
-    c.rows_input("x", x)
-    _fp8_check("x", x, x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
-
-
-@declare(f"rmsnorm_fp8quant(Tensor x, Tensor weight, float eps, {_FP8_ARGS}, bool return_y) "
-         "-> (Tensor, Tensor, Tensor)", kernels=FP8, fake=_fake_fp8_norm, to_public=_with_y)
-def rmsnorm_fp8quant(x, weight, eps=1e-6, scale=None, group_size=0, *, column_major_scales=False, ue8m0=False,
-                     scale_ub=None, return_y=False):
-    """Fused RMSNorm + FP8: y = rmsnorm(x) * weight, rounded to x's dtype, then quantized.
-
-    Args:
-        x: [..., N], fp32, fp16 or bf16.
-        weight: [N], any float dtype.
-        eps: added to the mean of squares.
-        scale, group_size, column_major_scales, ue8m0, scale_ub: the mode, as ``fp8_quantize``.
-        return_y: also return y.
-
-    Returns:
-        (q, scales) as ``fp8_quantize``, or (q, scales, y).
-
-    Raises:
-        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
-    """
-    c.rows_input("x", x)
-    c.tensor("weight", weight)
-    c.vector("weight", weight, x.shape[-1])
-    c.same_device(x=x, weight=weight)
-    _fp8_check("x", x, x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
-
-
-@declare(f"add_rmsnorm_fp8quant(Tensor x, Tensor(a!) residual, Tensor weight, float eps, {_FP8_ARGS}, "
-         "bool return_y) -> (Tensor, Tensor, Tensor)", kernels=FP8, fake=_fake_fp8_norm, to_public=_with_y)
-def add_rmsnorm_fp8quant(x, residual, weight, eps=1e-6, scale=None, group_size=0, *, column_major_scales=False,
-                         ue8m0=False, scale_ub=None, return_y=False):
-    """Fused add + RMSNorm + FP8: vLLM's ``fused_add_rms_norm``, then y quantized.
-
-    Args:
-        x: [..., N], fp32, fp16 or bf16.
-        residual: x's shape; overwritten with x + residual (in its dtype), which is normalised.
-        weight: [N], any float dtype.
-        eps: added to the mean of squares.
-        scale, group_size, column_major_scales, ue8m0, scale_ub: the mode, as ``fp8_quantize``.
-        return_y: also return y = rmsnorm(residual) * weight in x's dtype.
-
-    Returns:
-        (q, scales) as ``fp8_quantize``, or (q, scales, y).
-
-    Raises:
-        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
-        RuntimeError: ``residual`` cannot be written in place (where torch refuses it); nothing is written.
-    """
-    fused_add_rmsnorm_.op.check(x, residual, weight, eps)
-    _fp8_check("x", x, x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
-
-
-@declare(f"silu_mul_fp8quant(Tensor x, {_FP8_ARGS}) -> (Tensor, Tensor)", kernels=FP8,
-         fake=lambda x, scale, g, cm, ue, ub: _fp8_fake(x, x.shape[-1] // 2, scale, g, cm),
-         to_public=lambda o, a: tuple(o))
-def silu_mul_fp8quant(x, scale=None, group_size=0, *, column_major_scales=False, ue8m0=False, scale_ub=None):
-    """Fused SiLU-and-multiply + FP8: silu(x[..., :K]) * x[..., K:] in fp32, quantized.
-
-    Args:
-        x: [..., 2K], fp32, fp16 or bf16 (gate, then up).
-        scale, group_size, column_major_scales, ue8m0, scale_ub: the mode, as ``fp8_quantize``
-            (per group: K a multiple of group_size).
-
-    Returns:
-        (q [..., K], scales) as ``fp8_quantize``.
-
-    Raises:
-        TypeError, ValueError: an argument's type, dtype, shape or device does not fit (the message names it).
-    """
-    c.rows_input("x", x)
-    if x.shape[-1] % 2:
-        raise ValueError(f"x: last dim {x.shape[-1]} must be even (gate and up halves)")
-    _fp8_check("x (each half)", x, x.shape[-1] // 2, scale, group_size, column_major_scales, ue8m0, scale_ub)
+# the FP4 and FP8 ops: their own module, imported here so that every op is declared with oink.ops
+from .ops_quant import (add_rmsnorm_fp4quant, add_rmsnorm_fp8quant, add_rmsnorm_mxfp4quant,  # noqa: E402,F401
+                        fp8_quantize, mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize, nvfp4_quantize,
+                        rmsnorm_fp8quant, silu_mul_fp4quant, silu_mul_fp8quant, silu_mul_mxfp4quant)
 
 
 __all__ = list(PUBLIC)
