@@ -9,6 +9,8 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import oink
@@ -67,7 +69,7 @@ def _assert_matches(out, ref, dtype, what):
             continue
         assert not torch.isnan(a).any(), f"{what}: {name} has NaN"
         atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else tolerance("norm_backward", dtype)
-        scale = max(1.0, float(e.abs().max()))  # sums over rows or the vocabulary: bounds scale with size
+        scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0  # sums over rows or the vocabulary
         torch.testing.assert_close(a.double(), e, atol=atol * scale, rtol=rtol, msg=lambda m: f"{what} {name}: {m}")
 
 
@@ -292,3 +294,20 @@ def test_return_z_loss(reduction):
         loss2, z2 = oink.linear_cross_entropy(hidden, weight, target, reduction=reduction, z_loss=z,
                                               return_z_loss=True)
     torch.testing.assert_close(z2, z_part)
+
+
+@given(M=st.integers(0, 80), H=st.sampled_from((1, 8, 33)), V=st.sampled_from((1, 7, 101, 1000)),
+       chunk=st.one_of(st.none(), st.integers(1, 90)), reduction=st.sampled_from(("mean", "sum", "none")),
+       bias=st.booleans(), ignored=st.sampled_from((0.0, 0.3, 1.0)), strided=st.booleans(),
+       options=st.sampled_from(({}, {"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0})),
+       seed=st.integers(0, 2**16))
+def test_fuzz_against_float64(M, H, V, chunk, reduction, bias, ignored, strided, options, seed):
+    """Random shapes (empty, one class, odd vocabularies), chunk sizes, reductions, ignored rows,
+    strided hidden rows and the options, against the float64 reference."""
+    hidden, weight, target, b = _case(M, H, V, bias=bias, seed=seed, ignored=ignored)
+    if strided:  # rows of a wider tensor: not contiguous
+        hidden = torch.cat([hidden, torch.randn(M, 3)], 1)[:, :H]
+    grad = _grad_for(reduction, target, seed)
+    out = _run(hidden, weight, target, b, reduction, grad, chunk_size=chunk, **options)
+    _assert_matches(out, _reference(hidden, weight, target, b, reduction, grad, **options), torch.float32,
+                    f"M={M} H={H} V={V} chunk={chunk} {reduction} {options}")
