@@ -163,3 +163,20 @@ def test_training_suite_runs_on_cpu(pytester, tmp_path, monkeypatch):
         (op, p, "ok") for op in ops for p in ("oink", "torch"))
     assert all(float(r["median_ms"]) > 0 and r["peak_mem_mib"] == "n/a" for r in rows)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", ["oink", "liger", "quack", "torch", "torch.compile"])
+@pytest.mark.parametrize("op", ["linear_cross_entropy_llama3", "linear_cross_entropy_gemma2"])
+def test_every_provider_passes_the_gate_on_a_gpu(op, provider):
+    """Each peer's call as the suite makes it (signatures, dtypes, the softcap), at a small vocabulary:
+    a quick check before the suite's full shapes."""
+    device, case = torch.device("cuda"), suites.Case("training", op, 1024, 32000, "bfloat16")
+    try:
+        run = build(op, provider, device)
+        g = bench_runner.gate(SPECS[op], run, case, torch.bfloat16, device)
+    except Unavailable as e:
+        pytest.skip(f"{provider}: {e}")
+    assert g["passed"], g.get("report")
+    args = bench_runner._inputs(SPECS[op], case, torch.bfloat16, device, 100)
+    assert bench_runner.peak_memory(run, args, device) > 0
