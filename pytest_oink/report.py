@@ -161,6 +161,17 @@ def speedups(rows):
     return out
 
 
+def memory_ratios(rows) -> dict:
+    """{provider: [Oink's peak memory / its, per shape]} over shapes where both measured one."""
+    peak = {r.key: r.peak_mem_bytes for r in rows if r.status == "ok" and r.peak_mem_bytes}
+    out: dict = {}
+    for (op, prov, M, N, dt), b in peak.items():
+        mine = peak.get((op, "oink", M, N, dt))
+        if prov != "oink" and mine:
+            out.setdefault(prov, []).append(mine / b)
+    return out
+
+
 def time_by_provider(rows) -> str:
     """Where a session's time went: each provider's rows' wall time (of which the gate, where the
     first calls compile), slowest first; "" without timed rows."""
@@ -264,6 +275,10 @@ def summary_markdown(rows, roofline=None) -> str:
         for M, N, dt in shapes:
             cs = ["-" if (p, M, N, dt) not in cell else mib(cell[(p, M, N, dt)].peak_mem_bytes) for p in provs]
             lines.append(f"| {M} | {N} | {dt} | " + " | ".join(cs) + " |")
+        mem = memory_ratios(op_rows)
+        if mem:
+            lines += ["", "Oink's peak memory over each provider's: " + ", ".join(
+                f"vs {p} {geomean(v):.2f}x (max {max(v):.2f}x, {len(v)} shapes)" for p, v in sorted(mem.items()))]
         if op in sp:
             lines += ["", "Geomean speedup of oink: " + ", ".join(
                 f"vs {p} {geomean(v):.2f}x (min {min(v):.2f}x, {len(v)} shapes)" for p, v in sorted(sp[op].items()))]

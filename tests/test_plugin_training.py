@@ -117,6 +117,7 @@ def test_peak_memory_column(tmp_path):
     assert rows[0].extra_info()["peak_mem_bytes"] == 1536 * 2**20 and rows[2].extra_info()["peak_mem_bytes"] is None
     md = report.summary_markdown(rows)
     assert "Peak memory, MiB" in md and "| 4096 | 128256 | bfloat16 | 1536.0 | n/a | 9216.0 |" in md
+    assert "Oink's peak memory over each provider's: vs torch 0.17x (max 0.17x, 1 shapes)" in md  # not liger: n/a
     data = report.benchmark_json(rows, {})
     assert [b["extra_info"]["peak_mem_bytes"] for b in data["benchmarks"]] == [1536 * 2**20, 9 * 2**30, None]
 
