@@ -21,6 +21,7 @@ backward): every element is read before it is written, by the same thread.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -241,10 +242,7 @@ class CrossEntropy(RowKernelBase):
             if bad:
                 scale = Float32(math.nan)
             rD = cute.make_rmem_tensor_like(rX, Float32)
-            if const_expr(self.options.plain or self.options.softcap is not None):
-                self.dlogits(rD, x, lse, scale, k, tXcX, target + shift)
-            else:  # x again from the loaded row: its fp32 copy need not live through the reduction
-                self.dlogits(rD, rX.load().to(Float32), lse, scale, k, tXcX, target + shift)
+            self.dlogits(rD, x, lse, scale, k, tXcX, target + shift)
             rO = cute.make_rmem_tensor_like(rX, self.x_dtype)
             rO.store(rD.load().to(self.x_dtype))
             if row < M:
@@ -497,15 +495,20 @@ class CrossEntropy(RowKernelBase):
     def fold_posinf(self, m: Float32, s: Float32, m_new: Float32, shift: Float32, x) -> Float32:
         """A streamed tile x folded into the thread's running sum s (at max m, the new max m_new); where
         m_new is +inf the sum counts the +inf values (the limit)."""
-        s_new = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
-            (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
-                                                       reduction_profile=0)
+        s_new = s * Float32(0.0)  # a NaN so far stays NaN
         if m_new == Float32(math.inf):
-            carried = Float32(0.0)
             if m == Float32(math.inf):
-                carried = s
-            s_new = carried + cute.where(x == Float32(math.inf), cute.full_like(x, 1.0), cute.full_like(x, 0.0)).reduce(
-                cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+                s_new = s
+            for i in cutlass.range_constexpr(cute.size(x.shape)):
+                v = x[i]
+                if v == Float32(math.inf):
+                    s_new = s_new + Float32(1.0)
+                if v != v:
+                    s_new = s_new + v
+        else:
+            s_new = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
+                (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
+                                                           reduction_profile=0)
         return s_new
 
     def stream_tiling(self) -> tuple[int, int]:
@@ -601,6 +604,15 @@ def shifted_window(N: int, x_bits: int) -> int | None:
     return None if N % vec == 0 else -(-(N + vec - 1) // vec) * vec
 
 
+def option_launch(N: int, x_bits: int, mode: str, shifted: bool = False) -> RowLaunch:
+    """The dlogits modes' heuristic launch with options (a table entry, measured on a card, still wins):
+    CTAs of at most 512 threads (128 registers a thread, where the plain kernels' 1024 leave 64: the
+    options keep a few more values live, and spilled at 1024) while a cluster of 8 holds the row in 5
+    units a thread, else the plain kernels' launch."""
+    launch = pick_row_launch(N, x_bits, max_units_per_thread=5, max_threads=512)
+    return launch if launch.iters <= 8 else pick_row_launch(N, x_bits, max_units_per_thread=5)
+
+
 @memo
 def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arch: str, store_lse: bool = True,
                            window: bool = True, options: CEOptions = PLAIN):
@@ -613,14 +625,17 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
     width = shifted_window(N, dt.width) if window or mode == "forward" else None
     stream = stream_rows(width or N, dt.width, mode)
-    shifted = cross_entropy_launch(width, dt.width, arch, mode, True) if width and not stream else None
+    held = functools.partial(cross_entropy_launch, arch=arch, mode=mode)
+    if not options.plain and mode != "forward":  # the options' dlogits hold more live values a thread
+        held = functools.partial(option_launch, mode=mode)
+    shifted = held(width, dt.width, shifted=True) if width and not stream else None
     if stream:  # shifted rows stream through their windows
         key = f"cross_entropy/{mode}_stream{'_shifted' if width else ''}/x{dt.width}"
         launch = pick(key, arch, stream_launch(width or N, dt.width))
     elif shifted is not None and shifted.rows_per_cta == 1:  # a window needs one row a CTA
         launch = pick(f"cross_entropy/{mode}_shifted/x{dt.width}", arch, shifted)
     else:
-        launch = pick(f"cross_entropy/{mode}/x{dt.width}", arch, cross_entropy_launch(N, dt.width, arch, mode))
+        launch = pick(f"cross_entropy/{mode}/x{dt.width}", arch, held(N, dt.width))
     store_lse = store_lse and mode != "backward"
 
     def build():

@@ -387,9 +387,14 @@ class RowKernelBase:
         e = cute.math.exp2((x - shift) * LOG2E, fastmath=True)
         s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
         if const_expr(posinf):
-            if m == Float32(math.inf):
-                s = cute.where(x == Float32(math.inf), cute.full_like(x, 1.0), cute.full_like(x, 0.0)).reduce(
-                    cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+            if m == Float32(math.inf):  # (a NaN still makes the sum NaN)
+                s = Float32(0.0)  # one value at a time: arrays of selects beside x would spill
+                for i in cutlass.range_constexpr(cute.size(x.shape)):
+                    v = x[i]
+                    if v == Float32(math.inf):
+                        s = s + Float32(1.0)
+                    if v != v:
+                        s = s + v
         if const_expr(extra is not None):
             return self.merge_max_sum(m, s, buf, mbar, posinf, extra)
         row_m, s = self.merge_max_sum(m, s, buf, mbar, posinf)

@@ -1,0 +1,197 @@
+"""Cross-entropy options (#35 item 1) on the kernels: label_smoothing, z_loss and softcap against the
+fp32 reference, forward, backward and fused, register-held and streamed rows, aligned and odd
+vocabularies (about 30% of the rows ignored, outputs poisoned with NaN first); the routes (a class
+weight with label smoothing takes the reference); autograd against float64 torch; +inf logits with
+options."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import oink
+from oink import reference as R
+from tests.gpu_helpers import close_family, cuda_arch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
+
+IGNORE = -100
+OPTIONS = {
+    "smooth": dict(label_smoothing=0.1),
+    "zloss": dict(z_loss=1e-4),
+    "softcap": dict(softcap=30.0),
+    "all": dict(label_smoothing=0.2, z_loss=1e-3, softcap=15.0),
+}
+
+
+def _case(M, N, dtype, seed, scale=4.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = (torch.randn(M, N, device="cuda", generator=g) * scale).to(dtype)
+    target = torch.randint(0, N, (M,), device="cuda", generator=g)
+    target[torch.rand(M, device="cuda", generator=g) < 0.3] = IGNORE
+    dloss = torch.randn(M, device="cuda", generator=g)
+    return logits, target, dloss
+
+
+def _checked(mode, logits, target, dloss, opts, dtype, dx=None):
+    """``mode``'s kernel (``cross_entropy_ops.launch``) with the options, into NaN-poisoned outputs,
+    against the fp32 reference: loss and lse (forward, fused) and dlogits (backward, fused)."""
+    from oink.kernels.cross_entropy_ops import launch, options_of
+
+    M, N = logits.shape
+    o = options_of(opts)
+    e_loss, e_lse = R.cross_entropy_forward(logits, target, IGNORE, **opts)
+    loss = torch.full((M,), math.nan, device="cuda")
+    lse = torch.full((M,), math.nan, device="cuda")
+    if dx is None:
+        dx = torch.full((M, N), math.nan, device="cuda", dtype=dtype)
+    if mode == "forward":
+        launch(mode, cuda_arch(), logits, target, IGNORE, loss=loss, lse_out=lse, options=o)
+    elif mode == "backward":
+        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, lse_in=e_lse, dx=dx, options=o)
+    else:
+        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, loss=loss, lse_out=lse, dx=dx, options=o)
+    if mode != "backward":
+        close_family(loss, e_loss, "cross_entropy_loss", torch.float32, f"{mode} loss {opts}")
+        close_family(lse, e_lse, "cross_entropy_loss", torch.float32, f"{mode} lse {opts}")
+    if mode != "forward":
+        e_dx = R.cross_entropy_backward(dloss, logits, target, e_lse, IGNORE, **opts)
+        close_family(dx, e_dx, "softmax", dtype, f"{mode} dlogits {opts}")
+    return loss, dx
+
+
+@pytest.mark.parametrize("opts", list(OPTIONS), ids=str)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+@pytest.mark.parametrize("N", (64, 1000, 4097, 32000, 50257, 128256, 256000))
+@pytest.mark.parametrize("M", (1, 37, 512))
+@pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
+def test_option_kernels_match_the_reference(mode, M, N, dtype, opts, seed):
+    logits, target, dloss = _case(M, N, dtype, seed)
+    loss, dx = _checked(mode, logits, target, dloss, OPTIONS[opts], dtype)
+    if mode != "backward":
+        assert torch.all(loss[target == IGNORE] == 0)
+    if mode != "forward":
+        assert torch.all(dx[target == IGNORE] == 0)
+
+
+@pytest.mark.parametrize("opts", ["smooth", "all"])
+@pytest.mark.parametrize("N", (1000, 50257, 200008))
+@pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
+def test_streamed_rows_with_options(monkeypatch, mode, N, opts, seed):
+    """Every mode forced to stream its rows, rows 24 elements apart (odd widths through aligned windows),
+    a row of -inf over its first three quarters (masked: capped to -c with a softcap), the target in
+    the last quarter; dx's padding must stay unwritten."""
+    from tests.test_cross_entropy_options import _force_stream
+
+    _force_stream(monkeypatch)
+    M = 7
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    buf = torch.randn(M, N + 24, device="cuda", generator=g) * 4
+    buf[2, : N * 3 // 4] = -math.inf
+    buf[0, N - 1] = 40.0
+    logits = buf.to(torch.bfloat16)[:, :N]
+    target = torch.randint(N * 3 // 4, N, (M,), device="cuda", generator=g)
+    target[4] = IGNORE
+    dloss = torch.randn(M, device="cuda", generator=g)
+    dx_buf = torch.full((M, N + 24), math.nan, device="cuda", dtype=torch.bfloat16)
+    _checked(mode, logits, target, dloss, OPTIONS[opts], torch.bfloat16, dx_buf[:, :N])
+    if mode != "forward":
+        assert torch.isnan(dx_buf[:, N:]).all(), "a store left its row"
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_public_ops_route_options_to_the_kernels(reduction, seed):
+    """The public ops with options run the kernels (a class weight with a z-loss too; with label smoothing
+    the reference, which says so) and match the reference, the z-loss output included."""
+    logits, target, dloss = _case(1024, 50257, torch.bfloat16, seed)
+    w = torch.rand(50257, device="cuda") + 0.5
+    opts = OPTIONS["all"]
+    assert "kernel" in oink.explain("cross_entropy_forward", logits, target, IGNORE, reduction, **opts)
+    assert "kernel" in oink.explain("cross_entropy_fwd_bwd", dloss, logits, target, weight=w, z_loss=1e-3)
+    assert "class weight" in oink.explain("cross_entropy_fwd_bwd", dloss, logits, target, weight=w, **opts)
+    got = oink.cross_entropy_forward(logits, target, IGNORE, reduction, return_z_loss=True, **opts)
+    want = R.cross_entropy_forward(logits, target, IGNORE, reduction, return_z_loss=True, **opts)
+    for a, b, what in zip(got, want, ("loss", "lse", "z-loss")):
+        close_family(a, b, "cross_entropy_loss", torch.float32, what)
+    up = dloss if reduction == "none" else dloss[0]
+    for weight, kw in ((None, opts), (w, dict(z_loss=1e-3, softcap=15.0))):
+        got = oink.cross_entropy_fwd_bwd(up, logits, target, weight=weight, reduction=reduction, return_lse=True,
+                                         return_z_loss=True, **kw)
+        want = R.cross_entropy_fwd_bwd(up, logits, target, weight=weight, reduction=reduction, return_lse=True,
+                                       return_z_loss=True, **kw)
+        close_family(got[0], want[0], "cross_entropy_loss", torch.float32, "fused loss")
+        close_family(got[1], want[1], "softmax", torch.bfloat16, "fused dlogits")
+        close_family(got[2], want[2], "cross_entropy_loss", torch.float32, "fused lse")
+        close_family(got[3], want[3], "cross_entropy_loss", torch.float32, "fused z-loss")
+        lse = got[2]
+        close_family(oink.cross_entropy_backward(dloss, logits, target, lse, weight=weight, **kw),
+                     R.cross_entropy_backward(dloss, logits, target, lse, weight=weight, **kw), "softmax",
+                     torch.bfloat16, "backward")
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_autograd_with_options_against_float64(inplace, seed):
+    """oink.cross_entropy with every option on bf16 logits of Llama-3's vocabulary: the loss and dlogits
+    against torch.autograd of the float64 formula."""
+    logits, target, _ = _case(256, 128256, torch.bfloat16, seed)
+    opts = OPTIONS["all"]
+    leaf = logits.clone().requires_grad_(True)
+    loss = oink.cross_entropy(leaf * 1, target, inplace_backward=inplace, **opts)
+    (got,) = torch.autograd.grad(loss, [leaf])
+    x = logits.double().requires_grad_(True)
+    c = opts["softcap"] * torch.tanh(x / opts["softcap"])
+    lse = torch.logsumexp(c, -1)
+    valid = target != IGNORE
+    ref = torch.nn.functional.cross_entropy(c, target, ignore_index=IGNORE, reduction="sum",
+                                            label_smoothing=opts["label_smoothing"])
+    ref = (ref + opts["z_loss"] * (lse[valid] ** 2).sum()) / valid.sum()
+    (want,) = torch.autograd.grad(ref, [x])
+    close_family(loss, ref.float(), "cross_entropy_loss", torch.float32, "loss")
+    close_family(got, want.to(torch.bfloat16), "softmax", torch.bfloat16, "dlogits")
+
+
+@pytest.mark.parametrize("V", (1000, 50257, 128256))
+def test_infinite_logits_with_options(V, seed):
+    """A softcap makes +-inf logits finite (+-c) on the kernel path; label smoothing of a row holding
+    +inf logits gives the reference's limit (+inf, log V where every logit is +inf) and finite dlogits."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(4, V, device="cuda", generator=g)
+    logits[0, 3] = math.inf
+    logits[1, :] = math.inf
+    logits[2, 5] = -math.inf
+    logits[3, 7], logits[3, 8] = math.inf, -math.inf
+    target = torch.tensor([3, 2, 0, 7], device="cuda")
+    dloss = torch.ones(4, device="cuda")
+    for opts in (dict(softcap=20.0), dict(label_smoothing=0.1), dict(softcap=5.0, label_smoothing=0.3)):
+        assert "kernel" in oink.explain("cross_entropy_fwd_bwd", dloss, logits, target, **opts)
+        loss, dx, lse = oink.cross_entropy_fwd_bwd(dloss, logits, target, return_lse=True, **opts)
+        e_loss, e_dx, e_lse = R.cross_entropy_fwd_bwd(dloss.cpu(), logits.cpu(), target.cpu(), return_lse=True,
+                                                      **opts)
+        torch.testing.assert_close(loss.cpu(), e_loss, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(lse.cpu(), e_lse, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(dx.cpu(), e_dx, atol=1e-5, rtol=1e-4)
+        f_loss, f_lse = oink.cross_entropy_forward(logits, target, **opts)
+        torch.testing.assert_close(f_loss.cpu(), e_loss, atol=1e-4, rtol=1e-5)
+        d = oink.cross_entropy_backward(dloss, logits, target, e_lse.cuda(), **opts)
+        torch.testing.assert_close(d.cpu(), e_dx, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("V", (1000, 32000, 128256))
+def test_nan_beside_posinf_stays_nan(V, seed):
+    """A row holding +inf and NaN: the +inf limit must not hide the NaN (loss, lse and dlogits NaN, the
+    other rows their reference values), plain and with label smoothing."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(6, V, device="cuda", generator=g).to(torch.bfloat16)
+    logits[0, 1], logits[0, V - 1] = math.inf, math.nan
+    logits[1, V - 1], logits[1, 0] = math.inf, math.nan  # the NaN first, in another thread's columns
+    target = torch.tensor([1, V - 1, 2, 3, IGNORE, 5], device="cuda")
+    dloss = torch.ones(6, device="cuda")
+    for opts in ({}, dict(label_smoothing=0.1)):
+        loss, dx, lse = oink.cross_entropy_fwd_bwd(dloss, logits, target, return_lse=True, **opts)
+        f_loss, f_lse = oink.cross_entropy_forward(logits, target, **opts)
+        assert loss[:2].isnan().all() and lse[:2].isnan().all() and dx[:2].isnan().all()
+        assert f_loss[:2].isnan().all() and f_lse[:2].isnan().all()
+        e_loss, e_dx = R.cross_entropy_fwd_bwd(dloss[2:], logits[2:], target[2:], **opts)
+        close_family(loss[2:], e_loss, "cross_entropy_loss", torch.float32, f"other rows {opts}")
+        close_family(dx[2:], e_dx, "softmax", torch.bfloat16, f"other rows' dx {opts}")
