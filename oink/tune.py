@@ -32,6 +32,7 @@ backward's pipeline depth), the sweeps' way to time one; entries found so hold f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -64,31 +65,51 @@ def time_op(spec, run, case, dtype, device) -> float:
     return median(time_cuda_graph(run, rot).samples)
 
 
+@dataclasses.dataclass
+class Trial:
+    """What the tuner forces while it runs an op, and what it learns (``launch_table.TRIAL``), keyed
+    (key, arch, N): ``launches`` (threads_per_row, num_threads, cluster_n), ``grids`` (threads a SM; 0:
+    the family's default), ``stages`` (False, "early" or "late"); ``seen``: the rule's RowLaunch of
+    every key looked up."""
+    launches: dict = dataclasses.field(default_factory=dict)
+    grids: dict = dataclasses.field(default_factory=dict)
+    stages: dict = dataclasses.field(default_factory=dict)
+    seen: dict = dataclasses.field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def trial(launches=None, grids=None, stages=None):
+    """A ``Trial`` of ``launches``, ``grids`` and ``stages`` in effect inside the block (yielded: its
+    ``seen`` fills as the block's calls look their keys up). The memoized launch choices are dropped
+    on entry and on exit, so the block's calls choose under the trial and the later ones without it."""
+    t = Trial(dict(launches or {}), dict(grids or {}), dict(stages or {}))
+    before, launch_table.TRIAL = launch_table.TRIAL, t
+    config.reload()
+    try:
+        yield t
+    finally:
+        launch_table.TRIAL = before
+        config.reload()
+
+
 def keys_of(spec, run, M, N, dtype, device) -> dict:
     """{(key, arch, width): heuristic RowLaunch} that one call of the op at M x N looks up (a call of
     ``launch_table.few_rows`` rows looks up the "/few" keys)."""
-    launch_table.OVERRIDES.clear()
-    launch_table.GRID_OVERRIDES.clear()
-    config.reload()
-    launch_table.SEEN.clear()
-    run(_inputs(spec, Case("tune", "", M, N, str(dtype).split(".")[-1]), dtype, device, 0))
-    torch.cuda.synchronize()
-    return dict(launch_table.SEEN)
+    with trial() as t:
+        run(_inputs(spec, Case("tune", "", M, N, str(dtype).split(".")[-1]), dtype, device, 0))
+        torch.cuda.synchronize()
+    return t.seen
 
 
 def try_shape(spec, run, op, N, rows, dtype, device, key, shape, grid=None, stage=None) -> tuple[bool, list, str]:
     """(passed, [seconds per row count], why) with ``shape`` forced for ``key`` (and ``grid``, threads
     a SM or 0 for the family's default, and ``stage``: False, or rows staged in shared memory with the
     parameters loaded "early" or "late", where given)."""
-    launch_table.OVERRIDES.clear()
-    launch_table.GRID_OVERRIDES.clear()
-    launch_table.STAGE_OVERRIDES.clear()
-    launch_table.OVERRIDES[key] = shape
-    if grid is not None:
-        launch_table.GRID_OVERRIDES[key] = grid
-    if stage is not None:
-        launch_table.STAGE_OVERRIDES[key] = stage
-    config.reload()
+    with trial({key: shape}, {} if grid is None else {key: grid}, {} if stage is None else {key: stage}):
+        return _gate_and_time(spec, run, op, N, rows, dtype, device, shape, stage)
+
+
+def _gate_and_time(spec, run, op, N, rows, dtype, device, shape, stage) -> tuple[bool, list, str]:
     name = str(dtype).split(".")[-1]
     times = []
     for M in sorted({ODD_FEW_ROWS if launch_table.few_rows(rows[0]) else ODD_ROWS, *rows}):
@@ -224,9 +245,6 @@ def _tune(ap, a) -> int:
                                 (L.threads_per_row, L.num_threads, L.cluster_n),
                                 (base, base if best is None else best_t), card)
             write(out.with_suffix(".partial"), data, record, started)  # a run cut off keeps what it found
-    launch_table.OVERRIDES.clear()
-    launch_table.GRID_OVERRIDES.clear()
-    config.reload()
     write(out, data, record, started)
     out.with_suffix(".partial").unlink(missing_ok=True)
     config.reload()  # this process's launches: the table just written

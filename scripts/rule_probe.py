@@ -1,7 +1,7 @@
 """Time candidate launch rules against the current launches and a peer, at widths no table entry names.
 
 For each op and width: the op runs once to learn the launch keys it looks up; each rule then gives
-every key a launch (forced through ``launch_table.OVERRIDES``), which is gated against the op's
+every key a launch (forced in ``oink.tune.trial``), which is gated against the op's
 reference (the benchmark gate) and timed (CUDA-graph replay, inputs cycled past L2). ``current`` is
 the library's own choice; ``--peers`` are timed the same way. One JSON line per trial, then a table.
 A rule is ``current``, a name of RULES, ``stream`` / ``held`` (cross-entropy's streaming forced),
@@ -22,10 +22,9 @@ import torch
 
 from oink import config  # noqa: E402
 from oink.kernels import cross_entropy as ce  # noqa: E402
-from oink.kernels import launch_table  # noqa: E402
 from oink.kernels.compile import CACHE  # noqa: E402
 from oink.kernels.reduction import RowLaunch, cluster_rows, pick_row_launch  # noqa: E402
-from oink.tune import keys_of, time_op  # noqa: E402
+from oink.tune import keys_of, time_op, trial  # noqa: E402
 from pytest_oink.bench_runner import gate  # noqa: E402
 from pytest_oink.providers import SPECS, build  # noqa: E402
 from pytest_oink.suites import Case  # noqa: E402
@@ -111,41 +110,40 @@ def main(argv=None) -> int:
             keys = keys_of(spec, run, M, N, dtype, device)
             row = {"op": op, "N": N, "M": M, "card": card, "copy_tbs": roof.copy_tbs}
             for rule in a.rules.split(","):
-                launch_table.OVERRIDES.clear()
                 ce.STREAM_UNITS = stream_units
                 _set_rules(())
                 parts = rule.split("+")  # e.g. stream+fixed:256x2: a setting, then launches on its keys
                 settings = [p for p in parts if p in SETTING_RULES]
                 _set_rules(settings)
                 rkeys = keys_of(spec, run, M, N, dtype, device) if settings else keys
-                shapes = {}
+                shapes, forced = {}, {}  # forced: (key, arch, width) -> the rule's launch
                 for part in (p for p in parts if p not in SETTING_RULES):
                     if part.startswith("file:"):  # launches saved by another tree: {"key|arch|N": shape}
                         saved = json.loads(Path(part[5:]).read_text())
                         for (key, arch, width) in rkeys:
                             if f"{key}|{arch}|{width}" in saved:
-                                launch_table.OVERRIDES[(key, arch, width)] = tuple(saved[f"{key}|{arch}|{width}"])
+                                forced[(key, arch, width)] = tuple(saved[f"{key}|{arch}|{width}"])
                     elif part.startswith("fixed:"):  # fixed:TxC[xB]: T threads a row, a cluster of C, CTAs of B
                         tpr, cl, *cta = (int(v) for v in part[6:].split("x"))
                         for (key, arch, width) in rkeys:
-                            launch_table.OVERRIDES[(key, arch, width)] = (tpr, cta[0] if cta else max(128, tpr), cl)
+                            forced[(key, arch, width)] = (tpr, cta[0] if cta else max(128, tpr), cl)
                     elif part.startswith("units:"):  # units:U: a streamed cross-entropy pass loads U accesses
                         ce.STREAM_UNITS = int(part[6:])
                     elif part != "current":
                         for (key, arch, width), default in rkeys.items():
                             L = RULES[part](width, default.vec)
-                            shapes[key] = launch_table.OVERRIDES[(key, arch, width)] = (
+                            shapes[key] = forced[(key, arch, width)] = (
                                 L.threads_per_row, L.num_threads, L.cluster_n)
-                config.reload()
-                CACHE.clear_used()
-                try:
-                    g = gate(spec, run, case, dtype, device)
-                    ok = g["passed"]
-                    us = time_op(spec, run, case, dtype, device) * 1e6 if ok else None
-                    why = "" if ok else g.get("report", "gate failed")[:200]
-                except Exception as e:  # noqa: BLE001
-                    ok, us, why = False, None, f"{type(e).__name__}: {e}"[:200]
-                ran = sorted(CACHE.used_launches())
+                with trial(forced):
+                    CACHE.clear_used()
+                    try:
+                        g = gate(spec, run, case, dtype, device)
+                        ok = g["passed"]
+                        us = time_op(spec, run, case, dtype, device) * 1e6 if ok else None
+                        why = "" if ok else g.get("report", "gate failed")[:200]
+                    except Exception as e:  # noqa: BLE001
+                        ok, us, why = False, None, f"{type(e).__name__}: {e}"[:200]
+                    ran = sorted(CACHE.used_launches())
                 frac = spec.nbytes(M, N, dtype.itemsize) / (us * 1e-6) / (roof.copy_tbs * 1e12) if us else None
                 line = {**row, "rule": rule, "passed": ok, "us": us, "copy": frac, "ran": ran, "why": why}
                 row[rule] = us
@@ -153,7 +151,6 @@ def main(argv=None) -> int:
                 if log:
                     log.write(json.dumps(line) + "\n")
                     log.flush()
-            launch_table.OVERRIDES.clear()
             ce.STREAM_UNITS = stream_units
             _set_rules(())
             for p, prun in peers.items():

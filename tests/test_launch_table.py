@@ -15,11 +15,11 @@ IDS = [f"{arch}-{key}-{N}" for arch, key, N, _ in ENTRIES]
 
 @pytest.fixture
 def override():
-    yield launch_table.OVERRIDES
-    launch_table.OVERRIDES.clear()
-    launch_table.GRID_OVERRIDES.clear()
-    launch_table.STAGE_OVERRIDES.clear()
-    config.reload()
+    """The tuner's trial (``oink.tune.trial``) in effect for the test: its dicts, filled by the test."""
+    from oink.tune import trial
+
+    with trial() as t:
+        yield t
 
 
 def test_pick_prefers_override_then_table_then_heuristic(override, monkeypatch):
@@ -30,20 +30,30 @@ def test_pick_prefers_override_then_table_then_heuristic(override, monkeypatch):
     assert (tuned.threads_per_row, tuned.num_threads, tuned.cluster_n, tuned.vec) == (384, 384, 1, default.vec)
     assert launch_table.pick("test/k", "sm_100a", default) == default  # another arch: no entry
     assert launch_table.pick("test/k", "sm_90a", default, knob=2) == default  # a sweep knob wins
-    override[("test/k", "sm_90a", 18432)] = (576, 576, 1)
+    override.launches[("test/k", "sm_90a", 18432)] = (576, 576, 1)
     assert launch_table.pick("test/k", "sm_90a", default).threads_per_row == 576
-    assert launch_table.SEEN[("test/k", "sm_90a", 18432)] == default
+    assert override.seen[("test/k", "sm_90a", 18432)] == default
+
+
+def test_trial_ends_with_its_block():
+    """The library keeps no trial: outside ``oink.tune.trial`` the table's entry (or the rule) serves again."""
+    from oink.tune import trial
+
+    default = pick_row_launch(18432, 8)
+    with trial({("test/k", "sm_90a", 18432): (576, 576, 1)}) as t:
+        assert launch_table.pick("test/k", "sm_90a", default).threads_per_row == 576
+    assert launch_table.TRIAL is None and list(t.seen) == [("test/k", "sm_90a", 18432)]
+    assert launch_table.pick("test/k", "sm_90a", default) == default
 
 
 def test_few_rows_take_their_own_entry_else_the_keys_choice(override, monkeypatch):
     default = pick_row_launch(131072, 16)
     assert launch_table.few_rows(launch_table.FEW_ROWS) and not launch_table.few_rows(launch_table.FEW_ROWS + 1)
     monkeypatch.setattr(launch_table, "table", lambda: {"sm_90a": {"test/k": {131072: {"launch": [1024, 1024, 4]}}}})
-    launch_table.SEEN.clear()
     tuned = launch_table.pick("test/k", "sm_90a", default, few=True)  # no "/few" entry: the key's own
     assert (tuned.threads_per_row, tuned.cluster_n) == (1024, 4)
-    assert list(launch_table.SEEN) == [("test/k/few", "sm_90a", 131072)]  # the search tunes the few key
-    assert launch_table.SEEN[("test/k/few", "sm_90a", 131072)] == tuned  # against the key's choice
+    assert list(override.seen) == [("test/k/few", "sm_90a", 131072)]  # the search tunes the few key
+    assert override.seen[("test/k/few", "sm_90a", 131072)] == tuned  # against the key's choice
     monkeypatch.setattr(launch_table, "table", lambda: {"sm_90a": {"test/k": {131072: {"launch": [1024, 1024, 4]}},
                                                                    "test/k/few": {131072: {"launch": [256, 256, 16]}}}})
     few = launch_table.pick("test/k", "sm_90a", default, few=True)
@@ -63,11 +73,11 @@ def test_grid_belongs_to_its_entrys_launch(override, monkeypatch):
     assert grid("test/k", "sm_90a", 65536, knob=2) is None  # a knob that makes pick ignore the table
     assert grid("test/k", "sm_90a", 65536, few=True) == 2048  # no "/few" entry: the key's
     assert grid("test/k", "sm_90a", 28672, few=True) == 4096
-    override[("test/k", "sm_90a", 65536)] = (512, 512, 4)  # a trial of another launch: not its grid
+    override.launches[("test/k", "sm_90a", 65536)] = (512, 512, 4)  # a trial of another launch: not its grid
     assert grid("test/k", "sm_90a", 65536) is None
-    launch_table.GRID_OVERRIDES[("test/k", "sm_90a", 65536)] = 1024
+    override.grids[("test/k", "sm_90a", 65536)] = 1024
     assert grid("test/k", "sm_90a", 65536) == 1024
-    launch_table.GRID_OVERRIDES[("test/k", "sm_90a", 65536)] = 0  # a trial of the default
+    override.grids[("test/k", "sm_90a", 65536)] = 0  # a trial of the default
     assert grid("test/k", "sm_90a", 65536) is None
 
 
@@ -84,11 +94,11 @@ def test_stage_belongs_to_its_entrys_launch(override, monkeypatch):
     assert staged("test/k", "sm_90a", 262144, knob=4) is None
     assert staged("test/k", "sm_90a", 262144, few=True) == "early"  # no "/few" entry: the key's
     assert staged("test/k", "sm_90a", 131072, few=True) == "late"
-    override[("test/k", "sm_90a", 262144)] = (256, 256, 8)  # a trial of another launch: not its stage
+    override.launches[("test/k", "sm_90a", 262144)] = (256, 256, 8)  # a trial of another launch: not its stage
     assert staged("test/k", "sm_90a", 262144) is None
-    launch_table.STAGE_OVERRIDES[("test/k", "sm_90a", 262144)] = "late"
+    override.stages[("test/k", "sm_90a", 262144)] = "late"
     assert staged("test/k", "sm_90a", 262144) == "late"
-    launch_table.STAGE_OVERRIDES[("test/k", "sm_90a", 262144)] = False
+    override.stages[("test/k", "sm_90a", 262144)] = False
     assert staged("test/k", "sm_90a", 262144) is None
 
 

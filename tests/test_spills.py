@@ -24,12 +24,14 @@ def _resources(family: str, dtype: str, N: int, arch: str) -> tuple:
     """``launch_resources``, and whether a launch used is the launch table's entry for a key this
     compile looked up: the search measured it faster than the heuristic's on a GPU (gated), small
     spill included (28672 with an fp32 weight: 16 bytes)."""
-    from oink.kernels.launch_table import SEEN, table
+    from oink.kernels.launch_table import table
+    from oink.tune import trial
 
-    SEEN.clear()  # the keys this compile looks up (the fixture's reload emptied the memoized launches)
-    launches, res = launch_resources(family, dtype, N, arch)
+    with trial() as looked_up:  # the keys this compile looks up
+        launches, res = launch_resources(family, dtype, N, arch)
     entries = table().get(arch, {})
-    tuned = {tuple(entries[key][n]["launch"]) for key, a, n in SEEN if a == arch and n in entries.get(key, {})}
+    tuned = {tuple(entries[key][n]["launch"]) for key, a, n in looked_up.seen
+             if a == arch and n in entries.get(key, {})}
     return launches, res, any(tuple(L) in tuned for L in launches)
 
 
@@ -126,21 +128,14 @@ def test_split_backward_does_not_spill(keep_cubin, layernorm, dtype, arch):
 def test_a_spilling_launch_is_seen(keep_cubin):
     """The check can fail: 8 units a thread of bf16 LayerNorm at 1024 threads (the old heuristic's
     65536) has 64 registers a thread and spills."""
-    from oink import config
-    from oink.kernels import launch_table
     from oink.kernels.profile import compiled_resources
     from oink.kernels.reduction import RowLaunch
     from oink.kernels.rmsnorm import compiled_forward
+    from oink.tune import trial
 
-    key = ("layernorm_fwd/x16w16", "sm_90a", 65536)
-    launch_table.OVERRIDES[key] = (1024, 1024, 1)
-    config.reload()  # the memoized launches
-    try:
+    with trial({("layernorm_fwd/x16w16", "sm_90a", 65536): (1024, 1024, 1)}):
         res = compiled_resources(compiled_forward("bfloat16", 65536, "sm_90a", "bfloat16", "bfloat16",
                                                   layernorm=True))
-    finally:
-        launch_table.OVERRIDES.pop(key)
-        config.reload()
     assert res["registers"] <= 64 and res["frame_bytes"] > 0, res
     assert RowLaunch(N=65536, vec=8, threads_per_row=1024, num_threads=1024).iters == 8
 

@@ -71,8 +71,9 @@ class CompileCache:
         self._fns: dict[Hashable, Callable] = {}
         self._lock = threading.Lock()
         self.compiles = 0  # how many real compilations ran (tests check M never adds one)
-        self.used: list[Hashable] = []  # keys looked up since the last clear_used() (profiling)
-        self._keys: dict[int, Hashable] = {}  # id(fn) -> its key
+        # keys looked up since the last clear_used() (profiling, the tuner, tests): a lookup is made once a
+        # launch choice, by the memoized compile functions, never per launch
+        self.used: list[Hashable] = []
 
     def get(self, key: Hashable, build: Callable[[], Callable]) -> Callable:
         cfg = config.get()
@@ -90,17 +91,16 @@ class CompileCache:
                         self.compiles += 1
                         disk_cache.store(key, COMPILED.get(id(fn), fn))
                     self._fns[key] = fn
-                    self._keys[id(fn)] = key
-        self.note(fn)
+        if len(self.used) < 64:
+            self.used.append(key)
         return fn
 
-    def note(self, fn: Callable) -> None:
-        """Record that ``fn`` (a function of this cache) is being launched (profiling)."""
-        if len(self.used) < 64:
-            self.used.append(self._keys.get(id(fn)))
-
     def clear_used(self) -> None:
+        """Start ``used`` afresh, with the memoized launch choices and the ops' prepared launches dropped
+        (``config.ON_RELOAD``): what runs next looks its kernels up again (from memory, no compile)."""
         self.used.clear()
+        for clear in config.ON_RELOAD:
+            clear()
 
     def used_launches(self) -> set:
         """(threads_per_row, num_threads, cluster_n) of the launch shapes in the keys used since
@@ -123,7 +123,6 @@ class CompileCache:
     def clear(self) -> None:
         with self._lock:
             self._fns.clear()
-            self._keys.clear()
         for clear in config.ON_RELOAD:  # memoized lookups must not return the dropped functions
             clear()
 
@@ -145,8 +144,6 @@ def memo(fn: Callable) -> Callable:
         r = cache.get(args)
         if r is None:
             r = cache[args] = fn(*args)
-        elif len(CACHE.used) < 64 and callable(r):
-            CACHE.note(r)
         return r
 
     cached.cache_clear = cache.clear

@@ -6,7 +6,7 @@ import cutlass
 import torch
 
 from ..reference.fp8 import empty_scales, mode_of
-from .compile import CACHE, current_stream, runtime_ptr, stream_of
+from .compile import current_stream, runtime_ptr, stream_of
 from .fp8 import UNIT, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch
 from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr,
                    rows_view, width_reason)
@@ -129,7 +129,6 @@ def _plan(kind: str):
             new_q = allocator(qshape, torch.float8_e4m3fn, device)
 
             def run(a):
-                CACHE.note(fn)
                 x = a["x"]
                 q = new_q()
                 s = empty_scales(x, M, N, None, g, cms)
@@ -144,7 +143,6 @@ def _plan(kind: str):
         ldr, ldy = ld(r2), (N if return_y else 0)
 
         def run_norm(a):
-            CACHE.note(fn)
             x, res = a["x"], a.get("residual")
             q = torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format)
             s = empty_scales(x, M, N, None, g, cms)

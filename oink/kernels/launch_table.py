@@ -10,6 +10,7 @@ A card with no entries (an H200 where the table was searched on an H100), and th
 ``scripts/tune_launch.py`` and ``python -m oink.tune`` fill the table: on a GPU they try ``candidates``
 for each key an op looks up, gate each against the op's reference, time it, and keep the fastest that
 passed. ``python -m oink.tune`` writes a user's overlay (``overlay_path``), read before the shipped table.
+The library keeps no trial: the tuner installs its own (``TRIAL``, ``oink.tune.trial``) while it runs.
 No torch here; ``RowLaunch`` is the only kernel type used.
 """
 from __future__ import annotations
@@ -24,22 +25,18 @@ from .reduction import WARP, RowLaunch, share_tilings
 
 TABLE_PATH = Path(__file__).with_name("launch_table.json")
 
-# (key, arch, N) -> (threads_per_row, num_threads, cluster_n): the search tool's trial, in process
-OVERRIDES: dict = {}
-# (key, arch, N) -> a persistent grid's size (resident threads a SM it is sized for; 0: the family's
-# default) tried with the key's launch: the search tool's trial
-GRID_OVERRIDES: dict = {}
 # keys whose kernels run a persistent grid, which an entry may size ("grid"): the norm backward's
 PERSISTENT = ("rmsnorm_bwd/", "layernorm_bwd/")
-# (key, arch, N) -> the forward's staging (False: none; "early" / "late": rows staged in shared memory,
-# parameters loaded before / after the reduction): the search tool's trial
-STAGE_OVERRIDES: dict = {}
 STAGINGS = ("early", "late")
 # keys whose kernels may stage their rows in shared memory, which an entry may ask for ("stage"): the norm forward's
 STAGEABLE = ("rmsnorm_fwd/", "layernorm_fwd/")
-# (key, arch, N) -> the heuristic's RowLaunch, for every lookup since the last clear (the search
-# tool runs an op once to learn which keys and widths it uses)
-SEEN: dict = {}
+
+# The tuner's trial while it runs an op (``oink.tune.trial``), else None. Its dicts, keyed (key, arch, N):
+# ``launches`` (threads_per_row, num_threads, cluster_n) forced over the table; ``grids`` a persistent grid's
+# size (threads a SM; 0: the family's default); ``stages`` the forward's staging (False: none; "early" /
+# "late"); and ``seen``, which every lookup fills with the rule's RowLaunch (the keys an op looks up).
+# Read where a launch is chosen (memoized), never per launch.
+TRIAL = None
 
 
 # the GPU the launches are chosen for (its name, as CUDA gives it): set by the dispatch for the device a
@@ -138,18 +135,19 @@ def few_rows(M: int) -> bool:
 
 
 def pick(key: str, arch: str, default: RowLaunch, knob: int | None = None, few: bool = False) -> RowLaunch:
-    """The launch for ``key`` at ``default.N``: a trial override, the table's entry, or ``default``
+    """The launch for ``key`` at ``default.N``: the tuner's trial, the table's entry, or ``default``
     (also where a sweep's setting such as ``fp4_upt`` is set: ``knob``, which ``default`` obeys). With
     ``few`` (``few_rows(M)``) the key is ``key + "/few"``, whose default is ``key``'s choice."""
     if few:
         default, key = _resolved(key, arch, default, knob), f"{key}/few"
-    SEEN[(key, arch, default.N)] = default
+    if TRIAL is not None:
+        TRIAL.seen[(key, arch, default.N)] = default
     return _resolved(key, arch, default, knob)
 
 
 def _resolved(key: str, arch: str, default: RowLaunch, knob) -> RowLaunch:
     N = default.N
-    shape = OVERRIDES.get((key, arch, N))
+    shape = TRIAL.launches.get((key, arch, N)) if TRIAL is not None else None
     if shape is not None:
         tpr, nt, cluster_n = shape
         return RowLaunch(N=N, vec=default.vec, threads_per_row=tpr, num_threads=nt, cluster_n=cluster_n)
@@ -158,28 +156,29 @@ def _resolved(key: str, arch: str, default: RowLaunch, knob) -> RowLaunch:
 
 
 def grid(key: str, arch: str, N: int, knob: int | None = None, few: bool = False) -> int | None:
-    """The persistent grid size (threads a SM) tuned with ``key``'s launch at N: a trial override,
+    """The persistent grid size (threads a SM) tuned with ``key``'s launch at N: the tuner's trial,
     the entry's "grid", else None (the family's default). It belongs to the entry's launch, so it
     follows ``pick``: a knob that makes ``pick`` ignore the table ignores it too, and ``few`` looks
     at the "/few" entry first (a call of so few rows hardly fills any grid)."""
-    return _launch_option("grid", GRID_OVERRIDES, key, arch, N, knob, few)
+    return _launch_option("grid", "grids", key, arch, N, knob, few)
 
 
 def staged(key: str, arch: str, N: int, knob: int | None = None, few: bool = False) -> str | None:
     """How ``key``'s launch at N stages its rows in shared memory: "early" or "late" (the parameters'
-    loads before or after the reduction), or None (not staged): a trial override, else the entry's
+    loads before or after the reduction), or None (not staged): the tuner's trial, else the entry's
     "stage" (it belongs to the entry's launch, so it follows ``pick`` as ``grid`` does), else None."""
-    return _launch_option("stage", STAGE_OVERRIDES, key, arch, N, knob, few)
+    return _launch_option("stage", "stages", key, arch, N, knob, few)
 
 
-def _launch_option(field: str, overrides: dict, key: str, arch: str, N: int, knob, few: bool):
-    """An entry's ``field``, which belongs to its launch: a trial's value in ``overrides`` (a falsy one:
-    None), None where a trial of a launch or a knob makes ``pick`` ignore the entry, else the entry's
-    (the "/few" entry first with ``few``), else None."""
+def _launch_option(field: str, tried: str, key: str, arch: str, N: int, knob, few: bool):
+    """An entry's ``field``, which belongs to its launch: the trial's value in its dict ``tried`` (a
+    falsy one: None), None where a trial of a launch or a knob makes ``pick`` ignore the entry, else
+    the entry's (the "/few" entry first with ``few``), else None."""
+    trial = TRIAL
     for k in ((f"{key}/few", key) if few else (key,)):
-        if (k, arch, N) in overrides:
-            return overrides[(k, arch, N)] or None
-        if (k, arch, N) in OVERRIDES or knob:
+        if trial is not None and (k, arch, N) in getattr(trial, tried):
+            return getattr(trial, tried)[(k, arch, N)] or None
+        if knob or trial is not None and (k, arch, N) in trial.launches:
             return None
         found = entry(k, arch, N)
         if found:  # tuned with the launch measured at its own width, not the one scaled to another

@@ -8,7 +8,7 @@ from functools import partial
 import cutlass
 import torch
 
-from .compile import CACHE, current_stream, runtime_ptr, stream_of
+from .compile import current_stream, runtime_ptr, stream_of
 from ..reference.nvfp4 import round_up
 from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr,
                    rows_view, width_reason)
@@ -128,7 +128,6 @@ def _plan(mode: str, mx: bool = False):
             fn = compiled_fp4(mode, dtype_name(x2), N, arch, swizzled, mx)
 
             def run(a):
-                CACHE.note(fn)
                 gs = a.get("global_scale")
                 q, sf = outputs()
                 fn(a["x"].data_ptr(), None if gs is None else gs.data_ptr(), q.data_ptr(), sf.data_ptr(), M, ldx,
@@ -142,7 +141,6 @@ def _plan(mode: str, mx: bool = False):
         ldr, ldy = ld(r2), (N if return_y else 0)
 
         def run_norm(a):
-            CACHE.note(fn)
             x, gs = a["x"], a.get("global_scale")
             q, sf = outputs()
             y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else None

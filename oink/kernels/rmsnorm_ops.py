@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .compile import CACHE, current_stream, stream_of
+from .compile import current_stream, stream_of
 from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector,
                    ptr, resident_clusters, rows_view, vec_for, width_reason)
 from .launch_table import few_rows
@@ -263,7 +263,6 @@ def plan_forward(arch, a: dict):
     new_rstd = allocator(lead, torch.float32, device) if store_rstd else None
 
     def run(a):
-        CACHE.note(fn)
         x, w, b, res = a["x"], a["weight"], a.get("bias"), a.get("residual")
         out = torch.empty_like(x, dtype=out_dtype, memory_format=DENSE)  # cheaper than torch.empty(shape)
         rstd = new_rstd() if store_rstd else None
@@ -290,7 +289,6 @@ def plan_fused_add(arch, a: dict):
     ldx, ldres = ld(x2), ld(r2)
 
     def run(a):
-        CACHE.note(fn)
         # outputs alias the inputs: each element is read before it is overwritten, by one thread
         xp, rp = a["x"].data_ptr(), a["residual"].data_ptr()
         fn(xp, a["weight"].data_ptr(), None, rp, xp, rp, None, None, M, ldx, ldres, ldx, ldres, eps,
@@ -314,7 +312,6 @@ def plan_layernorm(arch, a: dict):
     ldx, new_stat = ld(x2), allocator(lead, torch.float32, device)
 
     def run(a):
-        CACHE.note(fn)
         x, b = a["x"], a.get("bias")
         out = torch.empty_like(x, memory_format=DENSE)
         rstd = new_stat() if want_rstd else None
@@ -370,7 +367,6 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
     new_out = allocator((N,), wdtype, device)
 
     def run(a):
-        CACHE.note(fn)
         x, w, g, r = a["x"], a["weight"], a["dout"], a["rstd"]
         m, dr = (a["mean"] if layernorm else None), a.get("dresidual_out")
         dx = torch.empty_like(x, memory_format=DENSE)
@@ -380,7 +376,6 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         lead = (x.data_ptr(), wp, g.data_ptr(), r.data_ptr(), mp)
         if split:
             shares = new_shares()
-            CACHE.note(fn_a)
             fn_a(*lead, shares.data_ptr(), M, ldx, ldg, stream)
             lead += (shares.data_ptr(),)
         if direct:  # dweight and dbias themselves
@@ -392,7 +387,6 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         fn(*lead, None if dr is None else dr.data_ptr(), dx.data_ptr(), dwp, dbp, M, ldx, ldg, lddr, N, ldpart, ctas,
            stream)
         if kinds and not direct:
-            CACHE.note(fn_sum)
             fn_sum(bp, outs[0].data_ptr(), outs[-1].data_ptr() if kinds == 2 else None, parts, stream)
         dw = outs[0] if has_dw else None
         db = outs[-1] if has_bias else None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .compile import CACHE, current_stream, stream_of
+from .compile import current_stream, stream_of
 from .host import dtype_name, kernel_ready_rows, ld, prepare_rows, ptr, rows_view, vec_for, width_reason
 from .launch_table import few_rows
 from .softmax import compiled_softmax
@@ -68,7 +68,6 @@ def _plan(mode: str, first: str, second: str | None):
         lda, ldb = ld(x2), ld(o2 if o2 is not None else x2)
 
         def run(a):
-            CACHE.note(fn)
             x = a[first]
             pa = x.data_ptr()
             out = torch.empty_like(x, memory_format=torch.contiguous_format)  # cheaper than torch.empty(shape)
