@@ -123,8 +123,10 @@ class CrossEntropy(RowKernelBase):
     (as c - 2c / (exp(2x / c) + 1): one exp2 and one reciprocal) and the row's padding back to -inf;
     label smoothing adds the row's sum of logits to the one reduction round (slot 2); the z-loss is
     per-row arithmetic. Rows holding +inf logits take the limit (``oink.reference.cross_entropy``):
-    the reductions count the +inf values where the max is +inf, and the dlogits of a row whose lse is
-    +inf are 1/k on its k +inf logits (the backward counts them, each warp its row, only there)."""
+    where a register-held row's max (or the backward's lse) is +inf, each warp counts the row's +inf
+    logits by reading it again (the reductions themselves are the plain ones; streamed rows count theirs
+    as they fold, ``fold_posinf``), the lse is +inf, the loss log k at a +inf target, and the dlogits are
+    1/k on the k +inf logits."""
 
     def __init__(self, launch: RowLaunch, dtype, target_dtype, mode: str, n: int | None = None,
                  stream: bool = False, options: CEOptions = PLAIN):
@@ -215,9 +217,11 @@ class CrossEntropy(RowKernelBase):
         else:
             sx = Float32(0.0)
             if const_expr(self.options.label_smoothing):
-                m, s, sx = self.row_max_sum(x, buf, mbar, posinf=self.posinf, extra=self.row_sum(x, inside))
+                m, s, sx = self.row_max_sum(x, buf, mbar, extra=self.row_sum(x, inside))
             else:
-                m, s = self.row_max_sum(x, buf, mbar, posinf=self.posinf)
+                m, s = self.row_max_sum(x, buf, mbar)
+            if const_expr(self.posinf):
+                s = self.posinf_sum(mX, row, M, m, s)
             lse = m + cute.math.log(s, fastmath=False)
             k = s
             # the row's leader (column 0, first CTA of the cluster) writes the row's loss and lse; it
@@ -306,9 +310,9 @@ class CrossEntropy(RowKernelBase):
                     m = m_new
             self.wait_cluster()
             if const_expr(self.options.label_smoothing):
-                m, s, sx = self.merge_max_sum(m, s, buf, mbar, self.posinf, sx)
+                m, s, sx = self.merge_max_sum(m, s, buf, mbar, sx, self.posinf)
             else:
-                m, s = self.merge_max_sum(m, s, buf, mbar, self.posinf)
+                m, s = self.merge_max_sum(m, s, buf, mbar, None, self.posinf)
             lse = m + cute.math.log(s, fastmath=False)
             k = s
             if tidx == 0 and cy == 0 and row < M:
@@ -472,8 +476,9 @@ class CrossEntropy(RowKernelBase):
 
     @cute.jit
     def count_posinf(self, mX: cute.Tensor, row, M, lse: Float32) -> Float32:
-        """The backward's count of the row's +inf logits where its lse is +inf (else 0): the row's
-        group of lanes reads the row once more, a warp at a time (only such rows pay)."""
+        """The count of the row's +inf logits where ``lse`` (or its max) is +inf, else 0; NaN if the row
+        holds a NaN: the row's group of lanes reads the row once more, a warp at a time (only such rows
+        pay), so every warp has it without an exchange."""
         L = self.launch
         group = min(L.threads_per_row, WARP)
         k = Float32(0.0)
@@ -492,10 +497,23 @@ class CrossEntropy(RowKernelBase):
         return k
 
     @cute.jit
+    def posinf_sum(self, mX: cute.Tensor, row, M, m: Float32, s: Float32) -> Float32:
+        """The row's sum of exp(x - m), or where its max m is +inf (each exp(inf - inf) made the sum NaN)
+        the limit's: the count of its +inf logits, by ``count_posinf`` (only such rows pay; the reduction
+        rounds of every other row run as the plain kernel's)."""
+        k = self.count_posinf(mX, row, M, m)
+        if m == Float32(math.inf):
+            s = k
+        return s
+
+    @cute.jit
     def fold_posinf(self, m: Float32, s: Float32, m_new: Float32, shift: Float32, x) -> Float32:
         """A streamed tile x folded into the thread's running sum s (at max m, the new max m_new); where
-        m_new is +inf the sum counts the +inf values (the limit)."""
-        s_new = s * Float32(0.0)  # a NaN so far stays NaN
+        m_new is +inf the sum counts the +inf values instead (the limit; a NaN stays NaN), and
+        ``merge_max_sum(posinf=True)`` adds the counts. A branch around the usual fold: a row without
+        +inf pays one comparison a tile (a rescan of the row, as the register-held rows take, made the
+        streamed kernel spill)."""
+        s_new = s * Float32(0.0)
         if m_new == Float32(math.inf):
             if m == Float32(math.inf):
                 s_new = s

@@ -371,33 +371,21 @@ class RowKernelBase:
         return m, e, self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
 
     @cute.jit
-    def row_max_sum(self, x, buf, mbar, with_exp: cutlass.Constexpr = False, posinf: cutlass.Constexpr = False,
-                    extra=None):
+    def row_max_sum(self, x, buf, mbar, with_exp: cutlass.Constexpr = False, extra=None):
         """(row max m, the row's sum of exp(x - m)) in one reduction round (slots 0 and 1), where
         ``row_exp_sum`` takes two, one after the other: each thread's (max, sum of exp(x - its max))
         pairs merge by rescaling both sums to the larger max (online softmax). ``with_exp``: also
-        exp(x - m), as the thread's exp(x - its max) times one rescale factor (softmax). ``posinf``
-        (cross-entropy): where the max is +inf the sum counts the +inf values (the limit of those
-        values growing together; exp(inf - inf) would be NaN). ``extra``: a thread's partial of a
-        further row sum, reduced in the same round (slot 2) and returned third."""
+        exp(x - m), as the thread's exp(x - its max) times one rescale factor (softmax). ``extra``: a
+        thread's partial of a further row sum, reduced in the same round (slot 2) and returned third."""
         m = x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
         shift = m
         if m == Float32(-math.inf):  # only padding (-inf) here: exp2(-inf) sums to 0, never NaN
             shift = Float32(0.0)
         e = cute.math.exp2((x - shift) * LOG2E, fastmath=True)
         s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-        if const_expr(posinf):
-            if m == Float32(math.inf):  # (a NaN still makes the sum NaN)
-                s = Float32(0.0)  # one value at a time: arrays of selects beside x would spill
-                for i in cutlass.range_constexpr(cute.size(x.shape)):
-                    v = x[i]
-                    if v == Float32(math.inf):
-                        s = s + Float32(1.0)
-                    if v != v:
-                        s = s + v
         if const_expr(extra is not None):
-            return self.merge_max_sum(m, s, buf, mbar, posinf, extra)
-        row_m, s = self.merge_max_sum(m, s, buf, mbar, posinf)
+            return self.merge_max_sum(m, s, buf, mbar, extra)
+        row_m, s = self.merge_max_sum(m, s, buf, mbar)
         if const_expr(with_exp):
             # a thread of -inf only has e = 0 and shift 0, whose factor may overflow: 0, not 0 * inf
             scale = Float32(0.0)
@@ -407,10 +395,11 @@ class RowKernelBase:
         return row_m, s
 
     @cute.jit
-    def merge_max_sum(self, m: Float32, s: Float32, buf, mbar, posinf: cutlass.Constexpr = False, extra=None):
+    def merge_max_sum(self, m: Float32, s: Float32, buf, mbar, extra=None, posinf: cutlass.Constexpr = False):
         """Every thread's (max, sum of exp(x - max)) pair merged over its row: butterflies within the
         warp, then one exchange through shared memory (and DSMEM across a cluster). Slots 0 and 1;
-        ``extra`` (a plain sum, or None) rides along in slot 2. ``posinf``: see ``row_max_sum``."""
+        ``extra`` (a plain sum, or None) rides along in slot 2. ``posinf`` (the cross-entropy's streamed
+        rows, whose threads count their +inf values where their max is +inf): see ``_merge_max_sum``."""
         L = self.launch
         group = min(L.threads_per_row, WARP)
         for i in cutlass.range_constexpr(int(math.log2(group))):
@@ -542,7 +531,7 @@ def _merge_max_sum(m1: Float32, s1: Float32, m2: Float32, s2: Float32, posinf: c
     """Two (max, sum of exp(x - max)) partials as one, at the larger max. Two all-padding partials
     (max -inf, sum 0) stay (-inf, 0), where exp2(-inf - -inf) would make the sum NaN. ``posinf``: a
     partial at the merged max keeps its sum as it is (factor 1, exact for finite maxes too), so at a
-    max of +inf the counts of +inf values add and the others drop (exp2(-inf) = 0)."""
+    max of +inf the partials' counts of +inf values add and the others drop (exp2(-inf) = 0)."""
     m = cute.arch.fmax(m1, m2)
     s = s1 + s2
     if const_expr(posinf):
