@@ -2,16 +2,14 @@
 they are launched on torch tensors (RUNNERS). Imported only on a supported GPU."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from .compile import current_stream, stream_of
 from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector,
                    ptr, resident_clusters, rows_view, vec_for, width_reason)
 from .launch_table import few_rows
-from .rmsnorm import ForwardKey, compiled_forward
-from .rmsnorm_bwd import (BackwardKey, backward_launch, backward_tpsm, compiled_backward, compiled_partial_sum,
+from .rmsnorm import compiled_forward
+from .rmsnorm_bwd import (backward_launch, backward_tpsm, compiled_backward, compiled_partial_sum,
                           compiled_split_backward, direct_sums, head_launch, persistent_ctas, split_groups,
                           split_rows)
 
@@ -97,11 +95,9 @@ def run_fused_add(arch, x, residual, weight, eps=1e-6):
 
 def _launch(arch, x, w, b, res, out, res_out, rstd, eps, mean=None, layernorm=False, weight_offset=0.0, heads=1):
     M, N = x.shape
-    fn = compiled_forward(ForwardKey(
-        dtype_name(x), N, arch, w_dtype=dtype_name(w), b_dtype=dtype_name(b), res_dtype=dtype_name(res),
-        res_out_dtype=dtype_name(res_out), store_rstd=rstd is not None, layernorm=layernorm,
-        store_mean=mean is not None, out_dtype=dtype_name(out), weight_offset=float(weight_offset), heads=heads,
-        few=few_rows(M)))
+    fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
+                          dtype_name(res_out), rstd is not None, layernorm, mean is not None, dtype_name(out),
+                          float(weight_offset), heads, few_rows(M))
     fn(ptr(x), ptr(w), ptr(b), ptr(res), ptr(out), ptr(res_out), ptr(rstd, 4), ptr(mean, 4), M, ld(x), ld(res),
        ld(out), ld(res_out), float(eps), current_stream(x.device))
 
@@ -210,10 +206,8 @@ def launch_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, ctas, mean
     both with the same row stride), or with ``direct`` are dweight and dbias (``direct_sums``). With
     ``mean`` (per-row fp32) it is the LayerNorm backward."""
     M, N = x2.shape
-    fn = compiled_backward(BackwardKey(
-        dtype_name(x2), N, arch, dout_dtype=dtype_name(g2), w_dtype=dtype_name(w), dres_dtype=dtype_name(dr2),
-        has_db=db_part is not None, layernorm=mean is not None, weight_offset=float(weight_offset), heads=heads,
-        few=few_rows(M), direct=direct))
+    fn = compiled_backward(dtype_name(x2), N, arch, dtype_name(w), dtype_name(g2), dtype_name(dr2),
+                           db_part is not None, mean is not None, float(weight_offset), heads, few_rows(M), direct)
     # per-row statistics as flat fp32 (a copy only if strided), held here until the launch is enqueued
     rstd = None if rstd is None else rstd.reshape(-1).contiguous()
     mean = None if mean is None else mean.reshape(-1).contiguous()
@@ -227,9 +221,9 @@ def launch_split_backward(arch, x2, w, g2, rstd, dr2, dx, dw_part, db_part, mean
     """The split backward (``rmsnorm_bwd.split_rows``): kernel A into a shares buffer, then kernel B
     into dx and ``split_groups(M)`` partial rows."""
     M, N = x2.shape
-    fn_a, fn_b, chunks = compiled_split_backward(BackwardKey(
-        dtype_name(x2), N, arch, dout_dtype=dtype_name(g2), w_dtype=dtype_name(w), dres_dtype=dtype_name(dr2),
-        has_db=db_part is not None, layernorm=mean is not None, weight_offset=float(weight_offset)))
+    fn_a, fn_b, chunks = compiled_split_backward(dtype_name(x2), N, arch, dtype_name(w), dtype_name(g2),
+                                                 dtype_name(dr2), db_part is not None, mean is not None,
+                                                 float(weight_offset))
     rstd = rstd.reshape(-1).contiguous()
     mean = None if mean is None else mean.reshape(-1).contiguous()
     shares = torch.empty((M, chunks, 2), device=x2.device, dtype=torch.float32)
@@ -262,10 +256,9 @@ def plan_forward(arch, a: dict):
     store_rstd, eps = a.get("store_rstd", False), float(a.get("eps", 1e-6))
     lead, device = x.shape[:-1], x.device
     stream = stream_of(device)
-    fn = compiled_forward(ForwardKey(
-        dtype_name(x), N, arch, w_dtype=dtype_name(w), b_dtype=dtype_name(b), res_dtype=dtype_name(res),
-        res_out_dtype=dtype_name(res_dtype) if res is not None else None, store_rstd=store_rstd,
-        out_dtype=dtype_name(out_dtype), weight_offset=float(a.get("weight_offset", 0.0)), few=few_rows(M)))
+    fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
+                          dtype_name(res_dtype) if res is not None else None, store_rstd, False,
+                          False, dtype_name(out_dtype), float(a.get("weight_offset", 0.0)), 1, few_rows(M))
     ldx, ldres, ldres_out = ld(x2), ld(r2), (N if res is not None else 0)
     new_rstd = allocator(lead, torch.float32, device) if store_rstd else None
 
@@ -291,8 +284,8 @@ def plan_fused_add(arch, a: dict):
     x2, r2 = rows_view(x), rows_view(res)
     M, eps, device, wd = x2.shape[0], float(a.get("eps", 1e-6)), x.device, dtype_name(w)
     stream = stream_of(device)
-    fn = compiled_forward(ForwardKey(dtype_name(x), N, arch, w_dtype=wd, res_dtype=dtype_name(res),
-                                     res_out_dtype=dtype_name(res), out_dtype=dtype_name(x), few=few_rows(M)))
+    fn = compiled_forward(dtype_name(x), N, arch, wd, None, dtype_name(res), dtype_name(res), False, False, False,
+                          dtype_name(x), 0.0, 1, few_rows(M))
     ldx, ldres = ld(x2), ld(r2)
 
     def run(a):
@@ -314,9 +307,8 @@ def plan_layernorm(arch, a: dict):
     M, eps, lead, device = x2.shape[0], float(a.get("eps", 1e-6)), x.shape[:-1], x.device
     stream = stream_of(device)
     want_rstd, want_mean = a.get("return_rstd", False), a.get("return_mean", False)
-    fn = compiled_forward(ForwardKey(dtype_name(x), N, arch, w_dtype=dtype_name(w), b_dtype=dtype_name(b),
-                                     store_rstd=want_rstd, layernorm=True, store_mean=want_mean,
-                                     out_dtype=dtype_name(x), few=few_rows(M)))
+    fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), None, None, want_rstd, True,
+                          want_mean, dtype_name(x), 0.0, 1, few_rows(M))
     ldx, new_stat = ld(x2), allocator(lead, torch.float32, device)
 
     def run(a):
@@ -347,14 +339,13 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
     x2, g2, dr2 = rows_view(x), rows_view(dout), rows_view(dres) if dres is not None else None
     M, layernorm, device = x2.shape[0], mean is not None, x.device
     current = stream_of(device)
-    key = BackwardKey(dtype_name(x), N, arch, dout_dtype=dtype_name(dout), w_dtype=dtype_name(weight),
-                      dres_dtype=dtype_name(dres), has_db=has_bias, layernorm=layernorm,
-                      weight_offset=float(weight_offset))
+    names = (dtype_name(x), N, arch, dtype_name(weight), dtype_name(dout), dtype_name(dres), has_bias, layernorm,
+             float(weight_offset))
     bits = x.element_size() * 8
     split = split_rows(N, bits, arch, layernorm)
     direct = False
     if split:
-        fn_a, fn, chunks = compiled_split_backward(key)
+        fn_a, fn, chunks = compiled_split_backward(*names)
         ctas = parts = split_groups(M)
         new_shares = allocator((M, chunks, 2), torch.float32, device)
     else:
@@ -362,7 +353,7 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         launch = backward_launch(N, bits, arch, layernorm, few)
         ctas, parts = backward_grid(launch, M, device, backward_tpsm(N, bits, arch, layernorm, few))
         direct = direct_sums(launch, ctas, M)  # the kernel writes dw and db, no partials' sum
-        fn = compiled_backward(replace(key, few=few, direct=direct))
+        fn = compiled_backward(*names, 1, few, direct)
     has_dw = weight is not None
     kinds = int(has_dw) + int(has_bias)
     Np = partial_width(N)
