@@ -98,6 +98,8 @@ def main() -> None:
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 print(f"| {M} | {H} | {V} | {name} | {chunk} | out of memory | - |", flush=True)
+            except Exception as e:  # a peer's failure is a row, not the end of the table
+                print(f"| {M} | {H} | {V} | {name} | {chunk} | failed: {type(e).__name__} | - |", flush=True)
         del hidden, weight, target
         torch.cuda.empty_cache()
 

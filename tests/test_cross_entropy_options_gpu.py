@@ -151,6 +151,33 @@ def test_autograd_with_options_against_float64(inplace, seed):
     close_family(got, want.to(torch.bfloat16), "softmax", torch.bfloat16, "dlogits")
 
 
+@pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
+@pytest.mark.parametrize("V", (4097, 256000))
+def test_softcap_at_gemma_scale(mode, V, seed):
+    """bf16 logits spread as wide as the softcap (30, Gemma-2's), most capped near +-c, where the 16-bit
+    kernels' tanh.approx errs most: the loss and lse within the capped-loss bound, the dlogits as bf16."""
+    logits, target, dloss = _case(64, V, torch.bfloat16, seed, scale=30.0)
+    with pytest.raises(AssertionError):  # the bound means something: the uncapped loss is far outside it
+        close_family(R.cross_entropy_forward(logits, target, IGNORE)[0],
+                     R.cross_entropy_forward(logits, target, IGNORE, softcap=30.0)[0], "cross_entropy_capped_loss",
+                     torch.float32, "uncapped")
+    from oink.kernels.cross_entropy_ops import launch, options_of
+
+    opts = dict(softcap=30.0)
+    e_loss, e_lse = R.cross_entropy_forward(logits, target, IGNORE, **opts)
+    loss, lse = (torch.full((64,), math.nan, device="cuda") for _ in range(2))
+    dx = torch.full_like(logits, math.nan)
+    kw = dict(loss=loss, lse_out=lse) if mode == "forward" else dict(dloss=dloss, lse_in=e_lse, dx=dx) if (
+        mode == "backward") else dict(dloss=dloss, loss=loss, lse_out=lse, dx=dx)
+    launch(mode, cuda_arch(), logits, target, IGNORE, options=options_of(opts), **kw)
+    if mode != "backward":
+        close_family(loss, e_loss, "cross_entropy_capped_loss", torch.float32, f"{mode} loss")
+        close_family(lse, e_lse, "cross_entropy_capped_loss", torch.float32, f"{mode} lse")
+    if mode != "forward":
+        e_dx = R.cross_entropy_backward(dloss, logits, target, e_lse, IGNORE, **opts)
+        close_family(dx, e_dx, "softmax", torch.bfloat16, f"{mode} dlogits")
+
+
 @pytest.mark.parametrize("V", (1000, 50257, 128256))
 def test_infinite_logits_with_options(V, seed):
     """A softcap makes +-inf logits finite (+-c) on the kernel path; label smoothing of a row holding

@@ -120,7 +120,7 @@ class CrossEntropy(RowKernelBase):
     """Loss and lse (forward), dlogits (backward), or both in one pass (fwd_bwd).
 
     The options apply in registers to the values loaded: ``softcap`` c maps each logit to c * tanh(x / c)
-    (as c - 2c / (exp(2x / c) + 1): one exp2 and one reciprocal) and the row's padding back to -inf;
+    (``capped_one``) and the row's padding back to -inf;
     label smoothing adds the row's sum of logits to the one reduction round (slot 2); the z-loss is
     per-row arithmetic. Rows holding +inf logits take the limit (``oink.reference.cross_entropy``):
     where a register-held row's max (or the backward's lse) is +inf, each warp counts the row's +inf
@@ -376,15 +376,14 @@ class CrossEntropy(RowKernelBase):
 
     @cute.jit
     def capped(self, x, rX: cute.Tensor, inside):
-        """fp32 values x through the softcap c: c * tanh(x / c) = c - 2c / (exp(2x / c) + 1) (+-inf to
-        +-c), the columns outside the row (``inside`` false) back to -inf; x itself without a softcap."""
+        """fp32 values x through the softcap c: c * tanh(x / c) (+-inf to +-c; ``capped_one``), the columns outside the row (``inside`` false) back to -inf; x itself without a softcap."""
         c = self.options.softcap
         if const_expr(c is None):
             return x
         rC = cute.make_rmem_tensor_like(rX, Float32)
-        rC.store(cute.math.exp2(x * Float32(2 * LOG2E / c), fastmath=True))
+        rC.store(x)
         for i in cutlass.range_constexpr(cute.size(rC)):
-            rC[i] = Float32(c) - Float32(2 * c) * cute.arch.rcp_approx(rC[i] + Float32(1.0))
+            rC[i] = self.capped_one(rC[i])
         y = rC.load()
         if const_expr(inside is not None):
             y = cute.where(inside, y, cute.full_like(y, -math.inf))
@@ -392,11 +391,16 @@ class CrossEntropy(RowKernelBase):
 
     @cute.jit
     def capped_one(self, x: Float32) -> Float32:
-        """``capped`` of one value (the target's logit)."""
+        """``capped`` of one value. 16-bit logits take the hardware's tanh.approx (relative error 2^-11, a
+        quarter of a bf16 logit's own rounding, in one special-function op where the exp2 form takes two and
+        left the capped kernels bound by them: bench/RESULTS.md); fp32 logits the exp2 form (~2^-22)."""
         c = self.options.softcap
         if const_expr(c is not None):
-            x = Float32(c) - Float32(2 * c) * cute.arch.rcp_approx(
-                cute.math.exp2(x * Float32(2 * LOG2E / c), fastmath=True) + Float32(1.0))
+            if const_expr(self.x_dtype.width == 16):
+                x = Float32(c) * cute.math.tanh(x * Float32(1.0 / c), approx=True)
+            else:
+                x = Float32(c) - Float32(2 * c) * cute.arch.rcp_approx(
+                    cute.math.exp2(x * Float32(2 * LOG2E / c), fastmath=True) + Float32(1.0))
         return x
 
     @cute.jit
