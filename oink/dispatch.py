@@ -28,7 +28,7 @@ class Route:
     backend: str  # "kernel" or "reference"
     reason: str
     arch: str | None = None
-    # a launch prepared for one argument layout (the kernel module's PLANS[op]), or None
+    # the kernel's launch prepared for one argument layout (``prepare``), or None
     plan: Callable | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
@@ -37,7 +37,9 @@ class Route:
 
 # op -> a function returning the kernel module serving it (``kernels=`` of the op declarations in
 # ``oink.ops``, which imports the module there). A kernel module (imported only on a supported GPU,
-# since it imports cutlass) exposes CHECKS[op](args, arch) -> None | reason, and RUNNERS[op](arch, **args).
+# since it imports cutlass) exposes CHECKS[op](args, arch) -> None | reason, and PLANS[op](arch, args)
+# -> the launch prepared for the layout of ``args`` (dtypes, shapes, strides, alignment, scalar values):
+# a function of the arguments (any of that layout) returning the op's outputs. It is the only launch.
 KERNEL_MODULES: dict[str, Callable[[], ModuleType]] = {}
 
 
@@ -99,15 +101,33 @@ def _route_device(op: str, device: torch.device, args: dict) -> Route:
     return Route(op, "kernel", f"CuTeDSL {arch}", arch)
 
 
+def prepare(op: str, arch: str, args: dict) -> Callable:
+    """``op``'s kernel launch on ``arch`` prepared for the layout of ``args`` (its compiled functions,
+    grid, copies and output layouts chosen once): call it with ``args`` or any of the same layout."""
+    module = _kernel_module(op)
+    runners = getattr(module, "RUNNERS", None)  # TODO(#33 item 2): until every family's runners are plans
+    if runners is not None:
+        make = module.PLANS.get(op) if config.get().tvm_ffi else None
+        return (make(arch, args) if make else None) or functools.partial(_runner, runners[op], arch)
+    return module.PLANS[op](arch, args)
+
+
+def _runner(runner, arch, args):
+    return runner(arch, **args)
+
+
+def launch(op: str, arch: str, **args):
+    """Run ``op``'s kernel on ``arch`` once, with no checks and no route (tests, tools): the launch
+    ``prepare`` makes for ``args``, called with them."""
+    return prepare(op, arch, args)(args)
+
+
 def with_plan(r: Route, args: dict) -> Route:
-    """``r`` with the kernel module's plan for ``args``' layout where it has one: a caller that
-    reuses the route for arguments of the same layout (``oink.declare``) launches without the
-    runner's preparation. Plans pass integer addresses: TVM-FFI launches only."""
-    if r.backend != "kernel" or not config.get().tvm_ffi:
+    """``r`` with its kernel launch prepared for ``args``' layout: a caller that reuses the route for
+    arguments of the same layout (``oink.declare``) launches with no preparation."""
+    if r.backend != "kernel":
         return r
-    make = getattr(_kernel_module(r.op), "PLANS", {}).get(r.op)
-    plan = make(r.arch, args) if make is not None else None
-    return r if plan is None else replace(r, plan=plan)
+    return replace(r, plan=prepare(r.op, r.arch, args))
 
 
 def run(r: Route, args: dict):
@@ -115,7 +135,7 @@ def run(r: Route, args: dict):
     if r.plan is not None:
         return r.plan(args)
     if r.backend == "kernel":
-        return _kernel_module(r.op).RUNNERS[r.op](r.arch, **args)
+        return prepare(r.op, r.arch, args)(args)
     return getattr(reference, r.op)(**args)
 
 

@@ -16,6 +16,22 @@ def cuda_arch():
     return device_arch(torch.cuda.current_device())[0]
 
 
+def poison_allocator(nbytes: int = 1 << 26) -> None:
+    """Fill memory the caching allocator hands out next with 0xFF bytes (NaN in every float dtype): a
+    kernel's fresh outputs then show any element it leaves unwritten. ``nbytes``: at least the outputs'
+    bytes (the large pool); the small pool (blocks under 1 MiB) is filled too."""
+    junk = [torch.full((max(nbytes, 1 << 21),), 0xFF, dtype=torch.uint8, device="cuda")]
+    junk += [torch.full((1 << 19,), 0xFF, dtype=torch.uint8, device="cuda") for _ in range(8)]
+    del junk
+
+
+def kernel(op: str, **args):
+    """``op``'s kernel on this GPU, launched once with no checks (``oink.dispatch.launch``)."""
+    from oink.dispatch import launch
+
+    return launch(op, cuda_arch(), **args)
+
+
 def assert_close_poisoned(actual, expected, dtype, what):
     atol, rtol = tolerance("rmsnorm", dtype)
     assert not torch.isnan(actual).any(), f"{what}: NaN (unwritten output?)"

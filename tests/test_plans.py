@@ -1,15 +1,15 @@
-"""Launch plans (a route's launch prepared once per argument layout) pass the compiled function
-exactly what the kernel runner passes, and return the same outputs, for every op that has plans.
-On a CPU: the compile step is replaced by a recorder, so no kernel runs; what is compared is the
-host side, argument by argument."""
+"""Prepared launches (``oink.dispatch.prepare``: a kernel's launch made once per argument layout, the
+only way a kernel is launched) on a CPU: the compile step is replaced by a recorder, so no kernel runs;
+what is checked is the host side, argument by argument: a launch prepared for one call reads the
+tensors of the call it is given, never those it was prepared from; an input the kernel can't read as
+it is launches as its dense copy would; the outputs have the reference's shapes and dtypes; the
+launcher without TVM-FFI types each address as its function was compiled."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from oink import config, dispatch, ops  # noqa: F401  (the declarations name each op's kernels to dispatch)
-
-pytestmark = pytest.mark.skipif(not config.get().tvm_ffi, reason="plans are made for the TVM-FFI launch only")
+from oink import config, dispatch, ops, reference  # noqa: F401  (the declarations name each op's kernels to dispatch)
 
 BIG = 1 << 20  # addresses are above this; M, strides and flags below
 
@@ -40,8 +40,8 @@ def recorder(monkeypatch):
         monkeypatch.setattr(mod, "compile_kernel", fake_compile)
     monkeypatch.setattr(rmsnorm_ops, "resident_clusters", lambda index, cluster_n: 132 // cluster_n)
     for mod in (rmsnorm_ops, softmax_ops, fp8_ops, nvfp4_ops, cross_entropy_ops, compile_mod):
-        monkeypatch.setattr(mod, "current_stream", lambda device: 0)
-        monkeypatch.setattr(mod, "stream_of", lambda device: lambda: 0)
+        monkeypatch.setattr(mod, "current_stream", lambda device: 0, raising=False)
+        monkeypatch.setattr(mod, "stream_of", lambda device: lambda: 0, raising=False)
     monkeypatch.setenv("OINK_CACHE_DIR", "0")
     config.reload()
     compile_mod.CACHE.clear()
@@ -144,59 +144,142 @@ CASES = [
 ]
 
 
+def _fresh(make):
+    """Two calls of one layout: the second's tensors are new (other addresses, same alignment)."""
+    torch.manual_seed(0)
+    first = make()
+    torch.manual_seed(0)
+    return first, make()
+
+
+def _shared_storage(args: dict) -> set:
+    return {t.untyped_storage().data_ptr() for t in args.values() if isinstance(t, torch.Tensor)}
+
+
 @pytest.mark.parametrize("op,make", CASES, ids=[f"{op}-{i}" for i, (op, _) in enumerate(CASES)])
-def test_plan_launches_as_the_runner_does(recorder, op, make):
-    module = dispatch._kernel_module(op)
+def test_prepared_launch_reads_the_call_it_is_given(recorder, op, make):
+    """A launch prepared from one call and run on another of the same layout passes the second call's
+    inputs (by name, in the order the kernel takes them) and fresh outputs, none of the first call's
+    tensors; its outputs have the reference's shapes and dtypes."""
+    sample, args = _fresh(make)
+    launch = dispatch.prepare(op, "sm_90a", sample)
+    out = launch(args)
+    assert recorder, f"{op}: nothing launched"
+    stale = {t.data_ptr() for t in sample.values() if isinstance(t, torch.Tensor)}
+    for call in recorder:
+        assert not stale & {a for a in call if isinstance(a, int) and a >= BIG}, f"{op}: the sample's addresses"
+    fresh = [_tagged(call, args) for call in recorder]
+    recorder.clear()
+    expected = getattr(reference, op)(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+    assert _shape(out) == _shape(expected)
+    again = dispatch.launch(op, "sm_90a", **args)  # prepared for the call itself: the same launches
+    assert [_tagged(call, args) for call in recorder] == fresh
+    assert _shape(again) == _shape(out)
+
+
+COPIED = [  # x in a layout the kernel can't read as is: the call's other tensors dense
+    ("softmax_forward", lambda x: dict(x=x)),
+    ("softmax_backward", lambda x: dict(dy=x, y=x.clone())),
+    ("rmsnorm_forward", lambda x: dict(x=x, weight=torch.randn(x.shape[-1]), eps=1e-6)),
+    ("layernorm", lambda x: dict(x=x, weight=torch.randn(x.shape[-1]), bias=None, eps=1e-5, return_rstd=True,
+                                 return_mean=False)),
+    ("rmsnorm_backward", lambda x: dict(x=x, weight=torch.randn(x.shape[-1]), dout=x.clone(),
+                                        rstd=torch.rand(x.shape[0]), dresidual_out=None, has_bias=False,
+                                        has_residual=False, weight_offset=0.0)),
+    ("fp8_quantize", lambda x: _fp8(x=x, group_size=128)),
+    ("nvfp4_quantize", lambda x: dict(x=x, global_scale=torch.tensor([2.0]), swizzled=False)),
+    ("cross_entropy_forward", lambda x: _ce(logits=x)),
+]
+
+
+@pytest.mark.parametrize("op,make", COPIED, ids=[op for op, _ in COPIED])
+@pytest.mark.parametrize("layout", ["transposed", "misaligned"])
+def test_an_input_read_through_a_copy_launches_as_the_copy(recorder, op, make, layout):
+    """Strided rows (a transposed tensor) or a base off 16 bytes are copied to dense rows: the
+    launch is the one of the same call on dense inputs, a fresh address in the copied input's place."""
+    M, N = 6, 256
+    if layout == "transposed":
+        x = torch.randn(N, M, dtype=torch.bfloat16).t()
+    else:
+        x = torch.randn(M * N + 1, dtype=torch.bfloat16)[1:].view(M, N)
+    strided, plain = make(x), make(x.clone())
+    out = dispatch.launch(op, "sm_90a", **strided)
+    copied = _tagged(recorder[-1], strided)
+    recorder.clear()
+    dispatch.launch(op, "sm_90a", **plain)
+    dense = _tagged(recorder[-1], plain)
+    first = next(n for n, t in strided.items() if t is x)
+    assert [("out" if a == first else a) for a in dense] == copied
+    assert _shape(out) == _shape(getattr(reference, op)(**strided))
+
+
+EMPTY = [  # no rows
+    ("softmax_forward", lambda: dict(x=_x(0, 512))),
+    ("softmax_fwd_bwd", lambda: dict(dy=_x(0, 512), x=_x(0, 512))),
+    ("rmsnorm_forward", lambda: dict(x=_x(0, 256).view(0, 2, 128), weight=torch.randn(128), bias=None,
+                                     residual=_x(0, 256).view(0, 2, 128), eps=1e-6, store_rstd=True, out_dtype=None,
+                                     residual_dtype=torch.float32, weight_offset=0.0)),
+    ("fused_add_rmsnorm_", lambda: dict(x=_x(0, 256), residual=_x(0, 256), weight=torch.randn(256), eps=1e-6)),
+    ("layernorm", lambda: dict(x=_x(0, 384), weight=torch.randn(384), bias=torch.randn(384), eps=1e-5,
+                               return_rstd=True, return_mean=True)),
+    ("fp8_quantize", lambda: _fp8(x=_x(0, 1024), group_size=128, column_major_scales=True)),
+    ("rmsnorm_fp8quant", lambda: _fp8(x=_x(0, 256), weight=torch.randn(256), eps=1e-6, return_y=True)),
+    ("nvfp4_quantize", lambda: dict(x=_x(0, 256), global_scale=torch.tensor([2.0]), swizzled=True)),
+    ("add_rmsnorm_mxfp4quant", lambda: dict(x=_x(0, 256), residual=_x(0, 256), weight=torch.randn(256), eps=1e-6,
+                                            swizzled=False, return_y=True)),
+    ("cross_entropy_forward", lambda: _ce(logits=_x(0, 1000), target=torch.zeros(0, dtype=torch.int64))),
+    ("cross_entropy_fwd_bwd", lambda: _ce(dloss=torch.randn(0), logits=_x(0, 1000),
+                                          target=torch.zeros(0, dtype=torch.int64), return_lse=True)),
+]
+
+
+@pytest.mark.parametrize("op,make", EMPTY, ids=[op for op, _ in EMPTY])
+def test_no_rows_launch_no_row_kernel(recorder, op, make):
+    """No rows: no kernel launch; the outputs (empty) have the reference's shapes and dtypes."""
     args = make()
-    route = dispatch.Route(op, "kernel", "test", "sm_90a")
-    planned = dispatch.with_plan(route, args)
-    assert planned.plan is not None, f"{op}: no plan for a kernel-ready layout"
-    out_runner = module.RUNNERS[op]("sm_90a", **args)
-    launches = len(recorder)  # the norm backwards launch twice (dx with partials, their sum)
-    assert launches in (1, 2)
-    out_plan = dispatch.run(planned, args)
-    assert len(recorder) == 2 * launches
-    for i in range(launches):
-        assert _tagged(recorder[launches + i], args) == _tagged(recorder[i], args)
-    assert _shape(out_plan) == _shape(out_runner)
+    out = dispatch.launch(op, "sm_90a", **args)
+    assert recorder == []
+    assert _shape(out) == _shape(getattr(reference, op)(**args))
 
 
-def test_no_plan_where_a_copy_is_needed(recorder):
-    """A layout the kernel can't read as is (a transposed x) keeps the runner, which copies; so do
-    the FP8 ops' static scale and upper bound (fp32 copies of scalars)."""
-    x = torch.randn(256, 4, dtype=torch.bfloat16).t()
-    route = dispatch.Route("softmax_forward", "kernel", "test", "sm_90a")
-    assert dispatch.with_plan(route, {"x": x}).plan is None
-    route = dispatch.Route("fp8_quantize", "kernel", "test", "sm_90a")
-    assert dispatch.with_plan(route, _fp8(x=_x(4, 256), scale=torch.tensor([1.0]))).plan is None
-    assert dispatch.with_plan(route, _fp8(x=_x(4, 256), scale_ub=torch.tensor([9.0]))).plan is None
-    assert dispatch.with_plan(route, _fp8(x=x.t().contiguous().t())).plan is None
-    # a reduction, a class weight or a scalar dloss (broadcast by the runner) keep the runner
-    route = dispatch.Route("cross_entropy_forward", "kernel", "test", "sm_90a")
-    assert dispatch.with_plan(route, _ce(logits=_x(4, 256), reduction="mean")).plan is None
-    assert dispatch.with_plan(route, _ce(logits=_x(4, 256), weight=torch.rand(256))).plan is None
-    route = dispatch.Route("cross_entropy_fwd_bwd", "kernel", "test", "sm_90a")
-    assert dispatch.with_plan(route, _ce(dloss=torch.tensor(1.0), logits=_x(4, 256))).plan is None
+@pytest.mark.parametrize("op", ["rmsnorm_backward", "layernorm_backward"])
+def test_norm_backward_of_no_rows_sums_zeroed_partials(recorder, op):
+    """The norm backward of no rows still gives dweight and dbias (zeros): one launch, the partials' sum
+    of a zeroed buffer, no row kernel."""
+    x, w = _x(0, 256), torch.randn(256)
+    args = (dict(x=x, weight=w, dout=_x(0, 256), rstd=torch.rand(0), dresidual_out=None, has_bias=True,
+                 has_residual=False, weight_offset=0.0) if op == "rmsnorm_backward" else
+            dict(dout=_x(0, 256), x=x, weight=w, rstd=torch.rand(0), mean=torch.rand(0), bias=torch.randn(256)))
+    out = dispatch.launch(op, "sm_90a", **args)
+    assert len(recorder) == 1
+    assert _shape(out) == _shape(getattr(reference, op)(**args))
 
 
-def test_norm_backward_plans_leave_copies_to_the_runner(recorder):
-    """A strided row statistic or per-head weights keep the runner."""
-    route = dispatch.Route("rmsnorm_backward", "kernel", "test", "sm_90a")
-    base = dict(x=_x(4, 256), weight=torch.randn(256), dout=_x(4, 256), rstd=torch.rand(4), dresidual_out=None,
-                has_bias=False, has_residual=False, weight_offset=0.0)
-    assert dispatch.with_plan(route, base).plan is not None
-    assert dispatch.with_plan(route, {**base, "rstd": torch.rand(8)[::2]}).plan is None
-    heads = dict(base, x=_x(4, 256).view(4, 2, 128), dout=_x(4, 256).view(4, 2, 128), rstd=torch.rand(4, 2),
-                 weight=torch.randn(2, 128))
-    assert dispatch.with_plan(route, heads).plan is None
+def test_typed_launcher_types_each_address_as_compiled():
+    """Without TVM-FFI the compiled function takes ``cute.runtime`` pointers and a CUstream: the
+    launcher turns each integer address into a pointer of the compiled argument's dtype and alignment,
+    the raw stream into a CUstream, and passes None and scalars as they are."""
+    import cutlass
+
+    from oink.kernels.compile import _typed_launcher, fake_stream, gmem_ptr
+
+    calls = []
+    fake = (gmem_ptr(cutlass.BFloat16), None, gmem_ptr(cutlass.Float32, 4), cutlass.Int32(1), cutlass.Float32(1.0),
+            fake_stream())
+    _typed_launcher(lambda *a: calls.append(a), fake)(1 << 20, None, (1 << 20) + 4, 7, 0.5, 0)
+    (p, none, rstd, m, eps, stream), = calls
+    assert (p.dtype, p._assumed_align, p._pointer) == (cutlass.BFloat16, 16, 1 << 20)
+    assert (rstd.dtype, rstd._assumed_align, rstd._pointer) == (cutlass.Float32, 4, (1 << 20) + 4)
+    assert none is None and (m, eps) == (7, 0.5)
+    assert int(stream) == 0 and type(stream).__name__ == "CUstream"
 
 
 @pytest.mark.parametrize("M,few", [(32, True), (33, False)])
 @pytest.mark.parametrize("op", ["rmsnorm_forward", "softmax_forward", "rmsnorm_backward", "rmsnorm_backward_split"])
-def test_plan_and_runner_take_the_same_few_rows_launch(recorder, op, M, few):
-    """At most ``launch_table.FEW_ROWS`` rows take the key's "/few" entry, in the runner and in the plan
-    alike (a plan is made for one shape); one row more, the key's own entry. The norm backward takes
-    its split kernels at a width too wide for one kernel either way (``rmsnorm_bwd.split_rows``)."""
+def test_few_rows_take_the_few_rows_launch(recorder, op, M, few):
+    """At most ``launch_table.FEW_ROWS`` rows take the key's "/few" entry (a launch is prepared for one
+    shape); one row more, the key's own entry. The norm backward takes its split kernels at a width too
+    wide for one kernel either way (``rmsnorm_bwd.split_rows``)."""
     from oink.kernels import launch_table
     from oink.kernels.compile import CACHE
     from oink.kernels.rmsnorm_bwd import backward_launch, split_launches
@@ -219,12 +302,10 @@ def test_plan_and_runner_take_the_same_few_rows_launch(recorder, op, M, few):
             "rmsnorm_backward": dict(x=x, weight=torch.randn(N, dtype=torch.bfloat16), dout=_x(M, N),
                                      rstd=torch.rand(M), dresidual_out=None, has_bias=False, has_residual=False,
                                      weight_offset=0.0)}[op]
-    module = dispatch._kernel_module(op)
+    CACHE.clear_used()  # a launch looks its kernels up when it is prepared, and launches them as prepared
+    launch = dispatch.prepare(op, "sm_90a", args)
+    prepared = CACHE.used_launches()
     CACHE.clear_used()
-    module.RUNNERS[op]("sm_90a", **args)
-    by_runner = CACHE.used_launches()
-    CACHE.clear_used()  # the plan looks its kernels up when it is made, and launches them as made
-    planned = dispatch.with_plan(dispatch.Route(op, "kernel", "test", "sm_90a"), args)
-    dispatch.run(planned, args)
-    assert expected <= by_runner, by_runner
-    assert CACHE.used_launches() == by_runner
+    launch(args)
+    assert expected <= prepared, prepared
+    assert CACHE.used_launches() == set()

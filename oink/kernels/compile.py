@@ -4,11 +4,13 @@ Kernels are compiled against raw pointers plus a symbolic row count, so one comp
 function serves every M and every row stride; N and the dtypes are compile-time constants.
 That is also what lets CI compile every variant on a CPU with no tensors at all.
 
-Launch: with apache-tvm-ffi installed (``OINK_TVM_FFI=0`` turns it off) kernels are compiled with
-``--enable-tvm-ffi`` and called through the compiled ``tvm_ffi.Function``: pointers and the stream
-pass as plain integers, positional, with no per-argument Python marshalling. Without it they go
-through CuTeDSL's generic executor with ``cute.runtime`` pointers; ``runtime_ptr``, ``host.ptr`` and
-``current_stream`` give each launch what its function was compiled for.
+Launch: every compiled function is called the same way, positional, with pointers as integer
+addresses and the stream as the raw integer (``host.ptr``, ``current_stream``, ``stream_of``). With
+apache-tvm-ffi installed (``OINK_TVM_FFI=0`` turns it off) kernels are compiled with
+``--enable-tvm-ffi`` and that call goes straight to the compiled ``tvm_ffi.Function``, with no
+per-argument Python marshalling. Without it, ``compile_kernel`` wraps CuTeDSL's generic executor in a
+function that turns each address into the ``cute.runtime`` pointer of the compiled argument's type and
+the stream into a ``CUstream`` (``_typed_launcher``).
 """
 from __future__ import annotations
 
@@ -50,10 +52,8 @@ def gmem_ptr(dtype, align: int = 16):
 
 
 def runtime_ptr(dtype, address: int, align: int = 16):
-    """A global-memory pointer for a launch (address from ``tensor.data_ptr()``): the address
-    itself through TVM-FFI, else a ``cute.runtime`` pointer."""
-    if config.get().tvm_ffi:
-        return address
+    """A ``cute.runtime`` global-memory pointer for a launch through CuTeDSL's generic executor
+    (address from ``tensor.data_ptr()``)."""
     return cute.runtime.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
@@ -167,16 +167,42 @@ def compile_kernel(kernel_obj, *fake_args, arch: str):
     if cfg.keep_cubin:  # the dumps go to a temp directory, never the working directory
         options += f" --keep-cubin --dump-dir={dump_dir()}"
     fn = cute.compile(kernel_obj, *fake_args, options=options)
-    launcher = fn
     if cfg.tvm_ffi:
         # the bare tvm_ffi.Function (positional only); None where no GPU loaded it (CPU compiles)
         bare = getattr(fn, "__tvm_ffi_object__", None)
         launcher = (bare() if bare else None) or fn
-        COMPILED[id(launcher)] = fn
+    else:
+        launcher = _typed_launcher(fn, fake_args)
+    COMPILED[id(launcher)] = fn
     launch = getattr(kernel_obj, "launch", None)
     if launch is not None:
         BLOCK_THREADS[id(launcher)] = launch.num_threads
     return launcher
+
+
+def _typed_launcher(fn, fake_args) -> Callable:
+    """``fn`` (CuTeDSL's generic executor) called as a TVM-FFI function is: each integer address
+    becomes the ``cute.runtime`` pointer of the compiled argument's type (dtype, alignment), the raw
+    stream a ``CUstream``; None and scalars pass as they are."""
+    stream_type = type(fake_stream())
+
+    def conversion(fake):
+        if isinstance(fake, cute.Pointer):
+            return functools.partial(_typed_ptr, fake.dtype, fake._assumed_align)
+        if isinstance(fake, stream_type):
+            return lambda raw: cuda_driver().CUstream(raw)
+        return None
+
+    convert = tuple(conversion(a) for a in fake_args)
+
+    def launch(*args):
+        return fn(*[a if c is None or a is None else c(a) for c, a in zip(convert, args)])
+
+    return launch
+
+
+def _typed_ptr(dtype, align: int, address: int):
+    return runtime_ptr(dtype, address, align)
 
 
 def dump_dir() -> str:
@@ -191,18 +217,17 @@ def dump_dir() -> str:
     return path
 
 
-def current_stream(device):
-    """The current torch stream of ``device`` as the compiled functions take it."""
+def current_stream(device) -> int:
+    """The current torch stream of ``device`` as the compiled functions take it: the raw stream."""
     import torch
 
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object built
-    raw = raw_stream(device.index) if raw_stream else torch.cuda.current_stream(device).cuda_stream
-    return raw if config.get().tvm_ffi else cuda_driver().CUstream(raw)
+    return raw_stream(device.index) if raw_stream else torch.cuda.current_stream(device).cuda_stream
 
 
 def stream_of(device) -> Callable[[], int]:
-    """A function returning ``device``'s current raw stream, as a TVM-FFI launch takes it, bound once:
-    the launch plans call it every launch, with no Python frame of its own."""
+    """A function returning ``device``'s current raw stream, as the compiled functions take it, bound
+    once: the launch plans call it every launch, with no Python frame of its own."""
     import torch
 
     return functools.partial(torch._C._cuda_getCurrentRawStream, device.index)

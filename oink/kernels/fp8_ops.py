@@ -2,11 +2,10 @@
 a 32-bit view of q; scales are fp32 in the mode's layout (``oink.reference.fp8``)."""
 from __future__ import annotations
 
-import cutlass
 import torch
 
 from ..reference.fp8 import empty_scales, mode_of
-from .compile import current_stream, runtime_ptr, stream_of
+from .compile import current_stream, stream_of
 from .fp8 import UNIT, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch
 from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr,
                    rows_view, width_reason)
@@ -57,8 +56,8 @@ def _scalar(t):
 
 def _ptrs(q, s, mode, scale, scale_ub):
     sc, ub = _scalar(scale), _scalar(scale_ub)
-    f32 = lambda t: None if t is None else runtime_ptr(cutlass.Float32, t.data_ptr(), 4)  # noqa: E731
-    return (f32(sc), f32(ub), runtime_ptr(cutlass.Uint32, q.data_ptr(), 16),
+    f32 = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    return (f32(sc), f32(ub), q.data_ptr(),
             None if mode == "static" else f32(s), (sc, ub))
 
 

@@ -6,8 +6,7 @@ import functools
 
 import torch
 
-from .. import config
-from .compile import cute_dtype, driver_checked, runtime_ptr
+from .compile import driver_checked
 from .reduction import MAX_N
 
 
@@ -67,6 +66,23 @@ def prepare_rows(t: torch.Tensor | None, vec: int) -> torch.Tensor | None:
     return v
 
 
+def row_layout(t: torch.Tensor | None, vec: int) -> tuple[bool, int]:
+    """How a kernel reads an activation [..., N] of t's layout (None: absent): (copied to dense rows
+    first, because it can't be read as it is; the row stride it is launched with)."""
+    if t is None:
+        return False, 0
+    v = rows_view(t)
+    if v is None or not kernel_ready(v, vec):
+        return True, t.shape[-1]
+    return False, ld(v)
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """t copied to dense rows in fresh (16-byte aligned) memory: clone, not contiguous(), since a
+    contiguous view at an odd offset must move."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def prepare_vector(t: torch.Tensor | None, vec: int) -> torch.Tensor | None:
     """A per-column parameter [N] (weight, bias) as a kernel-ready 1-D tensor."""
     if t is None:
@@ -98,14 +114,11 @@ def in_place_reason(name: str, t: torch.Tensor, vec: int) -> str | None:
     return None
 
 
-def ptr(t: torch.Tensor | None, align: int = 16):
-    """t's address as the compiled functions take it. The caller keeps t alive until the launch
-    is enqueued: never pass a temporary made inside the argument list."""
-    if t is None:
-        return None
-    if config.CONFIG.tvm_ffi:  # the address is all TVM-FFI takes
-        return t.data_ptr()
-    return runtime_ptr(cute_dtype(dtype_name(t)), t.data_ptr(), align)
+def ptr(t: torch.Tensor | None, align: int = 16) -> int | None:
+    """t's address as the compiled functions take it (``compile.compile_kernel``), None for an absent
+    t. The caller keeps t alive until the launch is enqueued: never pass a temporary made inside the
+    argument list."""
+    return None if t is None else t.data_ptr()
 
 
 def ld(t: torch.Tensor | None) -> int:

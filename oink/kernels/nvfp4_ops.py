@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from functools import partial
 
-import cutlass
 import torch
 
-from .compile import current_stream, runtime_ptr, stream_of
+from .compile import current_stream, stream_of
 from ..reference.nvfp4 import round_up
 from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr,
                    rows_view, width_reason)
@@ -58,8 +57,7 @@ def _output_allocators(M: int, N: int, device, swizzled: bool, block: int = BLOC
 
 def _fp4_ptrs(q, sf, global_scale):
     gs = None if global_scale is None else global_scale.reshape(1).float().contiguous()
-    return (None if gs is None else runtime_ptr(cutlass.Float32, gs.data_ptr(), 4),
-            runtime_ptr(cutlass.Uint32, q.data_ptr(), 16), runtime_ptr(cutlass.Uint8, sf.data_ptr(), 1), gs)
+    return (None if gs is None else gs.data_ptr(), q.data_ptr(), sf.data_ptr(), gs)
 
 
 def _run_rows(mode, arch, x, N, global_scale, swizzled, mx=False):

@@ -73,7 +73,7 @@ def rowsumsq(x, out=None, arch: str | None = None):
     import torch
 
     from ..dispatch import device_arch
-    from .compile import current_stream, runtime_ptr
+    from .compile import current_stream
 
     assert x.dim() == 2 and x.stride(1) == 1
     M, N = x.shape
@@ -82,7 +82,5 @@ def rowsumsq(x, out=None, arch: str | None = None):
         return out
     arch = arch or device_arch(x.device.index)[0]
     fn = compiled_rowsumsq(str(x.dtype), N, arch)
-    dt = cute_dtype(str(x.dtype))
-    fn(runtime_ptr(dt, x.data_ptr()), runtime_ptr(Float32, out.data_ptr(), 4), M, x.stride(0),
-       current_stream(x.device))
+    fn(x.data_ptr(), out.data_ptr(), M, x.stride(0), current_stream(x.device))
     return out
