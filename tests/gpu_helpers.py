@@ -52,24 +52,15 @@ def close_family(actual, expected, family, dtype, what):
 
 
 def run_backward_poisoned(x, w, dout, rstd, dres, has_bias, mean=None):
-    """The norm backward (LayerNorm with ``mean``) launched into NaN-filled dx and partial buffers."""
-    from oink.kernels.host import prepare_rows, prepare_vector, vec_for
-    from oink.kernels.rmsnorm_bwd import backward_launch, backward_tpsm
-    from oink.kernels.rmsnorm_ops import backward_grid, launch_backward, partial_buffers, sum_partials
-
+    """The norm backward (LayerNorm with ``mean``) launched as the op launches it, its dx, partials and
+    dweight/dbias from a poisoned allocator: -> (dx, dweight, dbias)."""
     M, N = x.shape
-    vec = vec_for(N, x)
-    bits, layernorm = x.element_size() * 8, mean is not None
-    L = backward_launch(N, bits, cuda_arch(), layernorm)
-    ctas, parts = backward_grid(L, M, x.device, backward_tpsm(N, bits, cuda_arch(), layernorm))
-    nan = float("nan")
-    dx = torch.full((M, N), nan, device="cuda", dtype=x.dtype)
-    buf, dw_part, db_part = partial_buffers(parts, N, w is not None, has_bias, "cuda",
-                                            lambda shape, **kw: torch.full(shape, nan, **kw))
-    launch_backward(cuda_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_rows(dout, vec), rstd,
-                    prepare_rows(dres, vec), dx, dw_part, db_part, ctas, mean)
-    dw, db = sum_partials(cuda_arch(), buf, w is not None, has_bias, N, w.dtype if w is not None else x.dtype)
-    return dx, dw, db
+    poison_allocator(M * N * x.element_size() + (1 << 26))
+    if mean is None:
+        return kernel("rmsnorm_backward", x=x, weight=w, dout=dout, rstd=rstd, dresidual_out=dres,
+                      has_bias=has_bias)[:3]
+    bias = torch.zeros_like(w) if has_bias else None  # only whether there is one is read
+    return kernel("layernorm_backward", dout=dout, x=x, weight=w, rstd=rstd, mean=mean, bias=bias)
 
 
 def scales_exact(sf, esf):

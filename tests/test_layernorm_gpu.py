@@ -6,7 +6,8 @@ import torch
 
 import oink
 from oink import reference as R
-from tests.gpu_helpers import (DTYPES, MAX_ELEMS, MS, assert_close_poisoned, close_family, cuda_arch, random_rows,
+from tests.gpu_helpers import (DTYPES, MAX_ELEMS, MS, assert_close_poisoned, close_family, kernel,
+                               poison_allocator, random_rows,
                                run_backward_poisoned)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
@@ -21,9 +22,6 @@ LN_NS = (64, 1000, 4096, 6144, 8192, 16384, 131072, 262144)
 @pytest.mark.parametrize("M", MS)
 def test_layernorm_forward(dtype, w_fp32, bias, N, M, seed):
     """LayerNorm forward kernel (the RMSNorm kernel with the mean subtracted), outputs poisoned."""
-    from oink.kernels.host import prepare_rows, prepare_vector, vec_for
-    from oink.kernels.rmsnorm_ops import _launch
-
     if M * N > MAX_ELEMS // 2:
         pytest.skip(f"M*N = {M * N} > {MAX_ELEMS // 2}")
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -31,12 +29,8 @@ def test_layernorm_forward(dtype, w_fp32, bias, N, M, seed):
     wd = torch.float32 if w_fp32 else dtype
     w = torch.randn(N, device="cuda", generator=g).to(wd)
     b = torch.randn(N, device="cuda", generator=g).to(wd) if bias else None
-    nan = float("nan")
-    out = torch.full((M, N), nan, device="cuda", dtype=dtype)
-    rstd, mean = torch.full((M,), nan, device="cuda"), torch.full((M,), nan, device="cuda")
-    vec = vec_for(N, x)
-    _launch(cuda_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_vector(b, vec), None, out, None, rstd, 1e-6, mean,
-            layernorm=True)
+    poison_allocator(M * N * x.element_size() + 8 * M)
+    out, rstd, mean = kernel("layernorm", x=x, weight=w, bias=b, eps=1e-6, return_rstd=True, return_mean=True)
     y_ref, rstd_ref, mean_ref = R.layernorm(x, w, b, 1e-6, return_rstd=True, return_mean=True)
     assert_close_poisoned(out, y_ref, dtype, "y")
     assert_close_poisoned(rstd, rstd_ref, torch.float32, "rstd")

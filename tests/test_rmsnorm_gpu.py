@@ -6,7 +6,8 @@ import torch
 
 import oink
 from oink import reference as R
-from tests.gpu_helpers import (DTYPES, MAX_ELEMS, MS, assert_close_poisoned, close_family, cuda_arch, random_rows,
+from tests.gpu_helpers import (DTYPES, MAX_ELEMS, MS, assert_close_poisoned, close_family, cuda_arch, kernel,
+                               poison_allocator, random_rows,
                                run_backward_poisoned)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
@@ -15,18 +16,11 @@ NS = (64, 128, 1000, 4096, 6144, 7168, 8192, 16384, 32768, 131072, 262144)
 
 
 def run_poisoned(x, w, b, res, eps, store_rstd):
-    """Launch the kernel directly into NaN-filled outputs (every element must be written)."""
-    from oink.kernels.host import prepare_rows, prepare_vector, vec_for
-    from oink.kernels.rmsnorm_ops import _launch
-
+    """The forward as the op launches it, its outputs from a poisoned allocator (every element must be
+    written)."""
     M, N = x.shape
-    vec = vec_for(N, x)
-    out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
-    res_out = torch.full((M, N), float("nan"), device="cuda", dtype=res.dtype) if res is not None else None
-    rstd = torch.full((M,), float("nan"), device="cuda") if store_rstd else None
-    _launch(cuda_arch(), prepare_rows(x, vec), prepare_vector(w, vec), prepare_vector(b, vec), prepare_rows(res, vec), out,
-            res_out, rstd, eps)
-    return out, rstd, res_out
+    poison_allocator(M * N * (x.element_size() + (res.element_size() if res is not None else 0) + 4))
+    return kernel("rmsnorm_forward", x=x, weight=w, bias=b, residual=res, eps=eps, store_rstd=store_rstd)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

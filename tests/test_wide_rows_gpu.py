@@ -180,19 +180,19 @@ def test_staged_forward_runs_correctly(op, N, dtype, M, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.sm(90, exact=True)
-@pytest.mark.parametrize("path", ["plan", "runner"])
+@pytest.mark.parametrize("path", ["plan", "launch"])
 @pytest.mark.parametrize("N", [512, 1536, 4096, 7168, 65536, 131072])  # 512, 1536: several rows a CTA
 @pytest.mark.parametrize("layernorm,weight", [(False, "none"), (False, "bfloat16"), (False, "float32"),
                                               (True, "bfloat16"), (True, "float32")])
 def test_one_row_backward_writes_dweight_directly(layernorm, weight, N, path):
     """One row: the backward's one CTA (or cluster) stores dweight and dbias in the weight's dtype and
-    no partials' sum runs (``direct_sums``), through the public call's plan and through the runner;
+    no partials' sum runs (``direct_sums``), through the public call and through dispatch.launch;
     every output against the float64 reference, with dout close to xhat * weight (as above) so that
     the row's sums carry dx, and RMSNorm's dresidual_out, bias and weight offset."""
     import torch
 
     import oink
-    from oink.kernels import rmsnorm_ops
+    from oink.dispatch import launch
     from oink.kernels.compile import CACHE
     from oink.reference import norms
 
@@ -211,14 +211,15 @@ def test_one_row_backward_writes_dweight_directly(layernorm, weight, N, path):
         b = torch.randn(N, device=dev, dtype=w.dtype)
         args = (dout, x, w, rstd, mean, b)
         got = (oink.layernorm_backward(*args) if path == "plan"
-               else rmsnorm_ops.run_layernorm_backward("sm_90a", *args))
+               else launch("layernorm_backward", "sm_90a", **dict(zip(("dout", "x", "weight", "rstd", "mean", "bias"),
+                                                                      args))))
         want = norms.layernorm_backward(dout.double(), xf, w.double(), rstd.double(), mean.double(), b.double())
         names = ("dx", "dw", "db")
     else:
         dres = torch.randn_like(x)
         kw = dict(has_bias=True, has_residual=True, weight_offset=1.0)
         got = (oink.rmsnorm_backward(x, w, dout, rstd, dres, **kw) if path == "plan"
-               else rmsnorm_ops.run_backward("sm_90a", x, w, dout, rstd, dres, **kw))
+               else launch("rmsnorm_backward", "sm_90a", x=x, weight=w, dout=dout, rstd=rstd, dresidual_out=dres, **kw))
         want = norms.rmsnorm_backward(xf, None if w is None else w.double(), dout.double(), rstd.double(),
                                       dres.double(), **kw)
         names = ("dx", "dw", "db", "dresidual")
