@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from oink import reference as R
-from tests.gpu_helpers import DTYPES, cuda_arch
+from tests.gpu_helpers import DTYPES, cuda_arch, kernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
 
@@ -68,12 +68,12 @@ def _steps(a, b):
 def test_quantize_bit_exact(kind, dtype, M, N, mode, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = _values(kind, M, N, g).to(dtype)
-    from oink.kernels.fp8_ops import CHECKS, run_quantize
+    from oink.kernels.fp8_ops import CHECKS
 
     args = _mode_args(mode)
     assert CHECKS["fp8_quantize"](dict(x=x, group_size=args.get("group_size", 0)), cuda_arch()) is None
     _poison()
-    q, s = run_quantize(cuda_arch(), x, **args)
+    q, s = kernel("fp8_quantize", x=x, **args)
     q_ref, s_ref = R.fp8_quantize(x, **args)
     assert q.shape == q_ref.shape and s.shape == s_ref.shape and s.stride() == s_ref.stride()
     assert torch.equal(_codes(q), _codes(q_ref)), f"{(_codes(q) != _codes(q_ref)).sum().item()} codes differ"
@@ -87,11 +87,9 @@ def test_quantize_bit_exact(kind, dtype, M, N, mode, seed):
 def test_silu_mul_within_a_step(dtype, N, mode, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = (torch.randn(257, 2 * N, device="cuda", generator=g) * 2).to(dtype)
-    from oink.kernels.fp8_ops import run_silu_mul
-
     args = _mode_args(mode)
     _poison()
-    q, s = run_silu_mul(cuda_arch(), x, **args)
+    q, s = kernel("silu_mul_fp8quant", x=x, **args)
     q_ref, s_ref = R.silu_mul_fp8quant(x, **args)
     _assert_fused(q, s, q_ref, s_ref, args)
 
@@ -118,34 +116,32 @@ def test_fused_rmsnorm_within_a_step(dtype, residual, N, mode, seed):
     M = 257 if N < 131072 else 9
     x = torch.randn(M, N, device="cuda", generator=g).to(dtype)
     w = (torch.rand(N, device="cuda", generator=g) + 0.5).to(dtype)
-    from oink.kernels.fp8_ops import run_add_rmsnorm, run_rmsnorm
-
     args = _mode_args(mode)
     _poison()
     if residual:
         r = torch.randn(M, N, device="cuda", generator=g).to(dtype)
         r_ref = r.clone()
-        q, s, y = run_add_rmsnorm(cuda_arch(), x, r, w, 1e-6, return_y=True, **args)
+        q, s, y = kernel("add_rmsnorm_fp8quant", x=x, residual=r, weight=w, eps=1e-6, return_y=True, **args)
         q_ref, s_ref, y_ref = R.add_rmsnorm_fp8quant(x, r_ref, w, 1e-6, return_y=True, **args)
         assert torch.equal(r, r_ref)  # the residual stream, updated in place, exactly
     else:
-        q, s, y = run_rmsnorm(cuda_arch(), x, w, 1e-6, return_y=True, **args)
+        q, s, y = kernel("rmsnorm_fp8quant", x=x, weight=w, eps=1e-6, return_y=True, **args)
         q_ref, s_ref, y_ref = R.rmsnorm_fp8quant(x, w, 1e-6, return_y=True, **args)
     torch.testing.assert_close(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
     _assert_fused(q, s, q_ref, s_ref, args)
 
 
 def test_odd_inputs():
-    from oink.kernels.fp8_ops import CHECKS, run_add_rmsnorm, run_quantize
+    from oink.kernels.fp8_ops import CHECKS
 
     arch = cuda_arch()
     # a strided (sliced) input and a misaligned one give the reference's answer
     wide = torch.randn(64, 1024 + 8, device="cuda", dtype=torch.bfloat16)
     for t in (wide[:, :1024], wide.view(-1)[1:1 + 64 * 1024].view(64, 1024)):
-        q, s = run_quantize(arch, t, group_size=128)
+        q, s = kernel("fp8_quantize", x=t, group_size=128)
         q_ref, s_ref = R.fp8_quantize(t, group_size=128)
         assert torch.equal(_codes(q), _codes(q_ref)) and torch.equal(s, s_ref)
-    q, s = run_quantize(arch, wide[:0, :1024], group_size=128)  # empty
+    q, s = kernel("fp8_quantize", x=wide[:0, :1024], group_size=128)  # empty
     assert q.shape == (0, 1024) and s.shape == (0, 8)
     # in place needs an aligned residual: a misaligned one is declined (the reference takes it)
     x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
@@ -154,6 +150,6 @@ def test_odd_inputs():
     assert "residual" in CHECKS["add_rmsnorm_fp8quant"](dict(x=x, residual=r, weight=w, group_size=0), arch)
     r = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
     r_ref = r.clone()
-    q, s = run_add_rmsnorm(arch, x, r, w)
+    q, s = kernel("add_rmsnorm_fp8quant", x=x, residual=r, weight=w)
     q_ref, s_ref = R.add_rmsnorm_fp8quant(x, r_ref, w)
     assert torch.equal(r, r_ref) and (_steps(q, q_ref) <= 1).all()

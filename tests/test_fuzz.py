@@ -170,12 +170,11 @@ def test_fp8_quantize_layouts_and_fake_agree_cpu(shape, dtype, layout, seed, mod
 @given(shape=S.shapes("fp8", max_m=5000), dtype=S.dtypes(), layout=S.layouts(), seed=st.integers(0, 2**16),
        mode=FP8_MODES)
 def test_fp8_quantize_kernel_gpu(shape, dtype, layout, seed, mode):
-    from oink.kernels.fp8_ops import run_quantize
-    from tests.gpu_helpers import cuda_arch
+    from tests.gpu_helpers import kernel
 
     M, N = shape
     x = S.make_tensor(M, N, _dt(dtype), layout, device="cuda", seed=seed)
     args = _fp8_args(mode, "cuda")
-    q, s = run_quantize(cuda_arch(), x, **args)
+    q, s = kernel("fp8_quantize", x=x, **args)
     rq, rs = R.fp8_quantize(x, **args)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)

@@ -13,7 +13,7 @@ import torch
 import oink
 from oink import reference as R
 from oink.reference.nvfp4 import _mx_quantize_rows, _quantize_rows, unswizzle
-from tests.gpu_helpers import DTYPES, cuda_arch, scales_exact
+from tests.gpu_helpers import DTYPES, kernel, scales_exact
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
 
@@ -67,14 +67,12 @@ def _poison_allocator(nbytes=1 << 26):
 @pytest.mark.parametrize("M", MS)
 @pytest.mark.parametrize("swizzled", [False, True], ids=["rowmajor", "swizzled"])
 def test_quantize_bit_exact(kind, dtype, N, M, swizzled, seed):
-    from oink.kernels.nvfp4_ops import run_quantize
-
     g = torch.Generator(device="cuda").manual_seed(seed)
     v, gs = _values(kind, M, N, g)
     x = v.to(dtype)
     gs_t = torch.tensor([gs], device="cuda", dtype=torch.float32)
     _poison_allocator()
-    q, sf = run_quantize(cuda_arch(), x, gs_t, swizzled)
+    q, sf = kernel("nvfp4_quantize", x=x, global_scale=gs_t, swizzled=swizzled)
     eq, esf = R.nvfp4_quantize(x, gs_t, swizzled)
     assert torch.equal(_bytes(sf), _bytes(esf)), f"scales differ at {(_bytes(sf) != _bytes(esf)).nonzero()[:5].tolist()}"
     assert torch.equal(q, eq), f"codes differ at {(q != eq).nonzero()[:5].tolist()}"
@@ -225,13 +223,11 @@ def test_large_rows_and_graph_capture(seed):
 @pytest.mark.parametrize("M", (1, 3, 4097))
 @pytest.mark.parametrize("swizzled", [False, True], ids=["rowmajor", "swizzled"])
 def test_mxfp4_quantize_bit_exact(kind, dtype, N, M, swizzled, seed):
-    from oink.kernels.nvfp4_ops import run_mx_quantize
-
     g = torch.Generator(device="cuda").manual_seed(seed)
     v, _ = _values(kind, M, N, g)
     x = (v * 37.0 if kind == "ties" else v).to(dtype)  # ties: scale the block so 2^-shared is not 1
     _poison_allocator()
-    q, sf = run_mx_quantize(cuda_arch(), x, swizzled)
+    q, sf = kernel("mxfp4_quantize", x=x, swizzled=swizzled)
     eq, esf = R.mxfp4_quantize(x, swizzled)
     assert torch.equal(_bytes(sf), _bytes(esf)), f"scales differ at {(_bytes(sf) != _bytes(esf)).nonzero()[:5].tolist()}"
     assert torch.equal(q, eq), f"codes differ at {(q != eq).nonzero()[:5].tolist()}"

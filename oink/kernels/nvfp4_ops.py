@@ -1,4 +1,4 @@
-"""NVFP4 and MXFP4 kernels on torch tensors (CHECKS/RUNNERS for the dispatch path). Codes are written
+"""NVFP4 and MXFP4 kernels on torch tensors (CHECKS/PLANS for the dispatch path). Codes are written
 through a 32-bit view of q; scales as raw bytes viewed as float8_e4m3fn (MXFP4: float8_e8m0fnu)
 afterwards."""
 from __future__ import annotations
@@ -7,10 +7,9 @@ from functools import partial
 
 import torch
 
-from .compile import current_stream, stream_of
+from .compile import stream_of
 from ..reference.nvfp4 import round_up
-from .host import (allocator, dtype_name, in_place_reason, kernel_ready_rows, ld, prepare_rows, prepare_vector, ptr,
-                   rows_view, width_reason)
+from .host import allocator, dense, dtype_name, in_place_reason, kernel_ready_rows, row_layout, width_reason
 from .nvfp4 import BLOCK, MX_BLOCK, compiled_add_rmsnorm_fp4, compiled_fp4
 
 
@@ -55,99 +54,54 @@ def _output_allocators(M: int, N: int, device, swizzled: bool, block: int = BLOC
     return lambda: (new_q(), new_sf())
 
 
-def _fp4_ptrs(q, sf, global_scale):
-    gs = None if global_scale is None else global_scale.reshape(1).float().contiguous()
-    return (None if gs is None else gs.data_ptr(), q.data_ptr(), sf.data_ptr(), gs)
-
-
-def _run_rows(mode, arch, x, N, global_scale, swizzled, mx=False):
-    block = MX_BLOCK if mx else BLOCK
-    x2 = prepare_rows(x, block)
-    q, sf = _outputs(x2.shape[0], N, x.device, swizzled, block)
-    if x2.shape[0] > 0:
-        fn = compiled_fp4(mode, dtype_name(x2), N, arch, swizzled, mx)
-        pgs, pq, psf, _keep = _fp4_ptrs(q, sf, global_scale)
-        fn(ptr(x2), pgs, pq, psf, x2.shape[0], ld(x2), current_stream(x.device))
-    return q, sf.view(torch.float8_e8m0fnu if mx else torch.float8_e4m3fn)
-
-
-def run_quantize(arch, x, global_scale, swizzled=False):
-    return _run_rows("quantize", arch, x, x.shape[-1], global_scale, swizzled)
-
-
-def run_silu_mul(arch, x, global_scale, swizzled=False):
-    return _run_rows("silu_mul", arch, x, x.shape[-1] // 2, global_scale, swizzled)
-
-
-def run_mx_quantize(arch, x, swizzled=False):
-    return _run_rows("quantize", arch, x, x.shape[-1], None, swizzled, mx=True)
-
-
-def run_silu_mul_mx(arch, x, swizzled=False):
-    return _run_rows("silu_mul", arch, x, x.shape[-1] // 2, None, swizzled, mx=True)
-
-
-def run_add_rmsnorm(arch, x, residual, weight, global_scale, eps=1e-6, swizzled=False, return_y=False, mx=False):
-    N = x.shape[-1]
-    block = MX_BLOCK if mx else BLOCK
-    x2, r2 = prepare_rows(x, block), rows_view(residual)
-    w = prepare_vector(weight, block)
-    M = x2.shape[0]
-    q, sf = _outputs(M, N, x.device, swizzled, block)
-    y = torch.empty((M, N), device=x.device, dtype=x.dtype) if return_y else None
-    if M > 0:
-        fn = compiled_add_rmsnorm_fp4(dtype_name(x2), dtype_name(r2), dtype_name(w), N, arch, swizzled, return_y, mx)
-        pgs, pq, psf, _keep = _fp4_ptrs(q, sf, global_scale)
-        fn(ptr(x2), ptr(r2), ptr(w), pgs, ptr(y), pq, psf, M, ld(x2), ld(r2), ld(y), float(eps),
-           current_stream(x.device))
-    sf = sf.view(torch.float8_e8m0fnu if mx else torch.float8_e4m3fn)
-    return (q, sf, y.view(x.shape)) if return_y else (q, sf)
-
-
-def run_add_rmsnorm_mx(arch, x, residual, weight, eps=1e-6, swizzled=False, return_y=False):
-    return run_add_rmsnorm(arch, x, residual, weight, None, eps, swizzled, return_y, mx=True)
-
-
 def _plan(mode: str, mx: bool = False):
-    """A launch prepared once per argument layout (see dispatch.Route.plan); None where the runner
-    is needed (a copy of an input, a global scale that is not one contiguous fp32)."""
+    """``mode``'s launch prepared for one argument layout (see dispatch.prepare): x copied to dense rows
+    where the kernel can't read it as it is, an unaligned weight copied, a global scale that is not one
+    contiguous fp32 passed as such a copy; no launch for no rows. The residual is updated in place
+    (``check_add_rmsnorm``: readable as it is)."""
     block, sf_dtype = (MX_BLOCK, torch.float8_e8m0fnu) if mx else (BLOCK, torch.float8_e4m3fn)
 
     def make(arch, a: dict):
         x, w, res, gs = a["x"], a.get("weight"), a.get("residual"), a.get("global_scale")
-        if (x.numel() == 0 or not all(kernel_ready_rows(t, block) for t in (x, w, res))
-                or (gs is not None and (gs.dtype != torch.float32 or not gs.is_contiguous()))):
-            return None
-        x2, swizzled = rows_view(x), a.get("swizzled", False)
-        M, N = x2.shape[0], x.shape[-1] // 2 if mode == "silu_mul" else x.shape[-1]
-        device, ldx = x.device, ld(x2)
-        outputs, stream = _output_allocators(M, N, device, swizzled, block), stream_of(device)
-        if mode != "add_rmsnorm":
-            fn = compiled_fp4(mode, dtype_name(x2), N, arch, swizzled, mx)
-
-            def run(a):
-                gs = a.get("global_scale")
-                q, sf = outputs()
-                fn(a["x"].data_ptr(), None if gs is None else gs.data_ptr(), q.data_ptr(), sf.data_ptr(), M, ldx,
-                   stream())
-                return q, sf.view(sf_dtype)
-
-            return run
-        r2 = rows_view(res)
+        swizzled, norm = a.get("swizzled", False), mode == "add_rmsnorm"
+        N = x.shape[-1] // 2 if mode == "silu_mul" else x.shape[-1]
+        M, device = x.numel() // x.shape[-1], x.device
+        copy_x, ldx = row_layout(x, block)
+        copy_w = w is not None and not kernel_ready_rows(w, block)
+        copy_gs = gs is not None and (gs.dtype != torch.float32 or not gs.is_contiguous())
         return_y, eps = a.get("return_y", False), float(a.get("eps", 1e-6))
-        fn = compiled_add_rmsnorm_fp4(dtype_name(x2), dtype_name(r2), dtype_name(w), N, arch, swizzled, return_y, mx)
-        ldr, ldy = ld(r2), (N if return_y else 0)
+        ldr, ldy = row_layout(res, block)[1], (N if return_y else 0)
+        if not M:
+            outputs = partial(_outputs, M, N, device, swizzled, block)
+        else:
+            outputs, stream = _output_allocators(M, N, device, swizzled, block), stream_of(device)
+            if norm:
+                fn = compiled_add_rmsnorm_fp4(dtype_name(x), dtype_name(res), dtype_name(w), N, arch, swizzled,
+                                              return_y, mx)
+            else:
+                fn = compiled_fp4(mode, dtype_name(x), N, arch, swizzled, mx)
 
-        def run_norm(a):
+        def run(a):
             x, gs = a["x"], a.get("global_scale")
-            q, sf = outputs()
+            q, sf = outputs()  # codes written through a 32-bit view of q, scales as raw bytes
             y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else None
-            fn(x.data_ptr(), a["residual"].data_ptr(), a["weight"].data_ptr(), None if gs is None else gs.data_ptr(),
-               None if y is None else y.data_ptr(), q.data_ptr(), sf.data_ptr(), M, ldx, ldr, ldy, eps,
-               stream())
+            if M:
+                if copy_x:
+                    x = dense(x)
+                if copy_gs:
+                    gs = gs.reshape(1).float().contiguous()
+                pgs = None if gs is None else gs.data_ptr()
+                if norm:
+                    w = a["weight"]
+                    if copy_w:
+                        w = dense(w)
+                    fn(x.data_ptr(), a["residual"].data_ptr(), w.data_ptr(), pgs, None if y is None else y.data_ptr(),
+                       q.data_ptr(), sf.data_ptr(), M, ldx, ldr, ldy, eps, stream())
+                else:
+                    fn(x.data_ptr(), pgs, q.data_ptr(), sf.data_ptr(), M, ldx, stream())
             return (q, sf.view(sf_dtype), y) if return_y else (q, sf.view(sf_dtype))
 
-        return run_norm
+        return run
 
     return make
 
@@ -159,6 +113,3 @@ PLANS = {"nvfp4_quantize": _plan("quantize"), "silu_mul_fp4quant": _plan("silu_m
 CHECKS = {"nvfp4_quantize": check_quantize, "silu_mul_fp4quant": check_silu_mul,
           "add_rmsnorm_fp4quant": check_add_rmsnorm, "mxfp4_quantize": check_quantize,
           "silu_mul_mxfp4quant": check_silu_mul, "add_rmsnorm_mxfp4quant": partial(check_add_rmsnorm, block=MX_BLOCK)}
-RUNNERS = {"nvfp4_quantize": run_quantize, "silu_mul_fp4quant": run_silu_mul,
-           "add_rmsnorm_fp4quant": run_add_rmsnorm, "mxfp4_quantize": run_mx_quantize,
-           "silu_mul_mxfp4quant": run_silu_mul_mx, "add_rmsnorm_mxfp4quant": run_add_rmsnorm_mx}
