@@ -2,8 +2,8 @@
 logits [M, V] never exist whole (memory O(chunk x V), never O(M x V)).
 
 Each chunk of rows: logits = hidden_chunk @ weight.T (+ bias), one cuBLAS matmul into a buffer
-reused across chunks; Oink's cross-entropy forward and backward on them (loss and dlogits, the
-dlogits written over the logits where the options allow); dhidden_chunk = dlogits @ weight;
+reused across chunks; Oink's fused cross-entropy forward and backward on them in place (one pass:
+the loss, and the dlogits written over the logits); dhidden_chunk = dlogits @ weight;
 dweight += dlogits.T @ hidden_chunk and dbias += dlogits summed over rows. The gradients are
 computed in the forward, as Liger's and Quack's are: the backward only scales them by the incoming
 gradient. With ``reduction="none"`` the forward computes the loss only and the backward runs the
@@ -105,11 +105,11 @@ def _unsupported(options: dict, op) -> NotImplementedError:
 
 
 def inplace_backward(options: dict) -> bool:
-    """Whether a chunk's dlogits can be written over its logits: the forward kernel, then the
-    in-place backward (the fused kernel reads the target's logit after its reduction, when other
-    threads of the row may already have stored dlogits over it, so it runs out of place)."""
-    # cross_entropy_backward_ is internal: ops holds its checks, with its signature
-    return _accepts(ops.cross_entropy_forward, options) and _accepts(ops.cross_entropy_backward_, options)
+    """Whether a chunk's dlogits can be written over its logits: the fused forward and backward in
+    place (one pass), or the forward then the in-place backward (where the z-loss part is asked for)."""
+    # the in-place ops are internal: ops holds their checks, with their signatures
+    return _accepts(ops.cross_entropy_fwd_bwd_, options) or (
+        _accepts(ops.cross_entropy_forward, options) and _accepts(ops.cross_entropy_backward_, options))
 
 
 def chunk_loss_and_grad(logits: Tensor, target: Tensor, dloss: Tensor | None, ignore_index: int, options: dict,
@@ -117,6 +117,9 @@ def chunk_loss_and_grad(logits: Tensor, target: Tensor, dloss: Tensor | None, ig
     """-> (loss fp32 [C], dlogits or None without ``dloss``, each row's z-loss part or None without
     ``z_rows``); dlogits may be ``logits`` itself."""
     asked = dict(options, return_z_loss=True) if z_rows else options
+    if dloss is not None and not z_rows and _accepts(ops.cross_entropy_fwd_bwd_, options):
+        loss, _ = torch.ops.oink.cross_entropy_fwd_bwd_(dloss, logits, target, ignore_index, **options)
+        return loss, logits, None
     if dloss is None or inplace_backward(options):
         if not _accepts(ops.cross_entropy_forward, asked):
             raise _unsupported(asked, ops.cross_entropy_forward)

@@ -546,6 +546,21 @@ def cross_entropy_fwd_bwd(dloss, logits, target, ignore_index=-100, *, weight=No
     _ce_options(label_smoothing, z_loss, softcap)
 
 
+def _fake_ce_fwd_bwd_(dloss, logits, target, ignore_index, label_smoothing=0.0, z_loss=0.0, softcap=None):
+    row = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    return row, torch.empty_like(row)
+
+
+@declare("cross_entropy_fwd_bwd_(Tensor dloss, Tensor(a!) logits, Tensor target, SymInt ignore_index, "
+         f"{_CE_OPTIONS}) -> (Tensor, Tensor)",
+         kernels=cross_entropy_kernels, fake=_fake_ce_fwd_bwd_, check_values=_targets_in_range, public=False)
+def cross_entropy_fwd_bwd_(dloss, logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None):
+    """-> (loss, lse) per row, fp32, the dlogits written over the logits in the same pass (no second
+    [M, V] buffer): backs the chunks of ``oink.linear_cross_entropy``."""
+    cross_entropy_fwd_bwd.op.check(dloss, logits, target, ignore_index, label_smoothing=label_smoothing,
+                                   z_loss=z_loss, softcap=softcap)
+
+
 # the FP4 and FP8 ops: their own module, imported here so that every op is declared with oink.ops
 from .ops_quant import (add_rmsnorm_fp4quant, add_rmsnorm_fp8quant, add_rmsnorm_mxfp4quant,  # noqa: E402,F401
                         fp8_quantize, mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize, nvfp4_quantize,

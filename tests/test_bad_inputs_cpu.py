@@ -179,6 +179,7 @@ def _inplace_cases():
         "add_rmsnorm_fp4quant": (norm(dict(global_scale=GS)), ("residual",)),
         "add_rmsnorm_mxfp4quant": (norm(), ("residual",)),
         "cross_entropy_backward_": (ce, ("logits",)),
+        "cross_entropy_fwd_bwd_": (lambda: {k: v for k, v in ce().items() if k != "lse"}, ("logits",)),
     }
 
 
@@ -237,8 +238,8 @@ def test_inplace_op_refusing_a_written_argument_changes_nothing(name, kind, path
     """Each written argument made unwritable in turn (alone, and with the others too): the call
     raises naming it, and no input was written (the reference used to write ``residual`` and then
     fail on ``x``)."""
-    if path == "public" and name == "cross_entropy_backward_":
-        pytest.skip("not a public op (it backs oink.cross_entropy's in-place backward)")
+    if path == "public" and name in ("cross_entropy_backward_", "cross_entropy_fwd_bwd_"):
+        pytest.skip("not a public op (it backs oink.cross_entropy's in-place backward, linear_cross_entropy's chunks)")
     make, written = INPLACE[name]
     for spoiled in [(n,) for n in written] + ([written] if len(written) > 1 else []):
         args = make()
@@ -262,13 +263,15 @@ BAD_OTHERS = {  # (the argument named, arguments replaced): one that is read, no
     "add_rmsnorm_mxfp4quant": [("weight", dict(weight=torch.ones(32)))],
     "cross_entropy_backward_": [("target", dict(target=torch.tensor([1, 64, 3]))), ("lse", dict(lse=torch.rand(2))),
                                 ("weight", dict(weight=torch.ones(63)))],
+    "cross_entropy_fwd_bwd_": [("target", dict(target=torch.tensor([1, 64, 3]))),
+                               ("dloss", dict(dloss=torch.rand(2))), ("softcap", dict(softcap=-1.0))],
 }
 
 
 @pytest.mark.parametrize("path", ("public", "op"))
 @pytest.mark.parametrize("name", tuple(INPLACE))
 def test_inplace_op_refusing_another_argument_changes_nothing(name, path):
-    if path == "public" and name == "cross_entropy_backward_":
+    if path == "public" and name in ("cross_entropy_backward_", "cross_entropy_fwd_bwd_"):
         pytest.skip("not a public op")
     make, _ = INPLACE[name]
     for named, bad in BAD_OTHERS[name]:

@@ -222,3 +222,26 @@ def test_nan_beside_posinf_stays_nan(V, seed):
         e_loss, e_dx = R.cross_entropy_fwd_bwd(dloss[2:], logits[2:], target[2:], **opts)
         close_family(loss[2:], e_loss, "cross_entropy_loss", torch.float32, f"other rows {opts}")
         close_family(dx[2:], e_dx, "softmax", torch.bfloat16, f"other rows' dx {opts}")
+
+
+@pytest.mark.parametrize("opts", ["plain", "softcap", "all"])
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+@pytest.mark.parametrize("N", (1000, 32000, 50257, 128256, 262144))
+def test_fused_in_place(N, dtype, opts, seed):
+    """``cross_entropy_fwd_bwd_`` (linear_cross_entropy's chunks): loss, lse and the dlogits written over
+    the logits against the reference, on rows holding +inf logits too (their count read from the row
+    before any thread stores over it), through the kernel."""
+    o = {} if opts == "plain" else OPTIONS[opts]
+    logits, target, dloss = _case(37, N, dtype, seed)
+    logits[3, 5] = math.inf
+    logits[4, :] = math.inf
+    logits[5, 7], logits[5, 9] = math.inf, math.inf
+    target[5] = 9
+    assert "kernel" in oink.explain("cross_entropy_fwd_bwd", dloss, logits, target, IGNORE, **o)
+    e_loss, e_dx, e_lse = R.cross_entropy_fwd_bwd(dloss, logits, target, IGNORE, return_lse=True, **o)
+    x = logits.clone()
+    loss, lse = torch.ops.oink.cross_entropy_fwd_bwd_(dloss, x, target, IGNORE, **o)
+    family = "cross_entropy_capped_loss" if "softcap" in o and dtype != torch.float32 else "cross_entropy_loss"
+    close_family(loss, e_loss, family, torch.float32, "loss")
+    close_family(lse, e_lse, family, torch.float32, "lse")
+    close_family(x, e_dx, "softmax", dtype, "dlogits in place")

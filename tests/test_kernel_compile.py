@@ -251,6 +251,30 @@ def test_cross_entropy_compiles(arch, dtype, mode):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("mode", ["backward", "fwd_bwd"])
+def test_cross_entropy_in_place_compiles(arch, dtype, mode):
+    """dlogits over the logits (the rows' barrier before the stores, the fused mode's loss from the
+    target's thread): one row a CTA, several, a cluster, a shifted window, with options; no spill."""
+    from oink.kernels.cross_entropy import CEOptions
+    from oink.kernels.profile import compiled_resources
+    from tests.helpers import set_knob
+
+    with pytest.MonkeyPatch.context() as mp:
+        set_knob(mp, "OINK_KEEP_CUBIN", "1")
+        for N, o in [(1000, None), (32000, None), (50257, None), (128256, None), (262144, None),
+                     (128256, CEOptions(0.1, 1e-4, 30.0)), (50257, CEOptions(0.0, 0.0, 30.0))]:
+            fn = compiled_cross_entropy(mode, dtype, "int64", N, arch, options=o or CEOptions(), inplace=True)
+            assert compiled_resources(fn)["frame_bytes"] == 0, (N, o)
+    with pytest.raises(ValueError, match="in place"):
+        from oink.kernels.cross_entropy import CrossEntropy, cross_entropy_launch
+        from oink.kernels.compile import cute_dtype
+
+        CrossEntropy(cross_entropy_launch(4096, 16, arch), cute_dtype(dtype), cute_dtype("int64"), "forward",
+                     inplace=True)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("mode", CE_MODES)
 def test_cross_entropy_streamed_rows_compile(monkeypatch, arch, dtype, mode):

@@ -129,11 +129,16 @@ class CrossEntropy(RowKernelBase):
     1/k on the k +inf logits."""
 
     def __init__(self, launch: RowLaunch, dtype, target_dtype, mode: str, n: int | None = None,
-                 stream: bool = False, options: CEOptions = PLAIN):
+                 stream: bool = False, options: CEOptions = PLAIN, inplace: bool = False):
         """``n``: the row's width where ``launch.N`` is the window of a shifted-rows forward;
-        ``stream``: CTAs that pass over their columns ``STREAM_UNITS`` units at a time."""
+        ``stream``: CTAs that pass over their columns ``STREAM_UNITS`` units at a time; ``inplace``:
+        dlogits stored over the logits, so no thread reads the row from memory once another may
+        have stored into it (the fused mode takes the target's logit from the thread holding it)."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        if inplace and (mode == "forward" or stream):
+            raise ValueError(f"in place: the register-held dlogits modes only; got {mode}, stream={stream}")
+        self.inplace = inplace
         self.options = options
         self.posinf = options.softcap is None  # capped logits are finite: no +inf limit to take
         sums = 3 if options.label_smoothing else 2
@@ -214,6 +219,7 @@ class CrossEntropy(RowKernelBase):
                 lse = mLseIn[row]
             if const_expr(self.posinf):
                 k = self.count_posinf(mX, row, M, lse)
+                self.reads_done()
         else:
             sx = Float32(0.0)
             if const_expr(self.options.label_smoothing):
@@ -222,6 +228,7 @@ class CrossEntropy(RowKernelBase):
                 m, s = self.row_max_sum(x, buf, mbar)
             if const_expr(self.posinf):
                 s = self.posinf_sum(mX, row, M, m, s)
+                self.reads_done()
             lse = m + cute.math.log(s, fastmath=False)
             k = s
             # the row's leader (column 0, first CTA of the cluster) writes the row's loss and lse; it
@@ -229,7 +236,22 @@ class CrossEntropy(RowKernelBase):
             leader = tXcX[0][1] == 0
             if const_expr(L.cluster_n > 1):
                 leader = leader and cy == 0
-            if leader and row < M:
+            if const_expr(self.inplace):
+                # the thread holding the target's column has its logit (others may be storing dlogits)
+                xt, owner = Float32(0.0), False
+                for i in cutlass.range_constexpr(cute.size(rX)):
+                    if tXcX[i][1] == target + shift:
+                        xt, owner = rX[i].to(Float32), True
+                if owner and row < M and valid and not bad:
+                    mLoss[row] = self.row_loss(lse, s, sx, xt)
+                if leader and row < M:
+                    if bad:
+                        mLoss[row] = Float32(math.nan)
+                    elif not valid:
+                        mLoss[row] = Float32(0.0)
+                    if const_expr(mLseOut is not None):
+                        mLseOut[row] = lse
+            elif leader and row < M:
                 loss = Float32(0.0)
                 if bad:
                     loss = Float32(math.nan)
@@ -501,6 +523,17 @@ class CrossEntropy(RowKernelBase):
         return k
 
     @cute.jit
+    def reads_done(self):
+        """In place: every thread of the row (its CTA, its cluster) past its reads of the row from memory
+        (``count_posinf``'s) before any stores dlogits over it."""
+        if const_expr(self.inplace):
+            if const_expr(self.launch.cluster_n > 1):
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+            else:
+                cute.arch.barrier()
+
+    @cute.jit
     def posinf_sum(self, mX: cute.Tensor, row, M, m: Float32, s: Float32) -> Float32:
         """The row's sum of exp(x - m), or where its max m is +inf (each exp(inf - inf) made the sum NaN)
         the limit's: the count of its +inf logits, by ``count_posinf`` (only such rows pay; the reduction
@@ -637,16 +670,17 @@ def option_launch(N: int, x_bits: int, mode: str, shifted: bool = False) -> RowL
 
 @memo
 def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arch: str, store_lse: bool = True,
-                           window: bool = True, options: CEOptions = PLAIN):
+                           window: bool = True, options: CEOptions = PLAIN, inplace: bool = False):
     """Compile (or fetch) one kernel for (mode, dtypes, N, flags, options, arch); M, strides and
     ignore_index are runtime. ``window=False``: dlogits rows do not lie at the logits' offsets
     (another row stride), so rows off 16-byte boundaries are not moved as aligned windows.
-    ``options``: compile-time constants (the plain kernel's key and code without them)."""
+    ``options``: compile-time constants (the plain kernel's key and code without them). ``inplace``: dx
+    is the logits (``CrossEntropy``'s; rows register-held, even where they would stream)."""
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the cross-entropy kernels handle 1 <= N <= {MAX_N}")
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
     width = shifted_window(N, dt.width) if window or mode == "forward" else None
-    stream = stream_rows(width or N, dt.width, mode)
+    stream = stream_rows(width or N, dt.width, mode) and not inplace
     held = functools.partial(cross_entropy_launch, arch=arch, mode=mode)
     if not options.plain and mode != "forward":  # the options' dlogits hold more live values a thread
         held = functools.partial(option_launch, mode=mode)
@@ -665,11 +699,12 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
         f32 = gmem_ptr(Float32, 4)
         fwd, bwd = mode != "backward", mode != "forward"
         return compile_kernel(
-            CrossEntropy(launch, dt, tt, mode, N, stream, options), gmem_ptr(dt), gmem_ptr(tt, tt.width // 8),
+            CrossEntropy(launch, dt, tt, mode, N, stream, options, inplace), gmem_ptr(dt), gmem_ptr(tt, tt.width // 8),
             f32 if bwd else None, f32 if mode == "backward" else None, f32 if fwd else None,
             f32 if store_lse else None, gmem_ptr(dt) if bwd else None, Int32(1), one, one, Int32(-100),
             fake_stream(), arch=arch)
 
     key = ("cross_entropy", mode, dtype, target_dtype, store_lse, N, arch, launch)
     key += (STREAM_UNITS,) if stream else ()
-    return CACHE.get(key if options.plain else key + (options,), build)
+    key = key if options.plain else key + (options,)
+    return CACHE.get(key + ("inplace",) if inplace else key, build)

@@ -72,7 +72,8 @@ def launch(mode, arch, x2, target, ignore_index, dloss=None, lse_in=None, loss=N
     if M == 0:
         return
     fn = compiled_cross_entropy(mode, dtype_name(x2), dtype_name(target), V, arch, lse_out is not None,
-                                dx is None or ld(dx) == ld(x2), options)
+                                dx is None or ld(dx) == ld(x2), options,
+                                dx is not None and dx.data_ptr() == x2.data_ptr())
     fn(ptr(x2), ptr(target, target.element_size()), ptr(dloss, 4), ptr(lse_in, 4), ptr(loss, 4), ptr(lse_out, 4),
        ptr(dx), M, ld(x2), ld(dx), int(ignore_index), current_stream(x2.device))
 
@@ -169,6 +170,16 @@ def run_fwd_bwd(arch, dloss, logits, target, ignore_index=-100, weight=None, ret
     return _with_z_loss(out, lse, rw, tgt, ignore_index, z_loss, reduction, return_z_loss)
 
 
+def run_fwd_bwd_(arch, dloss, logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None):
+    """(loss, lse); dlogits written over the logits in the same pass (``CrossEntropy``'s in place)."""
+    M = logits.shape[0]
+    loss, lse = (torch.empty(M, device=logits.device, dtype=torch.float32) for _ in range(2))
+    launch("fwd_bwd", arch, logits, target.contiguous(), ignore_index, dloss=_row_vector(dloss, M, torch.float32),
+           loss=loss, lse_out=lse, dx=logits,
+           options=options_of(dict(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)))
+    return loss, lse
+
+
 def _plain_rows(t, M: int) -> bool:
     """A per-row input the kernel reads as is: contiguous fp32 [M] (else the runner copies it)."""
     return t.dtype == torch.float32 and t.dim() == 1 and t.shape[0] == M and t.is_contiguous()
@@ -221,6 +232,8 @@ PLANS = {"cross_entropy_forward": _plan("forward"), "cross_entropy_backward": _p
          "cross_entropy_fwd_bwd": _plan("fwd_bwd")}
 
 CHECKS = {"cross_entropy_forward": _check_forward, "cross_entropy_backward": _check,
-          "cross_entropy_backward_": _check_inplace, "cross_entropy_fwd_bwd": _check}
+          "cross_entropy_backward_": _check_inplace, "cross_entropy_fwd_bwd": _check,
+          "cross_entropy_fwd_bwd_": _check_inplace}
 RUNNERS = {"cross_entropy_forward": run_forward, "cross_entropy_backward": run_backward,
-           "cross_entropy_backward_": run_backward_, "cross_entropy_fwd_bwd": run_fwd_bwd}
+           "cross_entropy_backward_": run_backward_, "cross_entropy_fwd_bwd": run_fwd_bwd,
+           "cross_entropy_fwd_bwd_": run_fwd_bwd_}

@@ -2,11 +2,12 @@
 
 Same signatures as the public ``oink.<op>`` functions, fp32 arithmetic, outputs in the
 input's dtype unless a docstring says otherwise. No validation here: the public API does it.
-``cross_entropy_backward_`` (in place) backs ``oink.cross_entropy(..., inplace_backward=True)``.
+``cross_entropy_backward_`` (in place) backs ``oink.cross_entropy(..., inplace_backward=True)``;
+``cross_entropy_fwd_bwd_`` (in place) the chunks of ``oink.linear_cross_entropy``.
 """
 from . import cross_entropy, fp8, norms, nvfp4, softmax
 from .cross_entropy import *  # noqa: F401,F403
-from .cross_entropy import cross_entropy_backward_  # noqa: F401  (internal: not a public op)
+from .cross_entropy import cross_entropy_backward_, cross_entropy_fwd_bwd_  # noqa: F401  (internal ops)
 from .fp8 import *  # noqa: F401,F403
 from .norms import *  # noqa: F401,F403
 from .nvfp4 import *  # noqa: F401,F403

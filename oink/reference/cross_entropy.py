@@ -208,6 +208,15 @@ def cross_entropy_fwd_bwd(dloss: Tensor, logits: Tensor, target: Tensor, ignore_
     return out
 
 
+def cross_entropy_fwd_bwd_(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int = -100,
+                           label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None):
+    """In place: logits <- dlogits; -> (loss [M], lse [M]), fp32 (the chunks of ``oink.linear_cross_entropy``)."""
+    loss, dlogits, lse = cross_entropy_fwd_bwd(dloss, logits, target, ignore_index, return_lse=True,
+                                               label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+    logits.copy_(dlogits)
+    return loss, lse
+
+
 def cross_entropy_backward_(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
                             ignore_index: int = -100, weight: Tensor | None = None, label_smoothing: float = 0.0,
                             z_loss: float = 0.0, softcap: float | None = None) -> None:
