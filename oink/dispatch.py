@@ -45,6 +45,10 @@ KERNEL_MODULES: dict[str, Callable[[], ModuleType]] = {}
 
 def _kernel_module(op: str) -> ModuleType | None:
     load = KERNEL_MODULES.get(op)
+    if load is None and not KERNEL_MODULES:  # a launch (tests, tools) before any op was declared
+        from . import ops  # noqa: F401  (the declarations fill KERNEL_MODULES)
+
+        load = KERNEL_MODULES.get(op)
     return None if load is None else load()
 
 
