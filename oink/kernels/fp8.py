@@ -55,6 +55,42 @@ def fp8_launch(N: int, arch: str, kind: str, group_size: int, op: str | None = N
     return launch
 
 
+@dsl_user_op
+def quotient_sat(v: Float32, y: Float32, s: Float32, bounded: bool = True, *, loc=None, ip=None) -> Float32:
+    """sat(v / s) (``Fp8Epilogue.scaled``'s value) from y = div.rn(1, s) and s (0 where s is +inf), without a
+    division: q = sat(v * y) (NaN -> +448), then Markstein's correction q + (v - s * q) * y, whose remainder is
+    exact (two FMAs), then sat again. The same arithmetic as div.rn's own fast path (which also keeps s's
+    reciprocal), with its range check left out: here s is at least 1e-10 / 448 and the quotient is clamped
+    first, so the check's cases (denormal v, quotients far past 448, s = inf) give the same e4m3 code (checked
+    against the IEEE quotient's code on 4e8 value/scale pairs and the special values; with s = inf, s
+    passed as 0, finite v gives +-0 and inf gives NaN -> 448, as v / inf does). The remainder's sign
+    is taken so that v = -0 gives -0. ``bounded``: |v| <= the amax s came from (no scale upper bound), so
+    v * y stays within a few ulp of +-448: the first clamp (there for quotients past fp32's range: inf - inf) is
+    left out, and of the last only min(q, 448) (NaN -> +448) is kept: q >= -448 - 1 ulp, which e4m3's
+    round-to-nearest satfinite conversion takes to -448 as the clamp would."""
+    clamp = "" if bounded else "min.f32 q, q, 0f43E00000; max.f32 q, q, 0fC3E00000; "
+    last = "min.f32 $0, q, 0f43E00000; }" if bounded else "min.f32 q, q, 0f43E00000; max.f32 $0, q, 0fC3E00000; }"
+    return Float32(_asm(
+        T.f32(),
+        "{ .reg .f32 q, r, nv; mul.rn.f32 q, $1, $2; " + clamp +
+        "neg.f32 nv, $1; fma.rn.f32 r, $3, q, nv; neg.f32 r, r; fma.rn.f32 q, r, $2, q; " + last,
+        "=f,f,f,f", [Float32(x).ir_value(loc=loc, ip=ip) for x in (v, y, s)], loc, ip))
+
+
+@dsl_user_op
+def finite_or_zero(s: Float32, *, loc=None, ip=None) -> Float32:
+    """s, or 0 where s is +-inf (``quotient_sat``'s divisor)."""
+    return Float32(_asm(T.f32(), "{ .reg .pred p; testp.infinite.f32 p, $1; selp.f32 $0, 0f00000000, $1, p; }",
+                        "=f,f", [Float32(s).ir_value(loc=loc, ip=ip)], loc, ip))
+
+
+@dsl_user_op
+def bf16_round2(a: Float32, b: Float32, *, loc=None, ip=None) -> Uint32:
+    """a and b rounded to bfloat16 (nearest even) in one cvt: a in the low half, b in the high."""
+    return Uint32(_asm(T.i32(), "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
+                       [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b)], loc, ip))
+
+
 class Fp8Epilogue:
     """Quantize the fp32 values a thread holds (units of 16) and store codes and scales. Mixed into
     row kernels whose launch has ``vec == 16``; slot ``amax_slot`` is the per-token reduction's."""
@@ -64,6 +100,9 @@ class Fp8Epilogue:
     column_major: bool
     ue8m0: bool
     amax_slot: int = 0
+    # divide through the scale's reciprocal (``quotient_sat``): the ``fp8_lean`` development setting, read
+    # when the kernel object is built (the compile cache keys on it)
+    rcp: bool = False
 
     @cute.jit
     def quantize_store(self, rV: cute.Tensor, tXcX: cute.Tensor, row: Int32, M: Int32, cy, mScale, mUb,
@@ -76,6 +115,8 @@ class Fp8Epilogue:
         q_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=128)
         inv = Float32(0.0)
         s_row = Float32(0.0)
+        y_row = Float32(0.0)
+        sp_row = Float32(0.0)
         if const_expr(self.mode == "static"):
             inv = div_rn(Float32(1.0), mScale[0])
         if const_expr(self.mode == "token"):
@@ -91,10 +132,15 @@ class Fp8Epilogue:
                 leader = leader and cy == 0
             if leader and row < M:
                 mS[row] = s_row
+            if const_expr(self.rcp):
+                y_row = div_rn(Float32(1.0), s_row)
+                sp_row = finite_or_zero(s_row)
         for i in cutlass.range_constexpr(units):
             col0 = tXcX[(0, 0), 0, i][1]
             unit = rV[None, None, i]
             s = s_row
+            y = y_row
+            sp = sp_row
             if const_expr(self.mode == "group"):
                 amax = Float32(0.0)
                 for j in cutlass.range_constexpr(UNIT):
@@ -106,9 +152,14 @@ class Fp8Epilogue:
                     bits = f32_bits(s)
                     up = ((bits & 0x7FFFFF) + 0x7FFFFF) >> 23  # 1 where the mantissa is not zero
                     s = f32_from_bits(Int32((((bits >> 23) & 0xFF) + up) << 23))
+                if const_expr(self.rcp):
+                    y = div_rn(Float32(1.0), s)
+                    sp = finite_or_zero(s)
             if row < M and col0 < L.N:
                 for w in cutlass.range_constexpr(UNIT // 4):
                     t = [self.scaled(unit[4 * w + j], inv, s) for j in range(4)]
+                    if const_expr(self.rcp and self.mode != "static"):
+                        t = [quotient_sat(unit[4 * w + j], y, sp, const_expr(mUb is None)) for j in range(4)]
                     rQ[w] = e4m3x4(t[0], t[1], t[2], t[3])
                 cute.copy(q_atom, rQ, cute.local_tile(mQ, (1, UNIT // 4), (row, col0 // UNIT))[0, None])
                 if const_expr(self.mode == "group"):
@@ -122,7 +173,8 @@ class Fp8Epilogue:
 
     @cute.jit
     def scaled(self, v: Float32, inv: Float32, s: Float32) -> Float32:
-        """v scaled into e4m3's range and clamped: min/max return the non-NaN operand, so NaN -> +448."""
+        """v scaled into e4m3's range and clamped: min/max return the non-NaN operand, so NaN -> +448.
+        (With ``rcp``, not used for the token and group modes: ``quotient_sat``.)"""
         t = v * inv
         if const_expr(self.mode != "static"):
             t = div_rn(v, s)
@@ -150,6 +202,7 @@ class Fp8Quantize(Fp8Epilogue, RowKernelBase):
         super().__init__(launch, num_reductions=1 if mode == "token" else 0)
         self.dtype, self.kind, self.mode = dtype, kind, mode
         self.group_size, self.column_major, self.ue8m0 = group_size, column_major, ue8m0
+        self.rcp = bool(config.get().fp8_lean)
 
     @cute.jit
     def __call__(self, px: cute.Pointer, pscale: Optional[cute.Pointer], pub: Optional[cute.Pointer],
@@ -187,6 +240,7 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         self.num_reductions = 2
         self.mode, self.group_size, self.column_major, self.ue8m0 = mode, group_size, column_major, ue8m0
         self.store_y = store_y
+        self.rcp = bool(config.get().fp8_lean)
 
     @cute.jit
     def __call__(self, px: cute.Pointer, pres: Optional[cute.Pointer], pw: cute.Pointer,
@@ -212,15 +266,28 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         row = tXcX[0][0]
         # the residual output aliases the residual: each element is read before it is written
         v, rX, _, _ = self.normalize(mX, mW, None, mRes, mRes, eps, bidx, buf, mbar, part, tXcX, row, M)
-        rY = cute.make_rmem_tensor_like(rX, self.x_dtype)
-        rY.store(v.to(self.x_dtype))  # the spec quantizes the output rounded to x's dtype
-        if const_expr(mY is not None):
-            if row < M:
-                self.copy_row(rY, part(mY, bidx), tXcX, self.x_dtype)
         rV = cute.make_rmem_tensor_like(rX, Float32)
-        rV.store(rY.load().to(Float32))
+        if const_expr(self.rcp and mY is None and self.x_dtype == cutlass.BFloat16):
+            # rounded to bf16 two values a cvt (the conversion below takes one cvt a value)
+            rV.store(v)
+            for j in cutlass.range_constexpr(0, cute.size(rV), 2):
+                w = bf16_round2(rV[j], rV[j + 1])
+                rV[j] = f32_from_bits(Int32(w << 16))
+                rV[j + 1] = f32_from_bits(Int32(w & 0xFFFF0000))
+        else:
+            rY = cute.make_rmem_tensor_like(rX, self.x_dtype)
+            rY.store(v.to(self.x_dtype))  # the spec quantizes the output rounded to x's dtype
+            if const_expr(mY is not None):
+                if row < M:
+                    self.copy_row(rY, part(mY, bidx), tXcX, self.x_dtype)
+            rV.store(rY.load().to(Float32))
         self.quantize_store(rV, tXcX, row, M, cy, mScale, mUb, mQ, mS, buf, mbar)
         self.launch_dependents()
+
+
+def _rcp_key(mode: str) -> tuple:
+    """The compile-cache key's part for the ``fp8_lean`` setting (nothing when off: the keys stay as they were)."""
+    return ("rcp",) if config.get().fp8_lean else ()
 
 
 def _check_width(N: int, group_size: int) -> None:
@@ -248,7 +315,8 @@ def compiled_fp8(kind: str, dtype: str, N: int, arch: str, mode: str, group_size
                               pscale, pub, gmem_ptr(Uint32, 16), ps, Int32(1), Int64(launch.vec), fake_stream(),
                               arch=arch)
 
-    return CACHE.get(("fp8", kind, dtype, N, arch, mode, group_size, column_major, ue8m0, ub, launch), build)
+    return CACHE.get(("fp8", kind, dtype, N, arch, mode, group_size, column_major, ue8m0, ub, launch)
+                     + _rcp_key(mode), build)
 
 
 @memo
@@ -269,4 +337,4 @@ def compiled_rmsnorm_fp8(x_dtype: str, res_dtype: str | None, w_dtype: str, N: i
                               Float32(1e-6), fake_stream(), arch=arch)
 
     return CACHE.get(("rmsnorm_fp8", x_dtype, res_dtype, w_dtype, N, arch, mode, group_size, column_major, ue8m0, ub,
-                      store_y, launch), build)
+                      store_y, launch) + _rcp_key(mode), build)
