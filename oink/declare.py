@@ -11,7 +11,7 @@ docstring the public docs, its body the metadata checks (run on FakeTensors too)
   functorch transform, with tensor subclasses, or when a differentiable op must record a graph, it
   calls the custom op instead;
 - the dispatch route (``kernels``: a function importing and returning the kernel module whose
-  CHECKS/RUNNERS serve it, called on the first dispatch to a supported GPU) and ``oink.explain``.
+  CHECKS/PLANS serve it, called on the first dispatch to a supported GPU) and ``oink.explain``.
 
 Optional outputs: the custom op can't return None, so an output not asked for is an empty tensor
 of the first input's dtype (the fake follows the same rule); ``to_public`` turns the op's outputs
@@ -95,7 +95,7 @@ class Op:
         self.route = route or self.name
         self.fixed = fixed or {}
         # the fixed arguments only feed the op's autograd graph (saved statistics): an eager call, which
-        # records none, runs with the public ones and gets the runner's outputs, already public
+        # records none, runs with the public ones and gets the launch's outputs, already public
         self.eager_unfixed = eager_unfixed
         self.to_public = to_public
         self.check_values = check_values
@@ -206,7 +206,7 @@ class Op:
             for t in written:  # as the op's ADInplaceOrView would
                 torch.autograd.graph.increment_version(t)
             if self.eager_unfixed:
-                return out  # the runner's outputs for the public arguments are the public ones
+                return out  # the launch's outputs for the public arguments are the public ones
         else:
             out = self.op(*[a[n] for n in self.op_params])
         return self.to_public(out, a) if self.to_public is not None else out

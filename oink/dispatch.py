@@ -108,16 +108,7 @@ def _route_device(op: str, device: torch.device, args: dict) -> Route:
 def prepare(op: str, arch: str, args: dict) -> Callable:
     """``op``'s kernel launch on ``arch`` prepared for the layout of ``args`` (its compiled functions,
     grid, copies and output layouts chosen once): call it with ``args`` or any of the same layout."""
-    module = _kernel_module(op)
-    runners = getattr(module, "RUNNERS", None)  # TODO(#33 item 2): until every family's runners are plans
-    if runners is not None:
-        make = module.PLANS.get(op) if config.get().tvm_ffi else None
-        return (make(arch, args) if make else None) or functools.partial(_runner, runners[op], arch)
-    return module.PLANS[op](arch, args)
-
-
-def _runner(runner, arch, args):
-    return runner(arch, **args)
+    return _kernel_module(op).PLANS[op](arch, args)
 
 
 def launch(op: str, arch: str, **args):

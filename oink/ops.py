@@ -3,7 +3,7 @@
 
 The function bodies are the metadata checks (they also run on FakeTensors under torch.compile);
 the references in ``oink.reference`` compute the same signatures, and kernel modules export
-``CHECKS[name]`` / ``RUNNERS[name]``. Importing this module registers ``torch.ops.oink.*``.
+``CHECKS[name]`` / ``PLANS[name]``. Importing this module registers ``torch.ops.oink.*``.
 """
 from __future__ import annotations
 

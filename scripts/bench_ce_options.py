@@ -4,9 +4,9 @@
     python3 scripts/bench_ce_options.py [--shapes 4096x128256,8192x151936,2048x256000] [--dtype bfloat16]
 
 Per shape and mode (forward, backward, fwd_bwd): the median of CUDA-event timings of the kernel launch
-(``cross_entropy_ops.launch``, outputs allocated once) without options and with each option set, its
-bandwidth as a fraction of a device copy's (bytes read + written a second, measured on the same
-logits), and its time over the plain kernel's. Every case is larger than L2, so no flush is needed."""
+(the op's launch prepared once, ``oink.dispatch.prepare``: no checks) without options and with each
+option set, its bandwidth as a fraction of a device copy's (bytes read + written a second, measured on
+the same logits), and its time over the plain kernel's. Every case is larger than L2, so no flush is needed."""
 from __future__ import annotations
 
 import argparse
@@ -38,8 +38,7 @@ def _median_ms(fn, iters: int = 30) -> float:
 
 
 def main() -> None:
-    from oink.dispatch import device_arch
-    from oink.kernels.cross_entropy_ops import launch, options_of
+    from oink.dispatch import device_arch, prepare
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="4096x128256,8192x151936,2048x256000,16384x32000")
@@ -55,7 +54,6 @@ def main() -> None:
         t = torch.randint(0, V, (M,), device="cuda")
         t[::7] = -100
         dloss = torch.rand(M, device="cuda")
-        loss, lse = torch.empty(M, device="cuda"), torch.empty(M, device="cuda")
         dx = torch.empty_like(x)
         nbytes = x.numel() * x.element_size()
         copy_ms = _median_ms(lambda: dx.copy_(x))
@@ -64,18 +62,14 @@ def main() -> None:
             moved = nbytes if mode == "forward" else 2 * nbytes
             plain_ms = None
             for name, opts in OPTION_SETS.items():
-                o = options_of(opts)
-                if mode == "forward":
-                    def run(o=o):
-                        launch("forward", arch, x, t, -100, loss=loss, lse_out=lse, options=o)
-                elif mode == "backward":
-                    def run(o=o):
-                        launch("backward", arch, x, t, -100, dloss=dloss, lse_in=lse, dx=dx, options=o)
-                else:
-                    def run(o=o):
-                        launch("fwd_bwd", arch, x, t, -100, dloss=dloss, loss=loss, lse_out=lse, dx=dx, options=o)
-                launch("forward", arch, x, t, -100, loss=loss, lse_out=lse, options=o)  # this option's lse
-                ms = _median_ms(run)
+                a = dict(logits=x, target=t, ignore_index=-100, **opts)
+                _, lse = prepare("cross_entropy_forward", arch, a)(a)  # this option's lse
+                if mode == "backward":
+                    a.update(dloss=dloss, lse=lse)
+                elif mode == "fwd_bwd":
+                    a.update(dloss=dloss, return_lse=True)
+                launch = prepare(f"cross_entropy_{mode}", arch, a)
+                ms = _median_ms(lambda: launch(a))
                 plain_ms = plain_ms or ms
                 print(f"{shape:>14} {mode:>8} {name:>8} {ms:8.3f} {moved / ms / copy_bw:8.3f} {ms / plain_ms:8.3f}")
         del x, dx

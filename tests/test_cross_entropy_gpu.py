@@ -1,4 +1,4 @@
-"""CrossEntropy kernels on the GPU against the fp32 reference (outputs poisoned with NaN first;
+"""CrossEntropy kernels on the GPU against the fp32 reference (outputs from a NaN-poisoned allocator;
 about 30% of the rows ignored)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 import oink
 from oink import reference as R
-from tests.gpu_helpers import DTYPES, MS, close_family, cuda_arch
+from tests.gpu_helpers import DTYPES, MS, close_family, kernel, poison_allocator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
 
@@ -26,27 +26,31 @@ def _case(M, N, dtype, seed, target_dtype=torch.int64):
     return logits, target.to(target_dtype), dloss
 
 
-def _launch_checked(mode, logits, target, dtype, dloss=None, dx=None):
-    """``mode``'s kernel on ``logits`` with its loss and lse poisoned (NaN), checked against the fp32
-    reference: lse (forward), loss (forward, fwd_bwd) and dx (backward, fwd_bwd, into the given
-    poisoned ``dx``). -> (loss, dx)."""
-    from oink.kernels.cross_entropy_ops import launch
-
-    M = logits.shape[0]
+def _launch_checked(mode, logits, target, dtype, dloss=None, inplace=False):
+    """``mode``'s kernel on ``logits`` (``dispatch.launch``: no checks), its outputs from a poisoned
+    allocator, or with ``inplace`` the dlogits written over the logits (the in-place ops), checked against
+    the fp32 reference: lse (forward), loss (forward, fwd_bwd) and dlogits (backward, fwd_bwd).
+    -> (loss, dlogits)."""
+    M, N = logits.shape
     loss_ref, lse_ref = R.cross_entropy_forward(logits, target, IGNORE)
-    loss = torch.full((M,), float("nan"), device="cuda")
-    lse = torch.full((M,), float("nan"), device="cuda")
+    dx_ref = None if mode == "forward" else R.cross_entropy_backward(dloss, logits, target, lse_ref, IGNORE)
+    poison_allocator(M * N * logits.element_size() + (1 << 26))
+    a = dict(logits=logits, target=target, ignore_index=IGNORE)
+    loss = dx = None
     if mode == "forward":
-        launch(mode, cuda_arch(), logits, target, IGNORE, loss=loss, lse_out=lse)
+        loss, lse = kernel("cross_entropy_forward", **a)
         close_family(lse, lse_ref, "cross_entropy_loss", torch.float32, "lse")
     elif mode == "backward":
-        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, lse_in=lse_ref, dx=dx)
+        dx = kernel("cross_entropy_backward_" if inplace else "cross_entropy_backward", dloss=dloss, lse=lse_ref, **a)
+    elif inplace:
+        loss, _ = kernel("cross_entropy_fwd_bwd_", dloss=dloss, **a)
     else:
-        launch(mode, cuda_arch(), logits, target, IGNORE, dloss=dloss, loss=loss, dx=dx)
+        loss, dx = kernel("cross_entropy_fwd_bwd", dloss=dloss, **a)
+    if inplace:
+        dx = logits
     if mode != "backward":
         close_family(loss, loss_ref, "cross_entropy_loss", torch.float32, "loss")
     if mode != "forward":
-        dx_ref = R.cross_entropy_backward(dloss, logits, target, lse_ref, IGNORE)
         close_family(dx, dx_ref, "softmax", dtype, "dlogits")
     return loss, dx
 
@@ -59,8 +63,7 @@ def test_cross_entropy_kernels(mode, dtype, N, M, seed):
     if M * N > 2**28:
         pytest.skip("keeps one case within a few GB")
     logits, target, dloss = _case(M, N, dtype, seed)
-    dx = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-    loss, dx = _launch_checked(mode, logits, target, dtype, dloss, dx)
+    loss, dx = _launch_checked(mode, logits, target, dtype, dloss)
     if mode != "backward":
         assert torch.all(loss[target == IGNORE] == 0)
     if mode != "forward":
@@ -93,17 +96,17 @@ def test_shifted_rows_read_only_their_row(dtype, N, ld_pad, seed):
     _launch_checked("forward", logits, target, dtype)
 
 
-@pytest.mark.parametrize("dx_rows", ["like_logits", "dense"])
+@pytest.mark.parametrize("dx_rows", ["in_place", "dense"])
 @pytest.mark.parametrize("ld_pad", [0, 7])
 @pytest.mark.parametrize("N", [4097, 32001, 50257, 100277])
 @pytest.mark.parametrize("mode", ["backward", "fwd_bwd"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_shifted_rows_write_only_their_row(dtype, mode, N, ld_pad, dx_rows, seed):
     """dlogits of rows off 16-byte boundaries: stored through the logits' aligned windows where
-    dx's rows lie at the same offsets (whole vectors inside the row, the two edge vectors a column
-    at a time, as neighbouring rows' CTAs write the rest of them), scalar stores where they do not
-    (dense dx under padded logits). Large logits at the rows' ends and in the padding; the padding
-    of dx's buffer must keep its poison and every row must match the reference."""
+    dx's rows lie at the same offsets (dense logits, or in place: whole vectors inside the row, the two
+    edge vectors a column at a time, as neighbouring rows' CTAs write the rest of them), scalar stores
+    where they do not (dense dx under padded logits). Large logits at the rows' ends and in the padding;
+    every row must match the reference, and in place the padding between the rows keep its logits."""
     M = 301
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = _edge_logits(M, N, ld_pad, dtype, g)
@@ -111,27 +114,29 @@ def test_shifted_rows_write_only_their_row(dtype, mode, N, ld_pad, dx_rows, seed
     target[::5] = N - 1  # the target in an edge vector
     target[1::5] = 0
     dloss = torch.randn(M, device="cuda", generator=g)
-    dx_buf = torch.full((M, N + (ld_pad if dx_rows == "like_logits" else 0)), float("nan"), device="cuda", dtype=dtype)
-    _launch_checked(mode, logits, target, dtype, dloss, dx_buf[:, :N])
-    assert torch.isnan(dx_buf[:, N:]).all(), "a store left its row"
+    _launch_checked(mode, logits, target, dtype, dloss, inplace=dx_rows == "in_place")
+    rows = logits.as_strided((M, N + ld_pad), (N + ld_pad, 1))
+    assert (rows[:, N:] == 60.0).all(), "a store left its row"
 
 
+@pytest.mark.parametrize("pad", [24, 0])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", [520, 4104, 40000, 50257, 128256, 200008, 262144])
 @pytest.mark.parametrize("M", [1, 7, 300])
 @pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
-def test_streamed_rows(monkeypatch, mode, dtype, N, M, seed):
+def test_streamed_rows(monkeypatch, mode, dtype, N, M, pad, seed):
     """Streamed rows (forced at every width, ``ce_stream=True``: a row in passes, a running (max, sum
     of exp) a thread; the dlogits modes read the row again to store dx) against the fp32 reference
     where the row's max sits in its first or last column, where whole passes of a row are -inf
-    (masked), where every logit is far below zero, with rows 24 elements apart beyond N (a view of a
-    wider buffer: rows of 50257 start off 16-byte boundaries and go through their aligned windows;
-    dx's padding must stay unwritten); targets some ignored."""
+    (masked), where every logit is far below zero, with rows ``pad`` elements apart beyond N (a view of
+    a wider buffer) or dense: rows of 50257 start off 16-byte boundaries and go through their aligned
+    windows (the dlogits too where their dense rows lie at the logits' offsets: dense logits); targets
+    some ignored."""
     from tests.helpers import set_dev
 
     set_dev(monkeypatch, ce_stream=True)
     g = torch.Generator(device="cuda").manual_seed(seed)
-    buf = torch.randn(M, N + 24, device="cuda", generator=g) * 4
+    buf = torch.randn(M, N + pad, device="cuda", generator=g) * 4
     logits = buf[:, :N]
     logits[0, N - 1] = 40.0
     if M > 1:
@@ -142,10 +147,7 @@ def test_streamed_rows(monkeypatch, mode, dtype, N, M, seed):
     target = torch.randint(N * 3 // 4, N, (M,), device="cuda", generator=g)
     target[torch.rand(M, device="cuda", generator=g) < 0.3] = IGNORE
     dloss = torch.randn(M, device="cuda", generator=g)
-    dx_buf = torch.full((M, N + 24), float("nan"), device="cuda", dtype=dtype)
-    _launch_checked(mode, logits, target, dtype, dloss, dx_buf[:, :N])
-    if mode != "forward":
-        assert torch.isnan(dx_buf[:, N:]).all(), "a store left its row"
+    _launch_checked(mode, logits, target, dtype, dloss)
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])

@@ -373,25 +373,23 @@ def test_nvfp4_launch_units_are_scale_blocks():
         compiled_fp4("quantize", "bfloat16", 1000, "sm_90a", False)
 
 
-def test_host_prepare_rows_and_vectors():
-    """Activations become [M, N] rows (a 1-D input is one row); only layouts the 128-bit loads
-    can't read are copied, into aligned memory."""
+def test_host_row_layout_and_vectors():
+    """Activations are read as [M, N] rows (a 1-D input is one row, leading dims flattened); only layouts
+    the 128-bit loads can't read are copied (``dense``), into aligned memory."""
     import torch
 
-    from oink.kernels.host import prepare_rows, prepare_vector
+    from oink.kernels.host import dense, prepare_vector, row_layout
 
-    x = torch.randn(64)
-    assert prepare_rows(x, 8).shape == (1, 64)
-    dense = torch.randn(3, 5, 64)
-    r = prepare_rows(dense, 8)
-    assert r.shape == (15, 64) and r.data_ptr() == dense.data_ptr()  # a view, no copy
-    padded = torch.randn(4, 72)[:, :64]
-    assert prepare_rows(padded, 8).data_ptr() == padded.data_ptr()  # padded rows: no copy
+    assert row_layout(torch.randn(64), 8) == (False, 64)
+    assert row_layout(torch.randn(3, 5, 64), 8) == (False, 64)  # a view, no copy
+    assert row_layout(torch.randn(4, 72)[:, :64], 8) == (False, 72)  # padded rows: no copy
     odd = torch.randn(4 * 64 + 1)[1:].view(4, 64)  # 4-byte offset: misaligned for 16-byte loads
-    fixed = prepare_rows(odd, 8)
+    assert row_layout(odd, 8) == (True, 64)
+    fixed = dense(odd)
     assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, odd)
     strided = torch.randn(4, 128)[:, ::2]
-    assert prepare_rows(strided, 8).is_contiguous() and torch.equal(prepare_rows(strided, 8), strided)
+    assert row_layout(strided, 8) == (True, 64)
+    assert dense(strided).is_contiguous() and torch.equal(dense(strided), strided)
     w = torch.randn(64)
     assert prepare_vector(w, 8) is w and prepare_vector(None, 8) is None
     w_odd = torch.randn(65)[1:]

@@ -155,6 +155,26 @@ CASES = [
                                           target=torch.tensor([1, -100, 3, 999, 0], dtype=torch.int32),
                                           return_lse=True)),
     ("cross_entropy_fwd_bwd", lambda: _ce(dloss=torch.randn(1), logits=_x(1, 512), target=torch.tensor([7]))),
+    # cross-entropy: what only its runners handled before (class weight, reductions, target_logit, options,
+    # z-loss output, per-row inputs copied, strided targets, the in-place ops)
+    ("cross_entropy_forward", lambda: _ce(logits=_x(5, 1000), weight=torch.rand(1000), reduction="mean", z_loss=1e-3,
+                                          return_z_loss=True)),
+    ("cross_entropy_forward", lambda: _ce(logits=_x(4, 512, torch.float32), reduction="sum", target_logit=torch.randn(4),
+                                          label_smoothing=0.1, softcap=None)),
+    ("cross_entropy_forward", lambda: _ce(logits=_x(4, 512), target=torch.randint(0, 512, (8,))[::2], softcap=30.0,
+                                          label_smoothing=0.2)),
+    ("cross_entropy_backward", lambda: _ce(dloss=torch.randn(()), logits=_x(5, 1000, stride=1008),
+                                           target=torch.randint(0, 1000, (10,))[::2], lse=torch.randn(10)[::2],
+                                           weight=torch.rand(1000), z_loss=1e-3)),
+    ("cross_entropy_backward", lambda: _ce(dloss=torch.randn(5, dtype=torch.float64), logits=_x(5, 1000),
+                                           lse=torch.randn(5), softcap=15.0)),
+    ("cross_entropy_backward_", lambda: _ce(dloss=torch.randn(5), logits=_x(5, 1000), lse=torch.randn(5),
+                                            label_smoothing=0.1)),
+    ("cross_entropy_fwd_bwd", lambda: _ce(dloss=torch.randn(()), logits=_x(6, 512, stride=520), weight=torch.rand(512),
+                                          reduction="mean", return_lse=True, z_loss=1e-3, return_z_loss=True)),
+    ("cross_entropy_fwd_bwd", lambda: _ce(dloss=torch.randn(()), logits=_x(6, 512), reduction="sum", softcap=30.0)),
+    ("cross_entropy_fwd_bwd_", lambda: {k: v for k, v in _ce(dloss=torch.randn(()), logits=_x(5, 1000),
+                                                             z_loss=1e-3).items() if k != "weight"}),
 ]
 
 
@@ -203,6 +223,9 @@ COPIED = [  # x in a layout the kernel can't read as is: the call's other tensor
     ("fp8_quantize", lambda x: _fp8(x=x, group_size=128)),
     ("nvfp4_quantize", lambda x: dict(x=x, global_scale=torch.tensor([2.0]), swizzled=False)),
     ("cross_entropy_forward", lambda x: _ce(logits=x)),
+    ("cross_entropy_backward", lambda x: _ce(dloss=torch.randn(x.shape[0]), logits=x, lse=torch.randn(x.shape[0]))),
+    ("cross_entropy_fwd_bwd", lambda x: _ce(dloss=torch.randn(()), logits=x, weight=torch.rand(x.shape[1]),
+                                            reduction="mean")),
 ]
 
 
@@ -254,6 +277,36 @@ def test_no_rows_launch_no_row_kernel(recorder, op, make):
     out = dispatch.launch(op, "sm_90a", **args)
     assert recorder == []
     assert _shape(out) == _shape(getattr(reference, op)(**args))
+
+
+@pytest.mark.parametrize("op,make", [
+    ("cross_entropy_backward_", lambda: _ce(dloss=torch.randn(5), logits=_x(5, 1000), lse=torch.randn(5))),
+    ("cross_entropy_fwd_bwd_", lambda: dict(dloss=torch.randn(5), logits=_x(5, 1000, torch.float32),
+                                            target=torch.randint(0, 1000, (5,)), ignore_index=-100, softcap=30.0)),
+], ids=["backward_", "fwd_bwd_"])
+def test_cross_entropy_in_place_writes_over_the_logits(recorder, op, make):
+    """The in-place ops launch the kernel compiled for dlogits over the logits (its own key): the logits'
+    address and row stride as dx's, no fresh dlogits."""
+    from oink.kernels.compile import CACHE
+
+    args = make()
+    CACHE.clear_used()
+    dispatch.launch(op, "sm_90a", **args)
+    (call,) = recorder
+    x, dx, ldx, ldd = call[0], call[6], call[8], call[9]
+    assert x == dx == args["logits"].data_ptr() and ldx == ldd == 1000
+    assert [k[0][-1] for k in CACHE.used] == ["inplace"]
+
+
+def test_cross_entropy_sharded_forward_launches_nothing(recorder):
+    """The forward with ``lse_partial`` (vocab-parallel) needs no pass over the logits: no launch, the
+    reference's [M]-sized torch ops (its outputs exactly)."""
+    args = _ce(logits=_x(4, 512), weight=torch.rand(512), reduction="mean", z_loss=1e-3, return_z_loss=True)
+    args.update(lse_partial=torch.randn(4, 3), target_logit=torch.randn(4))
+    out = dispatch.launch("cross_entropy_forward", "sm_90a", **args)
+    assert recorder == []
+    for got, want in zip(out, reference.cross_entropy_forward(**args), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("op", ["rmsnorm_backward", "layernorm_backward"])

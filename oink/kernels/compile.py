@@ -5,7 +5,7 @@ function serves every M and every row stride; N and the dtypes are compile-time 
 That is also what lets CI compile every variant on a CPU with no tensors at all.
 
 Launch: every compiled function is called the same way, positional, with pointers as integer
-addresses and the stream as the raw integer (``host.ptr``, ``current_stream``, ``stream_of``). With
+addresses (``tensor.data_ptr()``) and the stream as the raw integer (``current_stream``, ``stream_of``). With
 apache-tvm-ffi installed (``OINK_TVM_FFI=0`` turns it off) kernels are compiled with
 ``--enable-tvm-ffi`` and that call goes straight to the compiled ``tvm_ffi.Function``, with no
 per-argument Python marshalling. Without it, ``compile_kernel`` wraps CuTeDSL's generic executor in a

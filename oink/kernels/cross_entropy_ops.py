@@ -1,17 +1,18 @@
-"""CrossEntropy kernels on torch tensors (CHECKS/RUNNERS for the dispatch path). The reductions
-"mean" and "sum" are a device sum of the kernel's per-row losses (no host round trip). A class
-weight scales the per-row loss and the per-row upstream gradient by weight[target] ([M]-sized
-torch ops around the [M, V] kernel); with ``lse_partial`` the forward needs no pass over the
-logits at all: lse and the target logit are [M]-sized torch ops."""
+"""CrossEntropy kernels on torch tensors: which inputs they take (CHECKS) and their launches, each prepared
+once per argument layout (PLANS, see ``dispatch.prepare``). The reductions "mean" and "sum" are a device
+sum of the kernel's per-row losses (no host round trip). A class weight scales the per-row loss and the
+per-row upstream gradient by weight[target] ([M]-sized torch ops around the [M, V] kernel); with
+``lse_partial`` the forward needs no pass over the logits at all: lse and the target logit are
+[M]-sized torch ops."""
 from __future__ import annotations
 
 import torch
 
-from .compile import current_stream, stream_of
+from .compile import stream_of
 from ..reference.cross_entropy import (loss_from_lse, per_row, reduce_loss, reduction_dloss, row_weight, safe_target,
                                        z_loss_rows)
 from .cross_entropy import PLAIN, CEOptions, compiled_cross_entropy
-from .host import allocator, dtype_name, kernel_ready_rows, ld, prepare_rows, ptr, vec_for, width_reason
+from .host import allocator, dense, dtype_name, ld, row_layout, vec_for, width_reason
 
 INT32 = torch.iinfo(torch.int32)
 
@@ -65,32 +66,14 @@ def _row_vector(t: torch.Tensor, M: int, dtype) -> torch.Tensor:
     return torch.broadcast_to(t.reshape(-1).to(dtype), (M,)).contiguous()
 
 
-def launch(mode, arch, x2, target, ignore_index, dloss=None, lse_in=None, loss=None, lse_out=None, dx=None,
-           options: CEOptions = PLAIN):
-    """x2: kernel-ready [M, V] logits; per-row tensors contiguous; dx may be x2 itself."""
-    M, V = x2.shape
-    if M == 0:
-        return
-    fn = compiled_cross_entropy(mode, dtype_name(x2), dtype_name(target), V, arch, lse_out is not None,
-                                dx is None or ld(dx) == ld(x2), options,
-                                dx is not None and dx.data_ptr() == x2.data_ptr())
-    fn(ptr(x2), ptr(target, target.element_size()), ptr(dloss, 4), ptr(lse_in, 4), ptr(loss, 4), ptr(lse_out, 4),
-       ptr(dx), M, ld(x2), ld(dx), int(ignore_index), current_stream(x2.device))
-
-
-def _inputs(logits, target):
-    x2 = prepare_rows(logits, vec_for(logits.shape[-1], logits))
-    return x2, target.contiguous()
+def _plain_rows(t, M: int) -> bool:
+    """A per-row input the kernel reads as is: contiguous fp32 [M] (else ``_row_vector``'s copy)."""
+    return t.dtype == F32 and t.dim() == 1 and t.shape[0] == M and t.is_contiguous()
 
 
 def _row_factor(weight, target, ignore_index):
     """weight[target] on rows not ignored, 0 on ignored ones (fp32 [M]); None without a weight."""
     return None if weight is None else row_weight(weight, *safe_target(target, ignore_index))
-
-
-def _scaled_dloss(dloss, M, rw):
-    d = _row_vector(dloss, M, torch.float32)
-    return d if rw is None else d * rw
 
 
 def _with_z_loss(out: tuple, lse, rw, tgt, ignore_index, z_loss, reduction, wanted: bool) -> tuple:
@@ -102,138 +85,172 @@ def _with_z_loss(out: tuple, lse, rw, tgt, ignore_index, z_loss, reduction, want
     return out + (reduce_loss(z_loss_rows(lse, rw, tgt != ignore_index, z_loss), rw, reduction),)
 
 
-def run_forward(arch, logits, target, ignore_index=-100, reduction="none", weight=None, lse_partial=None,
-                target_logit=None, label_smoothing=0.0, z_loss=0.0, softcap=None, return_z_loss=False):
-    if lse_partial is not None:
-        loss, lse, rw = per_row(logits, target, ignore_index, weight, lse_partial, target_logit, label_smoothing,
-                                z_loss, softcap)
-        return _with_z_loss((reduce_loss(loss, rw, reduction), lse), lse, rw, target, ignore_index, z_loss,
-                            reduction, return_z_loss)
-    x2, tgt = _inputs(logits, target)
-    M = x2.shape[0]
-    loss = torch.empty(M, device=logits.device, dtype=torch.float32)
-    lse = torch.empty(M, device=logits.device, dtype=torch.float32)
-    opts = options_of(dict(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap))
-    launch("forward", arch, x2, tgt, ignore_index, loss=loss, lse_out=lse, options=opts)
-    if target_logit is None and weight is None and reduction == "none" and not return_z_loss:
-        return loss, lse  # the kernel's loss is final (0 on ignored rows): no per-row torch ops
-    valid, safe = safe_target(tgt, ignore_index)
-    if target_logit is not None:  # the target's logit comes from elsewhere
-        loss = loss_from_lse(lse, target_logit, valid, safe)
-    rw = row_weight(weight, valid, safe)
-    if weight is not None:
-        loss = loss * rw
-    out = (reduce_loss(loss, rw, reduction), lse)  # the reference's reduction, on device
-    return _with_z_loss(out, lse, rw, tgt, ignore_index, z_loss, reduction, return_z_loss)
+def _sharded_forward(logits, target, ignore_index=-100, reduction="none", weight=None, lse_partial=None,
+                     target_logit=None, label_smoothing=0.0, z_loss=0.0, softcap=None, return_z_loss=False):
+    """The forward with ``lse_partial``: no pass over the logits, [M]-sized torch ops on the device."""
+    loss, lse, rw = per_row(logits, target, ignore_index, weight, lse_partial, target_logit, label_smoothing, z_loss,
+                            softcap)
+    return _with_z_loss((reduce_loss(loss, rw, reduction), lse), lse, rw, target, ignore_index, z_loss, reduction,
+                        return_z_loss)
 
 
-def run_backward(arch, dloss, logits, target, lse, ignore_index=-100, weight=None, label_smoothing=0.0, z_loss=0.0,
-                 softcap=None):
-    x2, tgt = _inputs(logits, target)
-    M = x2.shape[0]
-    dx = torch.empty_like(x2)
-    launch("backward", arch, x2, tgt, ignore_index, dloss=_scaled_dloss(dloss, M, _row_factor(weight, tgt, ignore_index)),
-           lse_in=_row_vector(lse, M, torch.float32), dx=dx,
-           options=options_of(dict(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)))
-    return dx
+def _skip(*args) -> None:
+    """The launch of no rows: none."""
 
 
-def run_backward_(arch, dloss, logits, target, lse, ignore_index=-100, weight=None, label_smoothing=0.0, z_loss=0.0,
-                  softcap=None):
-    """dlogits written over the logits (each element read before it is written, by one thread)."""
-    M = logits.shape[0]
-    tgt = target.contiguous()
-    launch("backward", arch, logits, tgt, ignore_index, dloss=_scaled_dloss(dloss, M, _row_factor(weight, tgt, ignore_index)),
-           lse_in=_row_vector(lse, M, torch.float32), dx=logits,
-           options=options_of(dict(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)))
+# ---- launches, each prepared once per argument layout (see dispatch.prepare) ---------------------
+DENSE = torch.contiguous_format
+F32 = torch.float32
 
 
-def run_fwd_bwd(arch, dloss, logits, target, ignore_index=-100, weight=None, return_lse=False, reduction="none",
-                label_smoothing=0.0, z_loss=0.0, softcap=None, return_z_loss=False):
-    x2, tgt = _inputs(logits, target)
-    M = x2.shape[0]
-    loss = torch.empty(M, device=logits.device, dtype=torch.float32)
-    lse = torch.empty(M, device=logits.device, dtype=torch.float32) if return_lse or return_z_loss else None
-    dx = torch.empty_like(x2)
-    rw = _row_factor(weight, tgt, ignore_index)
-    if reduction == "mean":  # the mean's divisor, on device
-        rw_all = rw if rw is not None else row_weight(None, *safe_target(tgt, ignore_index))
-        dloss = reduction_dloss(dloss.float(), rw_all, reduction)
-    launch("fwd_bwd", arch, x2, tgt, ignore_index, dloss=_scaled_dloss(dloss, M, rw), loss=loss, lse_out=lse, dx=dx,
-           options=options_of(dict(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)))
-    if rw is not None:
-        loss = loss * rw
-    if reduction != "none":
-        rw_all = rw if rw is not None else row_weight(None, *safe_target(tgt, ignore_index))
-        loss = reduce_loss(loss, rw_all, reduction)
-    out = (loss, dx) + ((lse,) if return_lse else ())
-    return _with_z_loss(out, lse, rw, tgt, ignore_index, z_loss, reduction, return_z_loss)
+class _Layout:
+    """What a launch of ``mode`` reads of the call's layout, decided once: the compiled function (``_skip`` for
+    no rows), the logits' row stride and dlogits' (``dx``: the logits themselves ``inplace``), which inputs
+    are copied each call (logits the kernel can't read as they are, a target not contiguous), and the
+    scalars and flags (ignore_index, class weight, reduction, z-loss) the host's part around it reads."""
 
-
-def run_fwd_bwd_(arch, dloss, logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None):
-    """(loss, lse); dlogits written over the logits in the same pass (``CrossEntropy``'s in place)."""
-    M = logits.shape[0]
-    loss, lse = (torch.empty(M, device=logits.device, dtype=torch.float32) for _ in range(2))
-    launch("fwd_bwd", arch, logits, target.contiguous(), ignore_index, dloss=_row_vector(dloss, M, torch.float32),
-           loss=loss, lse_out=lse, dx=logits,
-           options=options_of(dict(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)))
-    return loss, lse
-
-
-def _plain_rows(t, M: int) -> bool:
-    """A per-row input the kernel reads as is: contiguous fp32 [M] (else the runner copies it)."""
-    return t.dtype == torch.float32 and t.dim() == 1 and t.shape[0] == M and t.is_contiguous()
-
-
-def _plan(mode: str):
-    """A launch prepared once per argument layout (see dispatch.Route.plan) for the plain calls: no
-    class weight, ``lse_partial``, ``target_logit``, reduction, option or z-loss output; logits readable as they are;
-    contiguous targets; ``dloss`` and ``lse`` contiguous fp32 [M]. None otherwise (the runner)."""
-    def make(arch, a: dict):
+    def __init__(self, mode: str, arch: str, a: dict, inplace: bool, store_lse: bool):
         logits, target = a["logits"], a["target"]
-        M, V = logits.shape[0], logits.shape[-1]
-        # dloss (backward, fwd_bwd) and lse (backward) are required where the op has them
-        if (logits.numel() == 0 or a.get("weight") is not None or a.get("lse_partial") is not None
-                or a.get("target_logit") is not None or a.get("reduction", "none") != "none"
-                or not options_of(a).plain or a.get("return_z_loss")
-                or not kernel_ready_rows(logits, vec_for(V, logits)) or not target.is_contiguous()
-                or any(n in a and not _plain_rows(a[n], M) for n in ("dloss", "lse"))):
-            return None
-        return_lse = mode == "forward" or a.get("return_lse", False)
-        device, ldx, ignore = logits.device, ld(logits), int(a.get("ignore_index", -100))
-        # dx is dense: its rows lie at the logits' offsets only where the logits' are dense too
-        fn = compiled_cross_entropy(mode, dtype_name(logits), dtype_name(target), V, arch, return_lse,
-                                    mode == "forward" or ldx == V)
-        stream = stream_of(device)
-        new_row = allocator((M,), torch.float32, device)
+        self.M, V = logits.shape
+        self.ignore = int(a.get("ignore_index", -100))
+        self.weighted = a.get("weight") is not None
+        self.reduction = a.get("reduction", "none")
+        self.z_loss, self.return_z = float(a.get("z_loss", 0.0)), bool(a.get("return_z_loss", False))
+        if inplace:  # dlogits over the logits: no copy possible (the op's check: contiguous, aligned)
+            self.copy_x, self.ldx = False, ld(logits)
+        else:
+            self.copy_x, self.ldx = row_layout(logits, vec_for(V, logits))
+        # dlogits are dense unless in place: rows at the logits' offsets only where the logits' are dense too
+        self.ldd = 0 if mode == "forward" else self.ldx if inplace else V
+        self.copy_t = not target.is_contiguous()
+        self.fn = _skip if self.M == 0 else compiled_cross_entropy(
+            mode, dtype_name(logits), dtype_name(target), V, arch, store_lse, mode == "forward" or self.ldd == self.ldx,
+            options_of(a), inplace)
+        self.stream = stream_of(logits.device)
+        self.new_row = allocator((self.M,), F32, logits.device)
+
+
+def plan_forward(arch, a: dict):
+    """The forward prepared for ``a``'s layout: logits copied to dense rows where the kernel can't read them
+    as they are; the kernel's loss final (0 on ignored rows) unless a ``target_logit``, class weight,
+    reduction or z-loss output asks for [M]-sized torch ops after it; with ``lse_partial`` no kernel."""
+    if a.get("lse_partial") is not None:
+        return lambda a: _sharded_forward(**a)
+    L = _Layout("forward", arch, a, False, True)
+    fn, stream, new_row, copy_x, copy_t = L.fn, L.stream, L.new_row, L.copy_x, L.copy_t
+    M, ldx, ignore = L.M, L.ldx, L.ignore
+    final = a.get("target_logit") is None and not L.weighted and L.reduction == "none" and not L.return_z
+
+    def run(a):
+        x, t = a["logits"], a["target"]
+        if copy_x:
+            x = dense(x)
+        if copy_t:
+            t = t.contiguous()
+        loss, lse = new_row(), new_row()
+        fn(x.data_ptr(), t.data_ptr(), None, None, loss.data_ptr(), lse.data_ptr(), None, M, ldx, 0, ignore, stream())
+        if final:
+            return loss, lse
+        valid, safe = safe_target(t, ignore)
+        if a.get("target_logit") is not None:  # the target's logit comes from elsewhere
+            loss = loss_from_lse(lse, a["target_logit"], valid, safe)
+        weight = a.get("weight")
+        rw = row_weight(weight, valid, safe)
+        if weight is not None:
+            loss = loss * rw
+        out = (reduce_loss(loss, rw, L.reduction), lse)  # the reference's reduction, on device
+        return _with_z_loss(out, lse, rw, t, ignore, L.z_loss, L.reduction, L.return_z)
+
+    return run
+
+
+def _plan_backward(inplace: bool):
+    """The backward prepared for one call's layout: logits copied to dense rows where the kernel can't read
+    them as they are (never ``inplace``: dlogits then go over the logits); dloss (times weight[target] with
+    a class weight) and lse passed as contiguous fp32 [M], copied where they are not."""
+    def make(arch, a: dict):
+        L = _Layout("backward", arch, a, inplace, False)
+        fn, stream, copy_x, copy_t = L.fn, L.stream, L.copy_x, L.copy_t
+        M, ldx, ldd, ignore, weighted = L.M, L.ldx, L.ldd, L.ignore, L.weighted
+        copy_dloss = weighted or not _plain_rows(a["dloss"], M)
+        copy_lse = not _plain_rows(a["lse"], M)
 
         def run(a):
-            x, dloss = a["logits"], a.get("dloss")
-            loss = new_row() if mode != "backward" else None
-            lse = new_row() if return_lse else None
-            dx = torch.empty_like(x, memory_format=torch.contiguous_format) if mode != "forward" else None
-            lse_in = a["lse"] if mode == "backward" else None
-            fn(x.data_ptr(), a["target"].data_ptr(), None if dloss is None else dloss.data_ptr(),
-               None if lse_in is None else lse_in.data_ptr(), None if loss is None else loss.data_ptr(),
-               None if lse is None else lse.data_ptr(), None if dx is None else dx.data_ptr(), M, ldx,
-               0 if dx is None else V, ignore, stream())
-            if mode == "forward":
-                return loss, lse
-            if mode == "backward":
-                return dx
-            return (loss, dx, lse) if return_lse else (loss, dx)
+            x, t, dloss, lse = a["logits"], a["target"], a["dloss"], a["lse"]
+            if copy_x:
+                x = dense(x)
+            if copy_t:
+                t = t.contiguous()
+            if copy_dloss:
+                dloss = _row_vector(dloss, M, F32)
+                if weighted:
+                    dloss = dloss * _row_factor(a["weight"], t, ignore)
+            if copy_lse:
+                lse = _row_vector(lse, M, F32)
+            dx = x if inplace else torch.empty_like(x, memory_format=DENSE)
+            fn(x.data_ptr(), t.data_ptr(), dloss.data_ptr(), lse.data_ptr(), None, None, dx.data_ptr(), M, ldx, ldd,
+               ignore, stream())
+            return None if inplace else dx
 
         return run
 
     return make
 
 
-PLANS = {"cross_entropy_forward": _plan("forward"), "cross_entropy_backward": _plan("backward"),
-         "cross_entropy_fwd_bwd": _plan("fwd_bwd")}
+def _plan_fwd_bwd(inplace: bool):
+    """The forward and backward in one pass prepared for one call's layout: logits and dloss as the
+    backward's, "mean"'s divisor applied to dloss first (on the device); loss weighted, reduced and the
+    z-loss output added after the kernel. ``inplace``: dlogits over the logits, -> (loss, lse) per row."""
+    def make(arch, a: dict):
+        return_lse = inplace or a.get("return_lse", False)
+        store_lse = return_lse or bool(a.get("return_z_loss", False))
+        L = _Layout("fwd_bwd", arch, a, inplace, store_lse)
+        fn, stream, new_row, copy_x, copy_t = L.fn, L.stream, L.new_row, L.copy_x, L.copy_t
+        M, ldx, ldd, ignore, weighted, reduction = L.M, L.ldx, L.ldd, L.ignore, L.weighted, L.reduction
+        copy_dloss = weighted or reduction == "mean" or not _plain_rows(a["dloss"], M)
+        final = not weighted and reduction == "none" and not L.return_z
+
+        def run(a):
+            x, t, dloss = a["logits"], a["target"], a["dloss"]
+            if copy_x:
+                x = dense(x)
+            if copy_t:
+                t = t.contiguous()
+            rw = None
+            if copy_dloss:
+                rw = _row_factor(a["weight"], t, ignore) if weighted else None
+                if reduction == "mean":  # the mean's divisor, on device
+                    rw_all = rw if rw is not None else row_weight(None, *safe_target(t, ignore))
+                    dloss = reduction_dloss(dloss.float(), rw_all, reduction)
+                dloss = _row_vector(dloss, M, F32)
+                if rw is not None:
+                    dloss = dloss * rw
+            loss = new_row()
+            lse = new_row() if store_lse else None
+            dx = x if inplace else torch.empty_like(x, memory_format=DENSE)
+            fn(x.data_ptr(), t.data_ptr(), dloss.data_ptr(), None, loss.data_ptr(),
+               None if lse is None else lse.data_ptr(), dx.data_ptr(), M, ldx, ldd, ignore, stream())
+            if inplace:
+                return loss, lse
+            if final:
+                return (loss, dx, lse) if return_lse else (loss, dx)
+            if rw is not None:
+                loss = loss * rw
+            if reduction != "none":
+                rw_all = rw if rw is not None else row_weight(None, *safe_target(t, ignore))
+                loss = reduce_loss(loss, rw_all, reduction)
+            out = (loss, dx) + ((lse,) if return_lse else ())
+            return _with_z_loss(out, lse, rw, t, ignore, L.z_loss, reduction, L.return_z)
+
+        return run
+
+    return make
+
+
+PLANS = {"cross_entropy_forward": plan_forward, "cross_entropy_backward": _plan_backward(False),
+         "cross_entropy_backward_": _plan_backward(True), "cross_entropy_fwd_bwd": _plan_fwd_bwd(False),
+         "cross_entropy_fwd_bwd_": _plan_fwd_bwd(True)}
 
 CHECKS = {"cross_entropy_forward": _check_forward, "cross_entropy_backward": _check,
           "cross_entropy_backward_": _check_inplace, "cross_entropy_fwd_bwd": _check,
           "cross_entropy_fwd_bwd_": _check_inplace}
-RUNNERS = {"cross_entropy_forward": run_forward, "cross_entropy_backward": run_backward,
-           "cross_entropy_backward_": run_backward_, "cross_entropy_fwd_bwd": run_fwd_bwd,
-           "cross_entropy_fwd_bwd_": run_fwd_bwd_}

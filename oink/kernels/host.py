@@ -1,4 +1,4 @@
-"""Host-side helpers shared by the kernel launchers: 2-D row views, alignment checks, pointers,
+"""Host-side helpers shared by the kernel launches: 2-D row views, alignment checks, copies, outputs,
 and how many CTAs the GPU holds at once."""
 from __future__ import annotations
 
@@ -54,18 +54,6 @@ def kernel_ready_rows(t: torch.Tensor | None, vec: int) -> bool:
     return v is not None and kernel_ready(v, vec)
 
 
-def prepare_rows(t: torch.Tensor | None, vec: int) -> torch.Tensor | None:
-    """An activation [..., N] (a 1-D one is a single row) as a kernel-ready [M, N] tensor,
-    copying only when its layout demands."""
-    if t is None:
-        return None
-    v = rows_view(t)
-    if v is None or not kernel_ready(v, vec):
-        # clone, not contiguous(): a contiguous view at an odd offset must move to aligned memory
-        v = t.reshape(-1, t.shape[-1]).clone(memory_format=torch.contiguous_format)
-    return v
-
-
 def row_layout(t: torch.Tensor | None, vec: int) -> tuple[bool, int]:
     """How a kernel reads an activation [..., N] of t's layout (None: absent): (copied to dense rows
     first, because it can't be read as it is; the row stride it is launched with)."""
@@ -112,13 +100,6 @@ def in_place_reason(name: str, t: torch.Tensor, vec: int) -> str | None:
     if not kernel_ready_rows(t, vec):
         return f"{name} is not 16-byte aligned with unit last stride and aligned rows (in place: no copy possible)"
     return None
-
-
-def ptr(t: torch.Tensor | None, align: int = 16) -> int | None:
-    """t's address as the compiled functions take it (``compile.compile_kernel``), None for an absent
-    t. The caller keeps t alive until the launch is enqueued: never pass a temporary made inside the
-    argument list."""
-    return None if t is None else t.data_ptr()
 
 
 def ld(t: torch.Tensor | None) -> int:
