@@ -1,5 +1,5 @@
 """FP8 kernels on the GPU against the references (oink/reference/fp8.py), launched through their
-runners (the ops route to them once these tests have passed on a GPU). The plain quantizer:
+prepared launches (``tests.gpu_helpers.kernel``: no checks, no route). The plain quantizer:
 bit-exact codes and scales in every mode and layout, on random, heavy-tailed, all-zero-group,
 saturating and NaN inputs. The fused ops (RMSNorm's rstd and silu's exp are fast approximations):
 >= 99.9% of codes exact, the rest one step away; scales within the gate's tolerance."""
