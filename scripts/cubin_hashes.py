@@ -38,6 +38,7 @@ def jobs(arch: str, only: str):
     from oink.kernels.fp8 import compiled_fp8, compiled_rmsnorm_fp8
     from oink.kernels.nvfp4 import compiled_add_rmsnorm_fp4, compiled_fp4
     from oink.kernels.profile import ROW_FAMILIES
+    from oink.kernels import rmsnorm_bwd
     from oink.kernels.rmsnorm_bwd import compiled_partial_sum, compiled_split_backward
     from oink.kernels.rowsumsq import compiled_rowsumsq
     from oink.kernels.softmax import compiled_softmax
@@ -67,10 +68,14 @@ def jobs(arch: str, only: str):
                                                       False, False, True)
     yield "fp8/add_rmsnorm", lambda: compiled_rmsnorm_fp8("bfloat16", "bfloat16", "bfloat16", 131072, arch, "group",
                                                           128, False, False, False, False)
-    yield "split_bwd/rmsnorm", lambda: compiled_split_backward("bfloat16", 262144, arch, "bfloat16", "bfloat16", None,
-                                                               False)
-    yield "split_bwd/layernorm", lambda: compiled_split_backward("float32", 262144, arch, "float32", "float32", None,
-                                                                 True, True)
+    def split(x: str, has_db: bool, layernorm: bool):
+        if hasattr(rmsnorm_bwd, "BackwardKey"):  # a tree since #33's compile keys (--compare reads older ones too)
+            return compiled_split_backward(rmsnorm_bwd.BackwardKey(x, 262144, arch, dout_dtype=x, w_dtype=x,
+                                                                   has_db=has_db, layernorm=layernorm))
+        return compiled_split_backward(x, 262144, arch, x, x, None, has_db, layernorm)
+
+    yield "split_bwd/rmsnorm", lambda: split("bfloat16", False, False)
+    yield "split_bwd/layernorm", lambda: split("float32", True, True)
     yield "partial_sum", lambda: compiled_partial_sum(7168, 2, "bfloat16", arch)
     yield "rowsumsq", lambda: compiled_rowsumsq("bfloat16", 8192, arch)
 

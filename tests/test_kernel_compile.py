@@ -55,7 +55,7 @@ def test_unknown_arch_is_refused():
 
 
 # ---- RMSNorm family: every flag combination x widths reaching every heuristic branch
-from oink.kernels.rmsnorm import compiled_forward  # noqa: E402
+from oink.kernels.rmsnorm import ForwardKey, compiled_forward  # noqa: E402
 
 NORM_WIDTHS = [64, 1000, 4096, 16384, 131072, 262144]
 
@@ -69,8 +69,9 @@ NORM_WIDTHS = [64, 1000, 4096, 16384, 131072, 262144]
 def test_rmsnorm_forward_compiles(arch, dtype, w, bias, residual, store_rstd):
     wd = None if w is None else (dtype if w == "same" else w)
     for N in NORM_WIDTHS:
-        fn = compiled_forward(dtype, N, arch, wd, wd if bias else None, dtype if residual else None,
-                              dtype if residual else None, store_rstd)
+        fn = compiled_forward(ForwardKey(dtype, N, arch, w_dtype=wd, b_dtype=wd if bias else None,
+                                         res_dtype=dtype if residual else None,
+                                         res_out_dtype=dtype if residual else None, store_rstd=store_rstd))
         assert callable(fn)
 
 
@@ -79,15 +80,16 @@ def test_rmsnorm_forward_compiles(arch, dtype, w, bias, residual, store_rstd):
 def test_fused_add_variant_compiles(arch, dtype):
     """The in-place fused add is the forward with residual in and out, weight of x's dtype."""
     for N in NORM_WIDTHS:
-        assert callable(compiled_forward(dtype, N, arch, dtype, None, dtype, dtype, False))
+        assert callable(compiled_forward(ForwardKey(dtype, N, arch, w_dtype=dtype, res_dtype=dtype,
+                                                    res_out_dtype=dtype)))
 
 
 def test_rmsnorm_width_limit():
     with pytest.raises(ValueError, match="262144"):
-        compiled_forward("bfloat16", 262144 * 2, "sm_90a")
+        compiled_forward(ForwardKey("bfloat16", 262144 * 2, "sm_90a"))
 
 
-from oink.kernels.rmsnorm_bwd import compiled_backward, compiled_partial_sum  # noqa: E402
+from oink.kernels.rmsnorm_bwd import BackwardKey, compiled_backward, compiled_partial_sum  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -106,7 +108,8 @@ def test_partial_sum_compiles(arch, dtype, kinds):
 def test_rmsnorm_backward_compiles(arch, dtype, w, has_db, dres):
     wd = None if w is None else (dtype if w == "same" else w)
     for N in NORM_WIDTHS:
-        fn = compiled_backward(dtype, N, arch, wd, dtype, dtype if dres else None, has_db)
+        fn = compiled_backward(BackwardKey(dtype, N, arch, w_dtype=wd, dout_dtype=dtype,
+                                           dres_dtype=dtype if dres else None, has_db=has_db))
         assert callable(fn)
 
 
@@ -142,21 +145,20 @@ def test_backward_launch_whole_warp_rows(monkeypatch):
 @pytest.mark.parametrize("N", [6144, 7168])
 def test_backward_whole_warp_rows_compile(arch, layernorm, N):
     # 384 / 448 / 224 threads a row (not a power of two), the default pipeline of each family
-    assert callable(compiled_backward("bfloat16", N, arch, "bfloat16", "bfloat16", None, layernorm, layernorm))
+    assert callable(compiled_backward(BackwardKey("bfloat16", N, arch, w_dtype="bfloat16", dout_dtype="bfloat16",
+                                                  has_db=layernorm, layernorm=layernorm)))
 
 
 def test_pdl_setting_is_part_of_the_compile_key(monkeypatch):
     """A kernel compiled with programmatic dependent launch is not served to a process that turned it
     off (OINK_PDL=0), nor the reverse: the launch and the kernel's first instructions differ."""
-    from oink.kernels.rmsnorm import compiled_forward
-
-    args = ("bfloat16", 4096, "sm_90a", "bfloat16", None, None, None, False)
-    with_pdl = compiled_forward(*args)
+    key = ForwardKey("bfloat16", 4096, "sm_90a", w_dtype="bfloat16")
+    with_pdl = compiled_forward(key)
     set_knob(monkeypatch, "OINK_PDL", "0")
-    without = compiled_forward(*args)
+    without = compiled_forward(key)
     assert without is not with_pdl and callable(without)
     set_knob(monkeypatch, "OINK_PDL", "1")
-    assert compiled_forward(*args) is with_pdl
+    assert compiled_forward(key) is with_pdl
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -170,7 +172,8 @@ def test_backward_ab_variants_compile(arch, setting, monkeypatch):
     else:
         set_dev(monkeypatch, **{name: int(value)})
     for N in (64, 1000, 6144):  # several rows a CTA (guarded loads), a predicated tail, whole warps
-        assert callable(compiled_backward("bfloat16", N, arch, "bfloat16", "bfloat16", None, True))
+        assert callable(compiled_backward(BackwardKey("bfloat16", N, arch, w_dtype="bfloat16", dout_dtype="bfloat16",
+                                                      has_db=True)))
     assert callable(compiled_partial_sum(6144, 2, "bfloat16", arch))
 
 
@@ -182,8 +185,8 @@ def test_backward_ab_variants_compile(arch, setting, monkeypatch):
 def test_layernorm_forward_compiles(arch, dtype, w, bias, stats):
     wd = dtype if w == "same" else w
     for N in NORM_WIDTHS:
-        fn = compiled_forward(dtype, N, arch, wd, wd if bias else None, None, None, stats, layernorm=True,
-                              store_mean=stats)
+        fn = compiled_forward(ForwardKey(dtype, N, arch, w_dtype=wd, b_dtype=wd if bias else None, store_rstd=stats,
+                                         layernorm=True, store_mean=stats))
         assert callable(fn)
 
 
@@ -194,7 +197,8 @@ def test_layernorm_forward_compiles(arch, dtype, w, bias, stats):
 def test_layernorm_backward_compiles(arch, dtype, w, has_db):
     wd = dtype if w == "same" else w
     for N in NORM_WIDTHS:
-        assert callable(compiled_backward(dtype, N, arch, wd, dtype, None, has_db, layernorm=True))
+        assert callable(compiled_backward(BackwardKey(dtype, N, arch, w_dtype=wd, dout_dtype=dtype, has_db=has_db,
+                                                      layernorm=True)))
 
 
 from oink.kernels.softmax import MODES, compiled_softmax  # noqa: E402
@@ -403,8 +407,8 @@ def test_host_row_layout_and_vectors():
                                  ("bfloat16", "float32")])
 def test_rmsnorm_mixed_weight_dtypes_compile(arch, x, w):
     for N in (769, 4096):
-        assert callable(compiled_forward(x, N, arch, w, w, None, None, True))
-        assert callable(compiled_backward(x, N, arch, w, x, None, True))
+        assert callable(compiled_forward(ForwardKey(x, N, arch, w_dtype=w, b_dtype=w, store_rstd=True)))
+        assert callable(compiled_backward(BackwardKey(x, N, arch, w_dtype=w, dout_dtype=x, has_db=True)))
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -412,14 +416,19 @@ def test_rmsnorm_mixed_weight_dtypes_compile(arch, x, w):
 @pytest.mark.parametrize("N", [1000, 4096, 131072])
 def test_rmsnorm_quack_arguments_compile(arch, dtype, N):
     # weight offset, forward and backward (dx reads w + offset)
-    assert callable(compiled_forward(dtype, N, arch, "float32", None, None, None, True, weight_offset=1.0))
-    assert callable(compiled_backward(dtype, N, arch, "float32", dtype, None, False, weight_offset=1.0))
+    assert callable(compiled_forward(ForwardKey(dtype, N, arch, w_dtype="float32", store_rstd=True,
+                                                weight_offset=1.0)))
+    assert callable(compiled_backward(BackwardKey(dtype, N, arch, w_dtype="float32", dout_dtype=dtype,
+                                                  weight_offset=1.0)))
     # fp32 residual stream (residual in, sum out) with 16-bit x and output; fp32 output of bf16 x
-    assert callable(compiled_forward(dtype, N, arch, "float32", None, "float32", "float32", True))
-    assert callable(compiled_forward(dtype, N, arch, "float32", None, dtype, "float32", True))
-    assert callable(compiled_forward(dtype, N, arch, "bfloat16", None, None, None, False, out_dtype="float32"))
+    assert callable(compiled_forward(ForwardKey(dtype, N, arch, w_dtype="float32", res_dtype="float32",
+                                                res_out_dtype="float32", store_rstd=True)))
+    assert callable(compiled_forward(ForwardKey(dtype, N, arch, w_dtype="float32", res_dtype=dtype,
+                                                res_out_dtype="float32", store_rstd=True)))
+    assert callable(compiled_forward(ForwardKey(dtype, N, arch, w_dtype="bfloat16", out_dtype="float32")))
     # the backward of an fp32 residual stream: x (the stored sum) fp32, dout 16-bit, dresidual fp32
-    assert callable(compiled_backward("float32", N, arch, "bfloat16", dtype, "float32", False))
+    assert callable(compiled_backward(BackwardKey("float32", N, arch, w_dtype="bfloat16", dout_dtype=dtype,
+                                                  dres_dtype="float32")))
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -427,8 +436,8 @@ def test_layernorm_ragged_widths_compile(arch):
     # ragged widths take the padding-lane mask in the variance (N not a multiple of the row tile)
     for dtype in DTYPES:
         for N in (769, 1128, 4097):
-            assert callable(compiled_forward(dtype, N, arch, "float32", "float32", None, None, True,
-                                             layernorm=True, store_mean=True))
+            assert callable(compiled_forward(ForwardKey(dtype, N, arch, w_dtype="float32", b_dtype="float32",
+                                                        store_rstd=True, layernorm=True, store_mean=True)))
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -437,10 +446,12 @@ def test_per_head_norm_compiles(arch, D, heads):
     # QK-norm: weight/bias [H, D], row r of x [..., H, D] takes head r % H
     from oink.kernels.rmsnorm_bwd import backward_launch, head_launch
 
-    assert callable(compiled_forward("bfloat16", D, arch, "float32", "float32", None, None, True, heads=heads))
+    assert callable(compiled_forward(ForwardKey("bfloat16", D, arch, w_dtype="float32", b_dtype="float32",
+                                                store_rstd=True, heads=heads)))
     L = head_launch(backward_launch(D, 16, arch), heads)
     assert L is not None and L.rows_per_cta % heads == 0
-    assert callable(compiled_backward("bfloat16", D, arch, "float32", "bfloat16", None, True, heads=heads))
+    assert callable(compiled_backward(BackwardKey("bfloat16", D, arch, w_dtype="float32", dout_dtype="bfloat16",
+                                                  has_db=True, heads=heads)))
 
 
 # ---- FP8 (every scale mode and layout flag is a compile-time variant)
@@ -511,10 +522,11 @@ def test_forward_parameter_load_variants_compile(arch, late, monkeypatch):
     RMSNorm with a residual and a wider weight, and per-head parameters, at even and uneven widths."""
     set_dev(monkeypatch, fwd_late=late == "1")
     for N in (1000, 16384, 131072):
-        assert callable(compiled_forward("bfloat16", N, arch, "bfloat16", "bfloat16", None, None, True,
-                                         layernorm=True, store_mean=True))
-        assert callable(compiled_forward("float16", N, arch, "float32", None, "float16", "float32", False))
-    assert callable(compiled_forward("bfloat16", 128, arch, "bfloat16", None, None, None, False, heads=4))
+        assert callable(compiled_forward(ForwardKey("bfloat16", N, arch, w_dtype="bfloat16", b_dtype="bfloat16",
+                                                    store_rstd=True, layernorm=True, store_mean=True)))
+        assert callable(compiled_forward(ForwardKey("float16", N, arch, w_dtype="float32", res_dtype="float16",
+                                                    res_out_dtype="float32")))
+    assert callable(compiled_forward(ForwardKey("bfloat16", 128, arch, w_dtype="bfloat16", heads=4)))
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -562,10 +574,10 @@ def test_one_row_backward_storing_dweight_compiles(arch):
     with a bf16, an fp32 or no weight and a bias, LayerNorm, per-row and clustered widths."""
     for N in (4096, 131072):
         for w in ("bfloat16", "float32", None):
-            assert callable(compiled_backward("bfloat16", N, arch, w, "bfloat16", "bfloat16", True, few=True,
-                                              direct=True))
-        assert callable(compiled_backward("float32", N, arch, "float32", "float32", None, True, layernorm=True,
-                                          few=True, direct=True))
+            assert callable(compiled_backward(BackwardKey("bfloat16", N, arch, w_dtype=w, dout_dtype="bfloat16",
+                                                          dres_dtype="bfloat16", has_db=True, few=True, direct=True)))
+        assert callable(compiled_backward(BackwardKey("float32", N, arch, w_dtype="float32", dout_dtype="float32",
+                                                      has_db=True, layernorm=True, few=True, direct=True)))
 
 
 def test_split_backward_takes_rows_too_wide_for_one_kernel(monkeypatch):
@@ -598,7 +610,9 @@ def test_split_backward_compiles(arch, dtype, layernorm):
     weight of x's dtype and no dbias, or an fp32 weight with dbias (RMSNorm: and dresidual_out)."""
     for N in (131072, 200000, 262144):
         for w, has_db, dres in ((dtype, False, None), ("float32", True, None if layernorm else dtype)):
-            fn_a, fn_b, chunks = compiled_split_backward(dtype, N, arch, w, dtype, dres, has_db, layernorm)
+            fn_a, fn_b, chunks = compiled_split_backward(BackwardKey(dtype, N, arch, w_dtype=w, dout_dtype=dtype,
+                                                                     dres_dtype=dres, has_db=has_db,
+                                                                     layernorm=layernorm))
             assert callable(fn_a) and callable(fn_b) and chunks > 1
         if not layernorm:
-            assert callable(compiled_split_backward(dtype, N, arch, None, dtype, None, False)[1])
+            assert callable(compiled_split_backward(BackwardKey(dtype, N, arch, dout_dtype=dtype))[1])

@@ -283,17 +283,19 @@ def _compile(arch: str, key: str, N: int):
     op, variant = rest if len(rest) == 2 else (None, rest[0])  # the norms' keys have no op part
     x16 = {"x16": "bfloat16", "x32": "float32"}
     if family in ("rmsnorm_fwd", "layernorm_fwd"):
-        from oink.kernels.rmsnorm import compiled_forward
+        from oink.kernels.rmsnorm import ForwardKey, compiled_forward
 
         x, w = x16[variant[:3]], {"w0": None, "w16": "bfloat16", "w32": "float32"}[variant[3:]]
         ln = family == "layernorm_fwd"
-        compiled_forward(x, N, arch, w, w if ln else None, None, None, True, layernorm=ln, store_mean=ln, few=few)
-        return compiled_forward(x, N, arch, w, None, w or x, w or x, False, layernorm=ln, few=few)  # a residual
+        compiled_forward(ForwardKey(x, N, arch, w_dtype=w, b_dtype=w if ln else None, store_rstd=True, layernorm=ln,
+                                    store_mean=ln, few=few))
+        return compiled_forward(ForwardKey(x, N, arch, w_dtype=w, res_dtype=w or x, res_out_dtype=w or x,
+                                           layernorm=ln, few=few))  # a residual
     if family in ("rmsnorm_bwd", "layernorm_bwd"):
-        from oink.kernels.rmsnorm_bwd import compiled_backward
+        from oink.kernels.rmsnorm_bwd import BackwardKey, compiled_backward
 
         x, ln = x16[variant], family == "layernorm_bwd"
-        return compiled_backward(x, N, arch, x, x, None, ln, layernorm=ln, few=few)
+        return compiled_backward(BackwardKey(x, N, arch, w_dtype=x, dout_dtype=x, has_db=ln, layernorm=ln, few=few))
     if family == "fp4":
         from oink.kernels.nvfp4 import compiled_add_rmsnorm_fp4, compiled_fp4
 

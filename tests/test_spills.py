@@ -116,10 +116,11 @@ def test_split_backward_does_not_spill(keep_cubin, layernorm, dtype, arch):
     """The kernels the norm backward of rows too wide for one cluster takes (``rmsnorm_bwd.split_rows``),
     at the split's narrowest width (SM100's; SM90's is past 131072), an uneven one and the widest."""
     from oink.kernels.profile import compiled_resources
-    from oink.kernels.rmsnorm_bwd import compiled_split_backward
+    from oink.kernels.rmsnorm_bwd import BackwardKey, compiled_split_backward
 
     for N in (73728, 151936, 262144):
-        fn_a, fn_b, _ = compiled_split_backward(dtype, N, arch, dtype, dtype, None, layernorm, layernorm)
+        fn_a, fn_b, _ = compiled_split_backward(BackwardKey(dtype, N, arch, w_dtype=dtype, dout_dtype=dtype,
+                                                            has_db=layernorm, layernorm=layernorm))
         for name, fn in (("A", fn_a), ("B", fn_b)):
             res = compiled_resources(fn)
             assert res["registers"] > 0 and res["frame_bytes"] == 0, f"kernel {name} at {N}: {res}"
@@ -130,12 +131,12 @@ def test_a_spilling_launch_is_seen(keep_cubin):
     65536) has 64 registers a thread and spills."""
     from oink.kernels.profile import compiled_resources
     from oink.kernels.reduction import RowLaunch
-    from oink.kernels.rmsnorm import compiled_forward
+    from oink.kernels.rmsnorm import ForwardKey, compiled_forward
     from oink.tune import trial
 
     with trial({("layernorm_fwd/x16w16", "sm_90a", 65536): (1024, 1024, 1)}):
-        res = compiled_resources(compiled_forward("bfloat16", 65536, "sm_90a", "bfloat16", "bfloat16",
-                                                  layernorm=True))
+        res = compiled_resources(compiled_forward(ForwardKey("bfloat16", 65536, "sm_90a", w_dtype="bfloat16",
+                                                             b_dtype="bfloat16", layernorm=True)))
     assert res["registers"] <= 64 and res["frame_bytes"] > 0, res
     assert RowLaunch(N=65536, vec=8, threads_per_row=1024, num_threads=1024).iters == 8
 

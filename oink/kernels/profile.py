@@ -9,8 +9,8 @@ import struct
 
 from .compile import BLOCK_THREADS, CACHE, COMPILED, driver_checked
 from .cross_entropy import compiled_cross_entropy
-from .rmsnorm import compiled_forward
-from .rmsnorm_bwd import compiled_backward
+from .rmsnorm import ForwardKey, compiled_forward
+from .rmsnorm_bwd import BackwardKey, compiled_backward
 from .softmax import compiled_softmax
 
 # EIATTR codes of the cubin's .nv.info notes (format 4: a u16 size, then a u32 symbol and a u32 value)
@@ -46,12 +46,13 @@ def cubin_resources(cubin: bytes) -> dict:
 # family -> compile(dtype, N, arch): the row kernels the public ops launch, with same-dtype
 # parameters (and an fp32 weight for ``rmsnorm_fwd_w32``)
 ROW_FAMILIES = {
-    "rmsnorm_fwd": lambda d, N, a: compiled_forward(d, N, a, d),
-    "rmsnorm_fwd_w32": lambda d, N, a: compiled_forward(d, N, a, "float32"),
-    "rmsnorm_fwd_res": lambda d, N, a: compiled_forward(d, N, a, d, None, d, d),
-    "layernorm_fwd": lambda d, N, a: compiled_forward(d, N, a, d, d, layernorm=True),
-    "rmsnorm_bwd": lambda d, N, a: compiled_backward(d, N, a, d, d, None, False),
-    "layernorm_bwd": lambda d, N, a: compiled_backward(d, N, a, d, d, None, True, layernorm=True),
+    "rmsnorm_fwd": lambda d, N, a: compiled_forward(ForwardKey(d, N, a, w_dtype=d)),
+    "rmsnorm_fwd_w32": lambda d, N, a: compiled_forward(ForwardKey(d, N, a, w_dtype="float32")),
+    "rmsnorm_fwd_res": lambda d, N, a: compiled_forward(ForwardKey(d, N, a, w_dtype=d, res_dtype=d, res_out_dtype=d)),
+    "layernorm_fwd": lambda d, N, a: compiled_forward(ForwardKey(d, N, a, w_dtype=d, b_dtype=d, layernorm=True)),
+    "rmsnorm_bwd": lambda d, N, a: compiled_backward(BackwardKey(d, N, a, dout_dtype=d, w_dtype=d)),
+    "layernorm_bwd": lambda d, N, a: compiled_backward(BackwardKey(d, N, a, dout_dtype=d, w_dtype=d, has_db=True,
+                                                                   layernorm=True)),
     "softmax_fwd": lambda d, N, a: compiled_softmax("forward", d, N, a),
     "softmax_bwd": lambda d, N, a: compiled_softmax("backward", d, N, a),
     "softmax_fwd_bwd": lambda d, N, a: compiled_softmax("fwd_bwd", d, N, a),

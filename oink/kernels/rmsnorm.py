@@ -11,6 +11,7 @@ barrier and written after it, by the same thread.
 from __future__ import annotations
 
 import math
+from dataclasses import KW_ONLY, dataclass
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -340,14 +341,34 @@ def _cute(name):
     return None if name is None else cute_dtype(name)
 
 
+@dataclass(frozen=True)
+class ForwardKey:
+    """What a norm forward is compiled for: dtypes (torch names; None for an absent tensor), N, flags
+    and arch; M, strides and eps are runtime. Built once where a launch is prepared, it is the memoized
+    compile's one argument."""
+    x_dtype: str
+    N: int
+    arch: str
+    _: KW_ONLY
+    w_dtype: str | None = None
+    b_dtype: str | None = None
+    res_dtype: str | None = None  # the residual read
+    res_out_dtype: str | None = None  # the sum stored (x + residual)
+    store_rstd: bool = False
+    layernorm: bool = False  # the row mean subtracted first (LayerNorm)
+    store_mean: bool = False
+    out_dtype: str | None = None  # default x's
+    weight_offset: float = 0.0  # compiled in: y = x_hat * (w + offset)
+    heads: int = 1  # per-head parameters [H, D]
+    few: bool = False  # for calls of ``launch_table.few_rows`` rows (their own launch where the table has one)
+
+
 @memo
-def compiled_forward(x_dtype: str, N: int, arch: str, w_dtype: str | None = None, b_dtype: str | None = None,
-                     res_dtype: str | None = None, res_out_dtype: str | None = None, store_rstd: bool = False,
-                     layernorm: bool = False, store_mean: bool = False, out_dtype: str | None = None,
-                     weight_offset: float = 0.0, heads: int = 1, few: bool = False):
-    """Compile (or fetch) the forward for (dtypes, N, flags, arch). M, strides and eps are runtime;
-    ``out_dtype`` defaults to x's, ``weight_offset`` and ``heads`` (per-head parameters) are compiled in;
-    ``few``: for calls of ``launch_table.few_rows`` rows (their own launch where the table has one)."""
+def compiled_forward(k: ForwardKey):
+    """Compile (or fetch) the forward for ``k``."""
+    x_dtype, N, arch, w_dtype, b_dtype = k.x_dtype, k.N, k.arch, k.w_dtype, k.b_dtype
+    res_dtype, res_out_dtype, store_rstd, layernorm = k.res_dtype, k.res_out_dtype, k.store_rstd, k.layernorm
+    store_mean, out_dtype, weight_offset, heads, few = k.store_mean, k.out_dtype, k.weight_offset, k.heads, k.few
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the RMSNorm kernel handles 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)

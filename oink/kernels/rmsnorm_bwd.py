@@ -382,14 +382,33 @@ def direct_sums(launch: RowLaunch, ctas: int, M: int, heads: int = 1) -> bool:
     return ctas == 1 and heads == 1 and (launch.rows_per_cta == 1 or M == 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardKey:
+    """What a norm backward is compiled for: dtypes (torch names; None for an absent tensor), N, flags
+    and arch; M and strides are runtime. Built once where a launch is prepared, it is the memoized
+    compile's one argument (``compiled_backward``'s; ``compiled_split_backward`` reads the fields up to
+    ``weight_offset``)."""
+    x_dtype: str
+    N: int
+    arch: str
+    _: dataclasses.KW_ONLY
+    dout_dtype: str
+    w_dtype: str | None = None
+    dres_dtype: str | None = None  # the gradient reaching the residual's sum (added to dx)
+    has_db: bool = False
+    layernorm: bool = False  # LayerNorm's backward (the row mean read)
+    weight_offset: float = 0.0  # compiled in: dx's weight is w + offset (dw is unchanged)
+    heads: int = 1  # per-head weights, rows_per_cta a multiple of them (``head_launch``)
+    few: bool = False  # for calls of ``launch_table.few_rows`` rows
+    direct: bool = False  # dweight and dbias stored in the weight's dtype, not fp32 partials (``direct_sums``)
+
+
 @memo
-def compiled_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout_dtype: str,
-                      dres_dtype: str | None, has_db: bool, layernorm: bool = False, weight_offset: float = 0.0,
-                      heads: int = 1, few: bool = False, direct: bool = False):
-    """Compile (or fetch) the RMSNorm (or, with ``layernorm``, LayerNorm) backward; M is runtime,
-    ``weight_offset`` (dx's weight is w + offset; dw is unchanged) and ``heads`` (per-head weights,
-    rows_per_cta a multiple of them: ``head_launch``) compiled in; ``direct``: dweight and dbias stored
-    in the weight's dtype (x's without a weight) instead of fp32 partial rows (``direct_sums``)."""
+def compiled_backward(k: BackwardKey):
+    """Compile (or fetch) the RMSNorm (or, with ``layernorm``, LayerNorm) backward for ``k``."""
+    x_dtype, N, arch, w_dtype, dout_dtype, dres_dtype = k.x_dtype, k.N, k.arch, k.w_dtype, k.dout_dtype, k.dres_dtype
+    has_db, layernorm, weight_offset, heads, few, direct = (k.has_db, k.layernorm, k.weight_offset, k.heads, k.few,
+                                                            k.direct)
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the norm kernels handle 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
@@ -610,10 +629,11 @@ class SplitDx(_SplitBase):
 
 
 @memo
-def compiled_split_backward(x_dtype: str, N: int, arch: str, w_dtype: str | None, dout_dtype: str,
-                            dres_dtype: str | None, has_db: bool, layernorm: bool = False,
-                            weight_offset: float = 0.0):
-    """Compile (or fetch) the split backward's two kernels (``split_rows``): -> (A, B, A's chunks)."""
+def compiled_split_backward(k: BackwardKey):
+    """Compile (or fetch) the split backward's two kernels (``split_rows``) for ``k`` (one CTA row at a
+    time: its heads, few and direct are not read): -> (A, B, A's chunks)."""
+    x_dtype, N, arch, w_dtype, dout_dtype, dres_dtype = k.x_dtype, k.N, k.arch, k.w_dtype, k.dout_dtype, k.dres_dtype
+    has_db, layernorm, weight_offset = k.has_db, k.layernorm, k.weight_offset
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the norm kernels handle 1 <= N <= {MAX_N}")
     xd, gd = cute_dtype(x_dtype), cute_dtype(dout_dtype)

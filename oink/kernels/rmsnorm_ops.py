@@ -3,14 +3,16 @@ kernels take (CHECKS) and their launches on torch tensors, each prepared once pe
 ``dispatch.prepare``). Imported only on a supported GPU."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .compile import stream_of
 from .host import (allocator, dense, dtype_name, in_place_reason, kernel_ready_rows, prepare_vector, resident_clusters,
                    row_layout, vec_for, width_reason)
 from .launch_table import few_rows
-from .rmsnorm import compiled_forward
-from .rmsnorm_bwd import (backward_launch, backward_tpsm, compiled_backward, compiled_partial_sum,
+from .rmsnorm import ForwardKey, compiled_forward
+from .rmsnorm_bwd import (BackwardKey, backward_launch, backward_tpsm, compiled_backward, compiled_partial_sum,
                           compiled_split_backward, direct_sums, head_launch, persistent_ctas, split_groups,
                           split_rows)
 
@@ -134,9 +136,10 @@ def plan_forward(arch, a: dict):
     (copy_x, ldx), (copy_r, ldres) = row_layout(x, vec), row_layout(res, vec)
     params = _params(w, b, heads, vec)
     if M:
-        fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), dtype_name(res),
-                              dtype_name(res_dtype), store_rstd, False, False, dtype_name(out_dtype),
-                              float(a.get("weight_offset", 0.0)), heads, few_rows(M))
+        fn = compiled_forward(ForwardKey(
+            dtype_name(x), N, arch, w_dtype=dtype_name(w), b_dtype=dtype_name(b), res_dtype=dtype_name(res),
+            res_out_dtype=dtype_name(res_dtype), store_rstd=store_rstd, out_dtype=dtype_name(out_dtype),
+            weight_offset=float(a.get("weight_offset", 0.0)), heads=heads, few=few_rows(M)))
         stream = stream_of(device)
     ldres_out = N if res is not None else 0
 
@@ -170,8 +173,8 @@ def plan_fused_add(arch, a: dict):
         return lambda a: None
     (_, ldx), (_, ldres) = row_layout(x, vec), row_layout(res, vec)
     eps, copy_w = float(a.get("eps", 1e-6)), not kernel_ready_rows(w, vec)
-    fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), None, dtype_name(res), dtype_name(res), False, False,
-                          False, dtype_name(x), 0.0, 1, few_rows(M))
+    fn = compiled_forward(ForwardKey(dtype_name(x), N, arch, w_dtype=dtype_name(w), res_dtype=dtype_name(res),
+                                     res_out_dtype=dtype_name(res), out_dtype=dtype_name(x), few=few_rows(M)))
     stream = stream_of(x.device)
 
     def run(a):
@@ -195,8 +198,9 @@ def plan_layernorm(arch, a: dict):
     params = _params(w, b, 1, vec)
     new_stat = allocator(lead, F32, device) if M else (lambda: torch.empty(lead, device=device, dtype=F32))
     if M:
-        fn = compiled_forward(dtype_name(x), N, arch, dtype_name(w), dtype_name(b), None, None, want_rstd, True,
-                              want_mean, dtype_name(x), 0.0, 1, few_rows(M))
+        fn = compiled_forward(ForwardKey(dtype_name(x), N, arch, w_dtype=dtype_name(w), b_dtype=dtype_name(b),
+                                         store_rstd=want_rstd, layernorm=True, store_mean=want_mean,
+                                         out_dtype=dtype_name(x), few=few_rows(M)))
         stream = stream_of(device)
 
     def run(a):
@@ -230,12 +234,13 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
     (copy_x, ldx), (copy_g, ldg), (copy_dr, lddr) = row_layout(x, vec), row_layout(dout, vec), row_layout(dres, vec)
     params = _params(weight, None, heads, vec)
     flat_stats = not all(t is None or t.is_contiguous() for t in (rstd, mean))
-    names = (dtype_name(x), N, arch, dtype_name(weight), dtype_name(dout), dtype_name(dres), has_bias, layernorm,
-             float(weight_offset))
+    key = BackwardKey(dtype_name(x), N, arch, dout_dtype=dtype_name(dout), w_dtype=dtype_name(weight),
+                      dres_dtype=dtype_name(dres), has_db=has_bias, layernorm=layernorm,
+                      weight_offset=float(weight_offset))
     split = heads == 1 and M > 0 and split_rows(N, bits, arch, layernorm)
     direct = False
     if split:
-        fn_a, fn, chunks = compiled_split_backward(*names)
+        fn_a, fn, chunks = compiled_split_backward(key)
         ctas = parts = split_groups(M)
         new_shares = allocator((M, chunks, 2), F32, device)
     else:
@@ -246,7 +251,7 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         ctas, parts = backward_grid(launch, M, device, backward_tpsm(N, bits, arch, layernorm, few))
         direct = M > 0 and direct_sums(launch, ctas, M, heads)
         if M:
-            fn = compiled_backward(*names, heads, few, direct)
+            fn = compiled_backward(replace(key, heads=heads, few=few, direct=direct))
     has_dw = weight is not None
     kinds, Np = int(has_dw) + int(has_bias), partial_width(N)
     wdtype = weight.dtype if has_dw else x.dtype
