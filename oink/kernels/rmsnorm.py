@@ -341,7 +341,7 @@ def _cute(name):
     return None if name is None else cute_dtype(name)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ForwardKey:
     """What a norm forward is compiled for: dtypes (torch names; None for an absent tensor), N, flags
     and arch; M, strides and eps are runtime. Built once where a launch is prepared, it is the memoized

@@ -382,7 +382,7 @@ def direct_sums(launch: RowLaunch, ctas: int, M: int, heads: int = 1) -> bool:
     return ctas == 1 and heads == 1 and (launch.rows_per_cta == 1 or M == 1)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class BackwardKey:
     """What a norm backward is compiled for: dtypes (torch names; None for an absent tensor), N, flags
     and arch; M and strides are runtime. Built once where a launch is prepared, it is the memoized

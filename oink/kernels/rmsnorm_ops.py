@@ -3,8 +3,6 @@ kernels take (CHECKS) and their launches on torch tensors, each prepared once pe
 ``dispatch.prepare``). Imported only on a supported GPU."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from .compile import stream_of
@@ -234,13 +232,12 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
     (copy_x, ldx), (copy_g, ldg), (copy_dr, lddr) = row_layout(x, vec), row_layout(dout, vec), row_layout(dres, vec)
     params = _params(weight, None, heads, vec)
     flat_stats = not all(t is None or t.is_contiguous() for t in (rstd, mean))
-    key = BackwardKey(dtype_name(x), N, arch, dout_dtype=dtype_name(dout), w_dtype=dtype_name(weight),
-                      dres_dtype=dtype_name(dres), has_db=has_bias, layernorm=layernorm,
-                      weight_offset=float(weight_offset))
+    named = dict(dout_dtype=dtype_name(dout), w_dtype=dtype_name(weight), dres_dtype=dtype_name(dres), has_db=has_bias,
+                 layernorm=layernorm, weight_offset=float(weight_offset))
     split = heads == 1 and M > 0 and split_rows(N, bits, arch, layernorm)
     direct = False
     if split:
-        fn_a, fn, chunks = compiled_split_backward(key)
+        fn_a, fn, chunks = compiled_split_backward(BackwardKey(dtype_name(x), N, arch, **named))
         ctas = parts = split_groups(M)
         new_shares = allocator((M, chunks, 2), F32, device)
     else:
@@ -251,7 +248,7 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         ctas, parts = backward_grid(launch, M, device, backward_tpsm(N, bits, arch, layernorm, few))
         direct = M > 0 and direct_sums(launch, ctas, M, heads)
         if M:
-            fn = compiled_backward(replace(key, heads=heads, few=few, direct=direct))
+            fn = compiled_backward(BackwardKey(dtype_name(x), N, arch, heads=heads, few=few, direct=direct, **named))
     has_dw = weight is not None
     kinds, Np = int(has_dw) + int(has_bias), partial_width(N)
     wdtype = weight.dtype if has_dw else x.dtype
