@@ -35,13 +35,38 @@ def compare(before: str, after: str) -> int:
 
 
 def jobs(arch: str, only: str):
-    from oink.kernels.fp8 import compiled_fp8, compiled_rmsnorm_fp8
-    from oink.kernels.nvfp4 import compiled_add_rmsnorm_fp4, compiled_fp4
+    from oink.kernels import fp8, nvfp4, rmsnorm_bwd, softmax
     from oink.kernels.profile import ROW_FAMILIES
-    from oink.kernels import rmsnorm_bwd
-    from oink.kernels.rmsnorm_bwd import compiled_partial_sum, compiled_split_backward
     from oink.kernels.rowsumsq import compiled_rowsumsq
-    from oink.kernels.softmax import compiled_softmax
+
+    def keyed(module, key: str, fn: str, *args, old: tuple, **fields):
+        """``module.fn(module.key(*args, **fields))``, or in a tree from before #33's compile keys (--compare
+        reads older ones too) ``module.fn(*old)``."""
+        if hasattr(module, key):
+            return getattr(module, fn)(getattr(module, key)(*args, **fields))
+        return getattr(module, fn)(*old)
+
+    def fp4(mode, N, swizzled, mx=False):
+        return keyed(nvfp4, "Fp4Key", "compiled_fp4", mode, "bfloat16", N, arch, swizzled=swizzled, mx=mx,
+                     old=(mode, "bfloat16", N, arch, swizzled, mx))
+
+    def add_rmsnorm_fp4(N, swizzled, store_y, mx=False):
+        b = "bfloat16"
+        return keyed(nvfp4, "AddRMSNormFp4Key", "compiled_add_rmsnorm_fp4", b, N, arch, res_dtype=b, w_dtype=b,
+                     swizzled=swizzled, store_y=store_y, mx=mx, old=(b, b, b, N, arch, swizzled, store_y, mx))
+
+    def quant_fp8(kind, N, mode, g, cm, ue):
+        return keyed(fp8, "Fp8Key", "compiled_fp8", kind, "bfloat16", N, arch, mode=mode, group_size=g,
+                     column_major=cm, ue8m0=ue, old=(kind, "bfloat16", N, arch, mode, g, cm, ue, False))
+
+    def rmsnorm_fp8(res, N, mode, g, store_y):
+        b = "bfloat16"
+        return keyed(fp8, "RMSNormFp8Key", "compiled_rmsnorm_fp8", b, N, arch, w_dtype=b, res_dtype=res, mode=mode,
+                     group_size=g, store_y=store_y, old=(b, res, b, N, arch, mode, g, False, False, False, store_y))
+
+    def split(x: str, has_db: bool, layernorm: bool):
+        return keyed(rmsnorm_bwd, "BackwardKey", "compiled_split_backward", x, 262144, arch, dout_dtype=x, w_dtype=x,
+                     has_db=has_db, layernorm=layernorm, old=(x, 262144, arch, x, x, None, has_db, layernorm))
 
     for fam, f in ROW_FAMILIES.items():
         if fam.startswith(only):
@@ -53,30 +78,21 @@ def jobs(arch: str, only: str):
     fwd = ROW_FAMILIES
     yield "rmsnorm_fwd_w32/bfloat16/262144", lambda: fwd["rmsnorm_fwd_w32"]("bfloat16", 262144, arch)  # staged entry
     yield "layernorm_fwd/bfloat16/16384", lambda: fwd["layernorm_fwd"]("bfloat16", 16384, arch)  # late parameters
-    yield "softmax_few/131072", lambda: compiled_softmax("forward", "bfloat16", 131072, arch, True)
-    yield "fp4/quantize", lambda: compiled_fp4("quantize", "bfloat16", 7168, arch, False)
-    yield "fp4/silu_mul", lambda: compiled_fp4("silu_mul", "bfloat16", 7168, arch, True)
-    yield "mxfp4/quantize", lambda: compiled_fp4("quantize", "bfloat16", 7168, arch, False, True)
-    yield "fp4/add_rmsnorm", lambda: compiled_add_rmsnorm_fp4("bfloat16", "bfloat16", "bfloat16", 7168, arch, False,
-                                                              True)
-    yield "mxfp4/add_rmsnorm", lambda: compiled_add_rmsnorm_fp4("bfloat16", "bfloat16", "bfloat16", 14336, arch, True,
-                                                                False, True)
-    yield "fp8/token", lambda: compiled_fp8("quantize", "bfloat16", 7168, arch, "token", 0, False, False, False)
-    yield "fp8/group", lambda: compiled_fp8("quantize", "bfloat16", 7168, arch, "group", 128, True, True, False)
-    yield "fp8/silu_mul", lambda: compiled_fp8("silu_mul", "bfloat16", 18432, arch, "group", 128, False, False, False)
-    yield "fp8/rmsnorm", lambda: compiled_rmsnorm_fp8("bfloat16", None, "bfloat16", 7168, arch, "token", 0, False,
-                                                      False, False, True)
-    yield "fp8/add_rmsnorm", lambda: compiled_rmsnorm_fp8("bfloat16", "bfloat16", "bfloat16", 131072, arch, "group",
-                                                          128, False, False, False, False)
-    def split(x: str, has_db: bool, layernorm: bool):
-        if hasattr(rmsnorm_bwd, "BackwardKey"):  # a tree since #33's compile keys (--compare reads older ones too)
-            return compiled_split_backward(rmsnorm_bwd.BackwardKey(x, 262144, arch, dout_dtype=x, w_dtype=x,
-                                                                   has_db=has_db, layernorm=layernorm))
-        return compiled_split_backward(x, 262144, arch, x, x, None, has_db, layernorm)
-
+    yield "softmax_few/131072", lambda: keyed(softmax, "SoftmaxKey", "compiled_softmax", "forward", "bfloat16", 131072,
+                                              arch, few=True, old=("forward", "bfloat16", 131072, arch, True))
+    yield "fp4/quantize", lambda: fp4("quantize", 7168, False)
+    yield "fp4/silu_mul", lambda: fp4("silu_mul", 7168, True)
+    yield "mxfp4/quantize", lambda: fp4("quantize", 7168, False, True)
+    yield "fp4/add_rmsnorm", lambda: add_rmsnorm_fp4(7168, False, True)
+    yield "mxfp4/add_rmsnorm", lambda: add_rmsnorm_fp4(14336, True, False, True)
+    yield "fp8/token", lambda: quant_fp8("quantize", 7168, "token", 0, False, False)
+    yield "fp8/group", lambda: quant_fp8("quantize", 7168, "group", 128, True, True)
+    yield "fp8/silu_mul", lambda: quant_fp8("silu_mul", 18432, "group", 128, False, False)
+    yield "fp8/rmsnorm", lambda: rmsnorm_fp8(None, 7168, "token", 0, True)
+    yield "fp8/add_rmsnorm", lambda: rmsnorm_fp8("bfloat16", 131072, "group", 128, False)
     yield "split_bwd/rmsnorm", lambda: split("bfloat16", False, False)
     yield "split_bwd/layernorm", lambda: split("float32", True, True)
-    yield "partial_sum", lambda: compiled_partial_sum(7168, 2, "bfloat16", arch)
+    yield "partial_sum", lambda: rmsnorm_bwd.compiled_partial_sum(7168, 2, "bfloat16", arch)
     yield "rowsumsq", lambda: compiled_rowsumsq("bfloat16", 8192, arch)
 
 

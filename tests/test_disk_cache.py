@@ -23,9 +23,9 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def _compile():
-    from oink.kernels.softmax import compiled_softmax
+    from oink.kernels.softmax import SoftmaxKey, compiled_softmax
 
-    return compiled_softmax("forward", "bfloat16", 4096, "sm_90a")
+    return compiled_softmax(SoftmaxKey("forward", "bfloat16", 4096, "sm_90a"))
 
 
 def test_a_fresh_cache_loads_instead_of_compiling(cache_dir):

@@ -201,7 +201,7 @@ def test_layernorm_backward_compiles(arch, dtype, w, has_db):
                                                       layernorm=True)))
 
 
-from oink.kernels.softmax import MODES, compiled_softmax  # noqa: E402
+from oink.kernels.softmax import MODES, SoftmaxKey, compiled_softmax  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -209,7 +209,7 @@ from oink.kernels.softmax import MODES, compiled_softmax  # noqa: E402
 @pytest.mark.parametrize("mode", MODES)
 def test_softmax_compiles(arch, dtype, mode):
     for N in NORM_WIDTHS:
-        assert callable(compiled_softmax(mode, dtype, N, arch))
+        assert callable(compiled_softmax(SoftmaxKey(mode, dtype, N, arch)))
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -220,7 +220,7 @@ def test_softmax_reduction_rounds_both_ways_compile(monkeypatch, arch, online):
     set_dev(monkeypatch, softmax_online=online == "1")
     for mode in ("forward", "fwd_bwd"):
         for N in (1000, 65536):
-            assert callable(compiled_softmax(mode, "bfloat16", N, arch))
+            assert callable(compiled_softmax(SoftmaxKey(mode, "bfloat16", N, arch)))
 
 
 def test_softmax_merges_online_where_it_was_measured_faster():

@@ -312,9 +312,9 @@ def _compile(arch: str, key: str, N: int):
         return compiled_rmsnorm_fp8("bfloat16", "bfloat16" if op == "add_rmsnorm" else None, "bfloat16", N, arch,
                                     mode, g, False, False, False, False)
     if family == "softmax":
-        from oink.kernels.softmax import compiled_softmax
+        from oink.kernels.softmax import SoftmaxKey, compiled_softmax
 
-        return compiled_softmax(op, x16[variant], N, arch, few)
+        return compiled_softmax(SoftmaxKey(op, x16[variant], N, arch, few=few))
     if family == "cross_entropy":
         from oink.kernels.cross_entropy import compiled_cross_entropy
 

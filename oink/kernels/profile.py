@@ -11,7 +11,7 @@ from .compile import BLOCK_THREADS, CACHE, COMPILED, driver_checked
 from .cross_entropy import compiled_cross_entropy
 from .rmsnorm import ForwardKey, compiled_forward
 from .rmsnorm_bwd import BackwardKey, compiled_backward
-from .softmax import compiled_softmax
+from .softmax import SoftmaxKey, compiled_softmax
 
 # EIATTR codes of the cubin's .nv.info notes (format 4: a u16 size, then a u32 symbol and a u32 value)
 _EIATTR = {0x2F: "registers", 0x11: "frame_bytes"}
@@ -53,9 +53,9 @@ ROW_FAMILIES = {
     "rmsnorm_bwd": lambda d, N, a: compiled_backward(BackwardKey(d, N, a, dout_dtype=d, w_dtype=d)),
     "layernorm_bwd": lambda d, N, a: compiled_backward(BackwardKey(d, N, a, dout_dtype=d, w_dtype=d, has_db=True,
                                                                    layernorm=True)),
-    "softmax_fwd": lambda d, N, a: compiled_softmax("forward", d, N, a),
-    "softmax_bwd": lambda d, N, a: compiled_softmax("backward", d, N, a),
-    "softmax_fwd_bwd": lambda d, N, a: compiled_softmax("fwd_bwd", d, N, a),
+    "softmax_fwd": lambda d, N, a: compiled_softmax(SoftmaxKey("forward", d, N, a)),
+    "softmax_bwd": lambda d, N, a: compiled_softmax(SoftmaxKey("backward", d, N, a)),
+    "softmax_fwd_bwd": lambda d, N, a: compiled_softmax(SoftmaxKey("fwd_bwd", d, N, a)),
     "ce_fwd": lambda d, N, a: compiled_cross_entropy("forward", d, "int64", N, a),
     "ce_bwd": lambda d, N, a: compiled_cross_entropy("backward", d, "int64", N, a),
     "ce_fwd_bwd": lambda d, N, a: compiled_cross_entropy("fwd_bwd", d, "int64", N, a),

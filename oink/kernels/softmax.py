@@ -10,6 +10,7 @@ Columns past N (uneven widths) load as -inf for x (exp gives 0) and 0 for dy and
 from __future__ import annotations
 
 import math
+from dataclasses import KW_ONLY, dataclass
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
@@ -119,10 +120,22 @@ class Softmax(RowKernelBase):
         self.launch_dependents()
 
 
+@dataclass(frozen=True, slots=True)
+class SoftmaxKey:
+    """What a softmax kernel is compiled for; M and strides are runtime. Built once where a launch is
+    prepared, it is the memoized compile's one argument."""
+    mode: str  # one of MODES
+    dtype: str  # torch name
+    N: int
+    arch: str
+    _: KW_ONLY
+    few: bool = False  # for calls of ``launch_table.few_rows`` rows (their own launch where the table has one)
+
+
 @memo
-def compiled_softmax(mode: str, dtype: str, N: int, arch: str, few: bool = False):
-    """Compile (or fetch) one softmax kernel for (mode, dtype, N, arch); M and strides are runtime;
-    ``few``: for calls of ``launch_table.few_rows`` rows (their own launch where the table has one)."""
+def compiled_softmax(k: SoftmaxKey):
+    """Compile (or fetch) the softmax kernel for ``k``."""
+    mode, dtype, N, arch, few = k.mode, k.dtype, k.N, k.arch, k.few
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the softmax kernels handle 1 <= N <= {MAX_N}")
     dt = cute_dtype(dtype)

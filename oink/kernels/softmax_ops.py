@@ -6,7 +6,7 @@ import torch
 from .compile import stream_of
 from .host import dense, dtype_name, row_layout, vec_for, width_reason
 from .launch_table import few_rows
-from .softmax import compiled_softmax
+from .softmax import SoftmaxKey, compiled_softmax
 
 DENSE = torch.contiguous_format
 
@@ -35,7 +35,7 @@ def _plan(mode: str, first: str, second: str | None):
         (copy_x, lda), (copy_o, ldb) = row_layout(x, vec), row_layout(other, vec)
         if not second:
             ldb = lda
-        fn = compiled_softmax(mode, dtype_name(x), N, arch, few_rows(M))
+        fn = compiled_softmax(SoftmaxKey(mode, dtype_name(x), N, arch, few=few_rows(M)))
         stream = stream_of(x.device)
 
         def run(a):
