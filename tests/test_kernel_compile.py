@@ -455,7 +455,7 @@ def test_per_head_norm_compiles(arch, D, heads):
 
 
 # ---- FP8 (every scale mode and layout flag is a compile-time variant)
-from oink.kernels.fp8 import compiled_fp8, compiled_rmsnorm_fp8, fp8_launch  # noqa: E402
+from oink.kernels.fp8 import Fp8Key, RMSNormFp8Key, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch  # noqa: E402
 
 FP8_MODES = [("static", 0, False, False, False), ("token", 0, False, False, False), ("token", 0, False, False, True)]
 FP8_MODES += [("group", g, cm, ue, False) for g in (64, 128) for cm in (False, True) for ue in (False, True)]
@@ -468,7 +468,8 @@ FP8_MODES += [("group", g, cm, ue, False) for g in (64, 128) for cm in (False, T
 def test_fp8_quantizers_compile(arch, dtype, kind, mode):
     mode_name, G, cm, ue, ub = mode
     for N in (128, 7168, 18432):  # one row a warp's worth, a predicated tail, several units a thread
-        assert callable(compiled_fp8(kind, dtype, N, arch, mode_name, G, cm, ue, ub))
+        assert callable(compiled_fp8(Fp8Key(kind, dtype, N, arch, mode=mode_name, group_size=G, column_major=cm,
+                                            ue8m0=ue, ub=ub)))
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -482,7 +483,9 @@ def test_fp8_quantizers_compile(arch, dtype, kind, mode):
 def test_fp8_fused_rmsnorm_compiles(arch, x_dtype, res_dtype, w_dtype, mode, store_y):
     mode_name, G, cm, ue, ub = mode
     for N in (4096, 7168, 131072):  # 131072: a cluster of CTAs a row (the per-token amax crosses CTAs)
-        assert callable(compiled_rmsnorm_fp8(x_dtype, res_dtype, w_dtype, N, arch, mode_name, G, cm, ue, ub, store_y))
+        assert callable(compiled_rmsnorm_fp8(RMSNormFp8Key(x_dtype, N, arch, w_dtype=w_dtype, res_dtype=res_dtype,
+                                                           mode=mode_name, group_size=G, column_major=cm, ue8m0=ue,
+                                                           ub=ub, store_y=store_y)))
 
 
 def test_fp8_groups_stay_on_aligned_lanes():
@@ -492,7 +495,7 @@ def test_fp8_groups_stay_on_aligned_lanes():
                 L = fp8_launch(N, "sm_90a", "quantize", G)
                 assert L.vec == 16 and L.threads_per_row % (G // 16) == 0
     with pytest.raises(ValueError, match="multiple of 16"):
-        compiled_fp8("quantize", "bfloat16", 24, "sm_90a", "token", 0, False, False, False)
+        compiled_fp8(Fp8Key("quantize", "bfloat16", 24, "sm_90a", mode="token"))
 
 
 def test_forward_loads_parameters_late_where_registers_limit_it():

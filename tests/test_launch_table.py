@@ -304,13 +304,14 @@ def _compile(arch: str, key: str, N: int):
             return compiled_add_rmsnorm_fp4("bfloat16", "bfloat16", "bfloat16", N, arch, False, False, mx)
         return compiled_fp4(op, "bfloat16", N, arch, False, mx)
     if family == "fp8":
-        from oink.kernels.fp8 import compiled_fp8, compiled_rmsnorm_fp8
+        from oink.kernels.fp8 import Fp8Key, RMSNormFp8Key, compiled_fp8, compiled_rmsnorm_fp8
 
         mode, g = ("group", 128) if variant == "group" else ("token", 0)
         if op in ("quantize", "silu_mul"):
-            return compiled_fp8(op, "bfloat16", N, arch, mode, g, False, False, False)
-        return compiled_rmsnorm_fp8("bfloat16", "bfloat16" if op == "add_rmsnorm" else None, "bfloat16", N, arch,
-                                    mode, g, False, False, False, False)
+            return compiled_fp8(Fp8Key(op, "bfloat16", N, arch, mode=mode, group_size=g))
+        return compiled_rmsnorm_fp8(RMSNormFp8Key("bfloat16", N, arch, w_dtype="bfloat16",
+                                                  res_dtype="bfloat16" if op == "add_rmsnorm" else None, mode=mode,
+                                                  group_size=g))
     if family == "softmax":
         from oink.kernels.softmax import SoftmaxKey, compiled_softmax
 

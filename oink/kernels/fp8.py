@@ -11,6 +11,7 @@ spec's clamp, whose min/max send NaN to +448.
 """
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -301,10 +302,44 @@ def _scale_ptrs(mode: str, ub: bool):
             None if mode == "static" else gmem_ptr(Float32, 4))
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Key:
+    """What an FP8 quantizer is compiled for (M and strides are runtime). Built once where a launch is
+    prepared, it is the memoized compile's one argument."""
+    kind: str  # "quantize" or "silu_mul"
+    dtype: str  # x's torch name
+    N: int  # the quantized width (K for silu_mul)
+    arch: str
+    _: KW_ONLY
+    mode: str  # "token", "group" or "static" (``mode_of``)
+    group_size: int = 0  # a group's width ("group" mode)
+    column_major: bool = False  # the group scales stored column-major
+    ue8m0: bool = False  # scales rounded up to powers of two
+    ub: bool = False  # a per-token scale upper bound read
+
+
+@dataclass(frozen=True, slots=True)
+class RMSNormFp8Key:
+    """What the fused (add +) RMSNorm + FP8 kernel is compiled for (M, strides and eps are runtime)."""
+    x_dtype: str
+    N: int
+    arch: str
+    _: KW_ONLY
+    w_dtype: str
+    res_dtype: str | None = None  # the residual read and updated in place, if any
+    mode: str  # as Fp8Key's
+    group_size: int = 0
+    column_major: bool = False
+    ue8m0: bool = False
+    ub: bool = False
+    store_y: bool = False  # the normalized rows stored too (in x's dtype)
+
+
 @memo
-def compiled_fp8(kind: str, dtype: str, N: int, arch: str, mode: str, group_size: int, column_major: bool,
-                 ue8m0: bool, ub: bool):
-    """Compile (or fetch) one FP8 quantizer; N is the quantized width (K for silu_mul)."""
+def compiled_fp8(k: Fp8Key):
+    """Compile (or fetch) the FP8 quantizer for ``k``."""
+    kind, dtype, N, arch, mode, group_size = k.kind, k.dtype, k.N, k.arch, k.mode, k.group_size
+    column_major, ue8m0, ub = k.column_major, k.ue8m0, k.ub
     _check_width(N, group_size)
     dt = cute_dtype(dtype)
     launch = fp8_launch(N, arch, kind, group_size)
@@ -320,9 +355,10 @@ def compiled_fp8(kind: str, dtype: str, N: int, arch: str, mode: str, group_size
 
 
 @memo
-def compiled_rmsnorm_fp8(x_dtype: str, res_dtype: str | None, w_dtype: str, N: int, arch: str, mode: str,
-                         group_size: int, column_major: bool, ue8m0: bool, ub: bool, store_y: bool):
-    """Compile (or fetch) the fused RMSNorm + FP8 kernel (with a residual when ``res_dtype``)."""
+def compiled_rmsnorm_fp8(k: RMSNormFp8Key):
+    """Compile (or fetch) the fused RMSNorm + FP8 kernel for ``k`` (with a residual when ``k.res_dtype``)."""
+    x_dtype, res_dtype, w_dtype, N, arch, mode = k.x_dtype, k.res_dtype, k.w_dtype, k.N, k.arch, k.mode
+    group_size, column_major, ue8m0, ub, store_y = k.group_size, k.column_major, k.ue8m0, k.ub, k.store_y
     _check_width(N, group_size)
     xd, wd = cute_dtype(x_dtype), cute_dtype(w_dtype)
     rd = cute_dtype(res_dtype) if res_dtype else None

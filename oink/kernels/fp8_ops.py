@@ -6,7 +6,7 @@ import torch
 
 from ..reference.fp8 import empty_scales, mode_of
 from .compile import stream_of
-from .fp8 import UNIT, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch
+from .fp8 import UNIT, Fp8Key, RMSNormFp8Key, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch
 from .host import allocator, dense, dtype_name, in_place_reason, kernel_ready_rows, row_layout, width_reason
 
 
@@ -68,10 +68,12 @@ def _plan(kind: str):
         if M:
             stream = stream_of(device)
             if norm:
-                fn = compiled_rmsnorm_fp8(dtype_name(x), dtype_name(res), dtype_name(w), N, arch, mode, g, cms, ue8m0,
-                                          has_ub, return_y)
+                fn = compiled_rmsnorm_fp8(RMSNormFp8Key(
+                    dtype_name(x), N, arch, w_dtype=dtype_name(w), res_dtype=dtype_name(res), mode=mode, group_size=g,
+                    column_major=cms, ue8m0=ue8m0, ub=has_ub, store_y=return_y))
             else:
-                fn = compiled_fp8(kind, dtype_name(x), N, arch, mode, g, cms, ue8m0, has_ub)
+                fn = compiled_fp8(Fp8Key(kind, dtype_name(x), N, arch, mode=mode, group_size=g, column_major=cms,
+                                         ue8m0=ue8m0, ub=has_ub))
 
         def run(a):
             x, scale = a["x"], a.get("scale")
