@@ -329,7 +329,8 @@ def test_cross_entropy_launch_covers_clusters():
 
 
 from oink.kernels.nvfp4 import MODES as FP4_MODES  # noqa: E402
-from oink.kernels.nvfp4 import compiled_add_rmsnorm_fp4, compiled_fp4, fp4_launch  # noqa: E402
+from oink.kernels.nvfp4 import (AddRMSNormFp4Key, Fp4Key, compiled_add_rmsnorm_fp4, compiled_fp4,  # noqa: E402
+                                fp4_launch)
 
 # one block, one warp, an odd block count (uneven rows), the study's widths, cluster widths
 FP4_WIDTHS = [16, 64, 1008, 4096, 7168, 14336, 131072, 262144]  # units per thread 1, 2, 4; clusters
@@ -341,7 +342,7 @@ FP4_WIDTHS = [16, 64, 1008, 4096, 7168, 14336, 131072, 262144]  # units per thre
 @pytest.mark.parametrize("swizzled", [False, True])
 def test_nvfp4_kernels_compile(arch, dtype, mode, swizzled):
     for N in FP4_WIDTHS:
-        assert callable(compiled_fp4(mode, dtype, N, arch, swizzled))
+        assert callable(compiled_fp4(Fp4Key(mode, dtype, N, arch, swizzled=swizzled)))
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -352,7 +353,8 @@ def test_nvfp4_kernels_compile(arch, dtype, mode, swizzled):
 def test_add_rmsnorm_fp4_compiles(arch, dtype, w, swizzled, store_y):
     wd = dtype if w == "same" else w
     for N in FP4_WIDTHS if (swizzled, store_y) == (False, False) else [1008, 7168]:
-        assert callable(compiled_add_rmsnorm_fp4(dtype, dtype, wd, N, arch, swizzled, store_y))
+        assert callable(compiled_add_rmsnorm_fp4(AddRMSNormFp4Key(dtype, N, arch, res_dtype=dtype, w_dtype=wd,
+                                                                  swizzled=swizzled, store_y=store_y)))
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -360,12 +362,13 @@ def test_add_rmsnorm_fp4_compiles(arch, dtype, w, swizzled, store_y):
 @pytest.mark.parametrize("swizzled", [False, True])
 def test_mxfp4_kernels_compile(arch, dtype, swizzled):
     for N in (32, 1056, 4096, 14336, 262144):  # units per thread 1, 2; clusters
-        assert callable(compiled_fp4("quantize", dtype, N, arch, swizzled, mx=True))
+        assert callable(compiled_fp4(Fp4Key("quantize", dtype, N, arch, swizzled=swizzled, mx=True)))
     for N in (1056, 14336, 262144):
-        assert callable(compiled_fp4("silu_mul", dtype, N, arch, swizzled, mx=True))
+        assert callable(compiled_fp4(Fp4Key("silu_mul", dtype, N, arch, swizzled=swizzled, mx=True)))
     for N in (1056, 7168, 262144):  # the fused RMSNorm: one unit, two, clusters
         w = "float32" if dtype == "bfloat16" else dtype
-        assert callable(compiled_add_rmsnorm_fp4(dtype, dtype, w, N, arch, swizzled, N == 7168, mx=True))
+        assert callable(compiled_add_rmsnorm_fp4(AddRMSNormFp4Key(dtype, N, arch, res_dtype=dtype, w_dtype=w,
+                                                                  swizzled=swizzled, store_y=N == 7168, mx=True)))
 
 
 def test_nvfp4_launch_units_are_scale_blocks():
@@ -374,7 +377,7 @@ def test_nvfp4_launch_units_are_scale_blocks():
         assert L.vec == 16 and L.iters <= 4
     assert {fp4_launch(N, "sm_90a").cluster_n for N in FP4_WIDTHS} >= {1, 2, 4}
     with pytest.raises(ValueError, match="multiple of 16"):
-        compiled_fp4("quantize", "bfloat16", 1000, "sm_90a", False)
+        compiled_fp4(Fp4Key("quantize", "bfloat16", 1000, "sm_90a"))
 
 
 def test_host_row_layout_and_vectors():

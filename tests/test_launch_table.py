@@ -297,12 +297,13 @@ def _compile(arch: str, key: str, N: int):
         x, ln = x16[variant], family == "layernorm_bwd"
         return compiled_backward(BackwardKey(x, N, arch, w_dtype=x, dout_dtype=x, has_db=ln, layernorm=ln, few=few))
     if family == "fp4":
-        from oink.kernels.nvfp4 import compiled_add_rmsnorm_fp4, compiled_fp4
+        from oink.kernels.nvfp4 import AddRMSNormFp4Key, Fp4Key, compiled_add_rmsnorm_fp4, compiled_fp4
 
         mx = variant == "32"
         if op == "add_rmsnorm":
-            return compiled_add_rmsnorm_fp4("bfloat16", "bfloat16", "bfloat16", N, arch, False, False, mx)
-        return compiled_fp4(op, "bfloat16", N, arch, False, mx)
+            return compiled_add_rmsnorm_fp4(AddRMSNormFp4Key("bfloat16", N, arch, res_dtype="bfloat16",
+                                                             w_dtype="bfloat16", mx=mx))
+        return compiled_fp4(Fp4Key(op, "bfloat16", N, arch, mx=mx))
     if family == "fp8":
         from oink.kernels.fp8 import Fp8Key, RMSNormFp8Key, compiled_fp8, compiled_rmsnorm_fp8
 

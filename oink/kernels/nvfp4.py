@@ -25,6 +25,7 @@ scales as one byte a block, row-major or in the 128x4 swizzled layout (``swizzle
 """
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -318,9 +319,38 @@ def _check_width(N: int, mx: bool) -> int:
     return block
 
 
+@dataclass(frozen=True, slots=True)
+class Fp4Key:
+    """What an FP4 quantizer is compiled for (M and strides are runtime). Built once where a launch is
+    prepared, it is the memoized compile's one argument."""
+    mode: str  # "quantize" or "silu_mul"
+    dtype: str  # x's torch name
+    N: int  # the quantized width (K for silu_mul)
+    arch: str
+    _: KW_ONLY
+    swizzled: bool = False  # the scales in the swizzled (GEMM-ready) layout
+    mx: bool = False  # MXFP4 (32-wide blocks, UE8M0 scales), not NVFP4
+
+
+@dataclass(frozen=True, slots=True)
+class AddRMSNormFp4Key:
+    """What the fused add + RMSNorm + FP4 kernel is compiled for (M, strides and eps are runtime)."""
+    x_dtype: str
+    N: int
+    arch: str
+    _: KW_ONLY
+    res_dtype: str
+    w_dtype: str
+    swizzled: bool = False
+    store_y: bool = False  # the normalized rows stored too (in x's dtype)
+    mx: bool = False
+
+
 @memo
-def compiled_add_rmsnorm_fp4(x_dtype: str, res_dtype: str, w_dtype: str, N: int, arch: str, swizzled: bool,
-                             store_y: bool, mx: bool = False):
+def compiled_add_rmsnorm_fp4(k: AddRMSNormFp4Key):
+    """Compile (or fetch) the fused add + RMSNorm + FP4 kernel for ``k``."""
+    x_dtype, res_dtype, w_dtype, N, arch = k.x_dtype, k.res_dtype, k.w_dtype, k.N, k.arch
+    swizzled, store_y, mx = k.swizzled, k.store_y, k.mx
     block = _check_width(N, mx)
     xd, rd, wd = cute_dtype(x_dtype), cute_dtype(res_dtype), cute_dtype(w_dtype)
     launch = pick(f"fp4/add_rmsnorm/{block}", arch, fp4_launch(N, arch, "add_rmsnorm", block), config.get().fp4_upt)
@@ -336,8 +366,9 @@ def compiled_add_rmsnorm_fp4(x_dtype: str, res_dtype: str, w_dtype: str, N: int,
 
 
 @memo
-def compiled_fp4(mode: str, dtype: str, N: int, arch: str, swizzled: bool, mx: bool = False):
-    """Compile (or fetch) one FP4 kernel; N is the quantized width (K for silu_mul)."""
+def compiled_fp4(k: Fp4Key):
+    """Compile (or fetch) the FP4 quantizer for ``k``."""
+    mode, dtype, N, arch, swizzled, mx = k.mode, k.dtype, k.N, k.arch, k.swizzled, k.mx
     block = _check_width(N, mx)
     dt = cute_dtype(dtype)
     launch = pick(f"fp4/{mode}/{block}", arch, fp4_launch(N, arch, mode, block), config.get().fp4_upt)

@@ -10,7 +10,7 @@ import torch
 from .compile import stream_of
 from ..reference.nvfp4 import round_up
 from .host import allocator, dense, dtype_name, in_place_reason, kernel_ready_rows, row_layout, width_reason
-from .nvfp4 import BLOCK, MX_BLOCK, compiled_add_rmsnorm_fp4, compiled_fp4
+from .nvfp4 import BLOCK, MX_BLOCK, AddRMSNormFp4Key, Fp4Key, compiled_add_rmsnorm_fp4, compiled_fp4
 
 
 def check_quantize(t: dict, arch: str) -> str | None:
@@ -76,10 +76,11 @@ def _plan(mode: str, mx: bool = False):
         else:
             outputs, stream = _output_allocators(M, N, device, swizzled, block), stream_of(device)
             if norm:
-                fn = compiled_add_rmsnorm_fp4(dtype_name(x), dtype_name(res), dtype_name(w), N, arch, swizzled,
-                                              return_y, mx)
+                fn = compiled_add_rmsnorm_fp4(AddRMSNormFp4Key(
+                    dtype_name(x), N, arch, res_dtype=dtype_name(res), w_dtype=dtype_name(w), swizzled=swizzled,
+                    store_y=return_y, mx=mx))
             else:
-                fn = compiled_fp4(mode, dtype_name(x), N, arch, swizzled, mx)
+                fn = compiled_fp4(Fp4Key(mode, dtype_name(x), N, arch, swizzled=swizzled, mx=mx))
 
         def run(a):
             x, gs = a["x"], a.get("global_scale")
