@@ -398,7 +398,8 @@ class CrossEntropy(RowKernelBase):
 
     @cute.jit
     def capped(self, x, rX: cute.Tensor, inside):
-        """fp32 values x through the softcap c: c * tanh(x / c) (+-inf to +-c; ``capped_one``), the columns outside the row (``inside`` false) back to -inf; x itself without a softcap."""
+        """fp32 values x through the softcap c: c * tanh(x / c) (+-inf to +-c; ``capped_one``), the columns
+        outside the row (``inside`` false) back to -inf; x itself without a softcap."""
         c = self.options.softcap
         if const_expr(c is None):
             return x
