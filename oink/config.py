@@ -65,10 +65,6 @@ class Config:
     bwd_split: bool | None = None  # the norm backward's split kernels (forced either way)
     softmax_online: bool | None = None  # the softmax's max and sum in one reduction round (forced either way)
     ce_stream: bool | None = None  # the cross-entropy kernels stream their rows (forced either way)
-    # TEMPORARY (issue #32 item FP8, A/B; forced either way): the FP8 kernels' lean epilogue: a value's division by
-    # its token or group scale through the scale's reciprocal and one exact FMA correction (not one div.rn, a
-    # MUFU and a branch, a value), and the fused RMSNorm's rounding to bf16 two values a cvt (not one)
-    fp8_lean: bool | None = None
 
 
 DEV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not dataclasses.MISSING}

@@ -23,6 +23,7 @@ import torch
 from oink import config  # noqa: E402
 from oink.kernels import cross_entropy as ce  # noqa: E402
 from oink.kernels.compile import CACHE  # noqa: E402
+from oink.kernels.fp8 import whole_warp_launch  # noqa: E402
 from oink.kernels.reduction import RowLaunch, cluster_rows, pick_row_launch  # noqa: E402
 from oink.tune import keys_of, time_op, trial  # noqa: E402
 from pytest_oink.bench_runner import gate  # noqa: E402
@@ -46,17 +47,6 @@ def _by_values(N, vec, maxvec=8):
     return pick_row_launch(N, 128 // maxvec, units_per_thread=4 * scale, max_units_per_thread=4 * scale)
 
 
-def _whole_warps(N, vec, max_iters=4):
-    """Issue #32 item FP8 (temporary probe): whole warps a row, at most ``max_iters`` accesses a thread, the
-    least padding (within 5% of the row, the accesses a thread nearest 2): 2560 / 16 = 160 x 1, 4992: 160 x 2,
-    11008: 352 x 2, where the FP8 rule's power of two leaves 96 of 256, 200 of 512 and 336 of 1024 idle."""
-    units = N // vec
-    fits = [(tpr * -(-units // tpr) - units, -(-units // tpr), tpr) for tpr in range(32, 1025, 32)
-            if -(-units // tpr) <= max_iters]
-    _, _, tpr = min(fits, key=lambda f: (f[0] > 0.05 * units, abs(f[1] - 2), f[0]))
-    return RowLaunch(N=N, vec=vec, threads_per_row=tpr, num_threads=max(128, tpr))
-
-
 RULES = {
     "values": _by_values,
     "small8": lambda N, vec: cluster_rows(N, vec, 16, 128, 8),
@@ -68,13 +58,12 @@ RULES = {
     "small8p": lambda N, vec: cluster_rows(N, vec, 16, 128, 8, exact=False),
     "mid8p": lambda N, vec: cluster_rows(N, vec, 16, 256, 8, exact=False),
     "quacklike": _quack_like,
-    "wholewarps": _whole_warps,
+    "wholewarps": whole_warp_launch,  # the FP8 kernels' rule, for the other families
 }
 
 
 # rules that are a development setting the op reads (oink.config.DEV), its launches its own
-SETTING_RULES = {"stream": {"ce_stream": True}, "held": {"ce_stream": False},
-                 "lean": {"fp8_lean": True}}  # lean: temporary, issue #32 item FP8
+SETTING_RULES = {"stream": {"ce_stream": True}, "held": {"ce_stream": False}}
 
 
 def _set_rules(names) -> None:
@@ -144,7 +133,7 @@ def main(argv=None) -> int:
                         ce.STREAM_UNITS = int(part[6:])
                     elif part != "current":
                         for (key, arch, width), default in rkeys.items():
-                            L = RULES[part](width, default.vec)
+                            L = RULES[part](width, default.vec) or default  # None: the rule has no launch
                             shapes[key] = forced[(key, arch, width)] = (
                                 L.threads_per_row, L.num_threads, L.cluster_n)
                 with trial(forced):

@@ -44,12 +44,28 @@ def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None)
         "=r,f,f,f,f", [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)], loc, ip))
 
 
+def whole_warp_launch(N: int, vec: int, max_iters: int = 4) -> RowLaunch | None:
+    """A row over whole warps with at most ``max_iters`` accesses a thread and the least padding (within 5% of
+    the row, the accesses a thread nearest 2): 2560 / 16 = 160 threads x 1, 4992: 160 x 2, 11008: 352 x 2, where
+    a power of two of threads leaves 96 of 256, 200 of 512 and 336 of 1024 idle. None past 1024 threads."""
+    units = N // vec
+    fits = [(tpr * -(-units // tpr) - units, -(-units // tpr), tpr) for tpr in range(32, 1025, 32)
+            if -(-units // tpr) <= max_iters]
+    if not fits:
+        return None
+    _, _, tpr = min(fits, key=lambda f: (f[0] > 0.05 * units, abs(f[1] - 2), f[0]))
+    return RowLaunch(N=N, vec=vec, threads_per_row=tpr, num_threads=tpr * -(-128 // tpr))  # CTAs >= 128 threads
+
+
 def fp8_launch(N: int, arch: str, kind: str, group_size: int, op: str | None = None) -> RowLaunch:
     """Launch heuristic for the FP8 kernels (the one place it is chosen): the tuned table's shape for
-    (op, group or row scales), else the FP4 kernels' tiling with 16-value units (the same register
-    budget a unit); checked to keep a group within a warp's aligned lanes."""
-    launch = pick(f"fp8/{op or kind}/{'group' if group_size else 'row'}", arch, fp4_launch(N, arch, kind, UNIT),
-                  config.get().fp4_upt)
+    (op, group or row scales), else whole warps a row (``whole_warp_launch``; rows past 1024 threads: the FP4
+    kernels' tiling with 16-value units, clusters included); checked to keep a group within a warp's aligned
+    lanes. ``fp4_upt`` (a sweep's dial) sets the FP4 tiling."""
+    knob = config.get().fp4_upt
+    rule = None if knob else whole_warp_launch(N, UNIT)
+    launch = pick(f"fp8/{op or kind}/{'group' if group_size else 'row'}", arch, rule or fp4_launch(N, arch, kind, UNIT),
+                  knob)
     lanes = group_size // UNIT
     if group_size and (launch.threads_per_row % lanes or launch.vec != UNIT):
         raise ValueError(f"N={N}: no launch keeps a {group_size}-wide group on aligned lanes")
@@ -101,9 +117,6 @@ class Fp8Epilogue:
     column_major: bool
     ue8m0: bool
     amax_slot: int = 0
-    # divide through the scale's reciprocal (``quotient_sat``): the ``fp8_lean`` development setting, read
-    # when the kernel object is built (the compile cache keys on it)
-    rcp: bool = False
 
     @cute.jit
     def quantize_store(self, rV: cute.Tensor, tXcX: cute.Tensor, row: Int32, M: Int32, cy, mScale, mUb,
@@ -133,9 +146,8 @@ class Fp8Epilogue:
                 leader = leader and cy == 0
             if leader and row < M:
                 mS[row] = s_row
-            if const_expr(self.rcp):
-                y_row = div_rn(Float32(1.0), s_row)
-                sp_row = finite_or_zero(s_row)
+            y_row = div_rn(Float32(1.0), s_row)  # the divisor's reciprocal once a row (``quotient_sat``)
+            sp_row = finite_or_zero(s_row)
         for i in cutlass.range_constexpr(units):
             col0 = tXcX[(0, 0), 0, i][1]
             unit = rV[None, None, i]
@@ -153,13 +165,12 @@ class Fp8Epilogue:
                     bits = f32_bits(s)
                     up = ((bits & 0x7FFFFF) + 0x7FFFFF) >> 23  # 1 where the mantissa is not zero
                     s = f32_from_bits(Int32((((bits >> 23) & 0xFF) + up) << 23))
-                if const_expr(self.rcp):
-                    y = div_rn(Float32(1.0), s)
-                    sp = finite_or_zero(s)
+                y = div_rn(Float32(1.0), s)
+                sp = finite_or_zero(s)
             if row < M and col0 < L.N:
                 for w in cutlass.range_constexpr(UNIT // 4):
-                    t = [self.scaled(unit[4 * w + j], inv, s) for j in range(4)]
-                    if const_expr(self.rcp and self.mode != "static"):
+                    t = [self.scaled(unit[4 * w + j], inv) for j in range(4)]
+                    if const_expr(self.mode != "static"):
                         t = [quotient_sat(unit[4 * w + j], y, sp, const_expr(mUb is None)) for j in range(4)]
                     rQ[w] = e4m3x4(t[0], t[1], t[2], t[3])
                 cute.copy(q_atom, rQ, cute.local_tile(mQ, (1, UNIT // 4), (row, col0 // UNIT))[0, None])
@@ -173,13 +184,10 @@ class Fp8Epilogue:
                             mS[row * (L.N // self.group_size) + g] = s
 
     @cute.jit
-    def scaled(self, v: Float32, inv: Float32, s: Float32) -> Float32:
-        """v scaled into e4m3's range and clamped: min/max return the non-NaN operand, so NaN -> +448.
-        (With ``rcp``, not used for the token and group modes: ``quotient_sat``.)"""
-        t = v * inv
-        if const_expr(self.mode != "static"):
-            t = div_rn(v, s)
-        return cute.arch.fmax(cute.arch.fmin(t, Float32(E4M3_MAX)), Float32(-E4M3_MAX))
+    def scaled(self, v: Float32, inv: Float32) -> Float32:
+        """v times the static scale's reciprocal, clamped: min/max return the non-NaN operand, so NaN -> +448.
+        (The token and group modes divide: ``quotient_sat``.)"""
+        return cute.arch.fmax(cute.arch.fmin(v * inv, Float32(E4M3_MAX)), Float32(-E4M3_MAX))
 
 
 def _scale_tensors(self, pscale, pub, ps, M):
@@ -203,7 +211,6 @@ class Fp8Quantize(Fp8Epilogue, RowKernelBase):
         super().__init__(launch, num_reductions=1 if mode == "token" else 0)
         self.dtype, self.kind, self.mode = dtype, kind, mode
         self.group_size, self.column_major, self.ue8m0 = group_size, column_major, ue8m0
-        self.rcp = bool(config.get().fp8_lean)
 
     @cute.jit
     def __call__(self, px: cute.Pointer, pscale: Optional[cute.Pointer], pub: Optional[cute.Pointer],
@@ -241,7 +248,6 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         self.num_reductions = 2
         self.mode, self.group_size, self.column_major, self.ue8m0 = mode, group_size, column_major, ue8m0
         self.store_y = store_y
-        self.rcp = bool(config.get().fp8_lean)
 
     @cute.jit
     def __call__(self, px: cute.Pointer, pres: Optional[cute.Pointer], pw: cute.Pointer,
@@ -268,7 +274,7 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         # the residual output aliases the residual: each element is read before it is written
         v, rX, _, _ = self.normalize(mX, mW, None, mRes, mRes, eps, bidx, buf, mbar, part, tXcX, row, M)
         rV = cute.make_rmem_tensor_like(rX, Float32)
-        if const_expr(self.rcp and mY is None and self.x_dtype == cutlass.BFloat16):
+        if const_expr(mY is None and self.x_dtype == cutlass.BFloat16):
             # rounded to bf16 two values a cvt (the conversion below takes one cvt a value)
             rV.store(v)
             for j in cutlass.range_constexpr(0, cute.size(rV), 2):
@@ -284,11 +290,6 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
             rV.store(rY.load().to(Float32))
         self.quantize_store(rV, tXcX, row, M, cy, mScale, mUb, mQ, mS, buf, mbar)
         self.launch_dependents()
-
-
-def _rcp_key(mode: str) -> tuple:
-    """The compile-cache key's part for the ``fp8_lean`` setting (nothing when off: the keys stay as they were)."""
-    return ("rcp",) if config.get().fp8_lean else ()
 
 
 def _check_width(N: int, group_size: int) -> None:
@@ -350,8 +351,7 @@ def compiled_fp8(k: Fp8Key):
                               pscale, pub, gmem_ptr(Uint32, 16), ps, Int32(1), Int64(launch.vec), fake_stream(),
                               arch=arch)
 
-    return CACHE.get(("fp8", kind, dtype, N, arch, mode, group_size, column_major, ue8m0, ub, launch)
-                     + _rcp_key(mode), build)
+    return CACHE.get(("fp8", kind, dtype, N, arch, mode, group_size, column_major, ue8m0, ub, launch), build)
 
 
 @memo
@@ -373,4 +373,4 @@ def compiled_rmsnorm_fp8(k: RMSNormFp8Key):
                               Float32(1e-6), fake_stream(), arch=arch)
 
     return CACHE.get(("rmsnorm_fp8", x_dtype, res_dtype, w_dtype, N, arch, mode, group_size, column_major, ue8m0, ub,
-                      store_y, launch) + _rcp_key(mode), build)
+                      store_y, launch), build)
