@@ -278,16 +278,18 @@ def test_cross_entropy_in_place_compiles(arch, dtype, mode):
                      inplace=True)
 
 
+@pytest.mark.parametrize("lean", [None, True], ids=["fold", "stream_lean"])
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("mode", CE_MODES)
-def test_cross_entropy_streamed_rows_compile(monkeypatch, arch, dtype, mode):
+def test_cross_entropy_streamed_rows_compile(monkeypatch, arch, dtype, mode, lean):
     """Streamed rows forced at every width (one pass, several, a partial last one, clusters; odd
     widths through aligned windows, or element accesses where dlogits' rows lie elsewhere), and the
-    register-held forward at widths that stream by default (the A/B switch's other side)."""
+    register-held forward at widths that stream by default (the A/B switch's other side); with the
+    TEMPORARY ``ce_stream_lean`` fold (issue #32 item 5: no +inf branch a tile) too."""
     from oink.kernels import cross_entropy as ce
 
-    set_dev(monkeypatch, ce_stream=True)
+    set_dev(monkeypatch, ce_stream=True, ce_stream_lean=lean)
     for N in [7, 1000, 32000, 50257, 200008, 262144]:
         assert ce.stream_rows(N, 16, mode)
         assert callable(compiled_cross_entropy(mode, dtype, "int64", N, arch))

@@ -99,6 +99,16 @@ def stream_launch(N: int, x_bits: int) -> RowLaunch:
     return RowLaunch(N=N, vec=vec, threads_per_row=threads, num_threads=threads, cluster_n=cluster_n)
 
 
+def stream_lean(mode: str, options: "CEOptions") -> bool:
+    """Whether a streamed row of ``mode`` with ``options`` takes the ``ce_stream_lean`` development setting's fold
+    (TEMPORARY, issue #32 item 5; off by default): each tile folds into the thread's (max, sum of exp) as the plain
+    online softmax, with no +inf branch (ptxas if-converts ``fold_posinf``'s, so every row paid its +inf count a
+    logit, about 4 instructions of 14), and a thread whose max came out +inf counts its +inf logits by reading its
+    tiles once more (``stream_count_posinf``). The forward's sums only (and the fused mode's, streamed), without
+    a softcap (capped logits are finite)."""
+    return mode != "backward" and options.softcap is None and bool(config.get().ce_stream_lean)
+
+
 @dataclasses.dataclass(frozen=True)
 class CEOptions:
     """The cross-entropy options, compile-time constants of a kernel (``oink.reference.cross_entropy``
@@ -149,6 +159,8 @@ class CrossEntropy(RowKernelBase):
         self.n = launch.N if n is None else n
         self.shifted = self.n != launch.N
         self.stream = stream
+        # ``stream_lean``: read when the kernel object is built (the compile cache keys on it)
+        self.lean = stream and stream_lean(mode, options)
         if stream:
             width, passes = self.stream_tiling()
             self.padded = passes * width * launch.cluster_n != launch.N or self.shifted
@@ -323,13 +335,16 @@ class CrossEntropy(RowKernelBase):
                     shift = m_new
                     if m_new == Float32(-math.inf):  # only -inf so far: sums stay 0, never NaN
                         shift = Float32(0.0)
-                    if const_expr(self.posinf):
+                    if const_expr(self.posinf and not self.lean):
                         s = self.fold_posinf(m, s, m_new, shift, x)
-                    else:
+                    else:  # (lean: a tile holding +inf makes s NaN; recounted below)
                         s = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
                             (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
                                                                        reduction_profile=0)
                     m = m_new
+                if const_expr(self.lean):
+                    if m == Float32(math.inf):  # only threads that met a +inf: their count, a NaN still NaN
+                        s = self.stream_count_posinf(src, ident, thr, at, cy * passes, passes, lo)
             self.wait_cluster()
             if const_expr(self.options.label_smoothing):
                 m, s, sx = self.merge_max_sum(m, s, buf, mbar, sx, self.posinf)
@@ -567,6 +582,23 @@ class CrossEntropy(RowKernelBase):
                                                            reduction_profile=0)
         return s_new
 
+    @cute.jit
+    def stream_count_posinf(self, src: cute.Tensor, ident: cute.Tensor, thr, at, first, passes, lo) -> Float32:
+        """The count of +inf values in this thread's tiles ``first`` .. ``first + passes - 1`` of a streamed row,
+        read again (NaN if one is NaN): the ``ce_stream_lean`` fold's sum where the thread's max is +inf, which
+        ``merge_max_sum(posinf=True)`` adds over the row as ``fold_posinf``'s. Only such threads pay."""
+        k = Float32(0.0)
+        for p in cutlass.range(passes, unroll=2):
+            rX, _ = self.stream_tile(src, ident, thr, at, first + p, lo)
+            x = rX.load().to(Float32)
+            for i in cutlass.range_constexpr(cute.size(x.shape)):
+                v = x[i]
+                if v == Float32(math.inf):
+                    k = k + Float32(1.0)
+                if v != v:
+                    k = k + v
+        return k
+
     def stream_tiling(self) -> tuple[int, int]:
         """(columns a streamed tile covers, tiles a CTA passes over)."""
         L = self.launch
@@ -707,5 +739,6 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
 
     key = ("cross_entropy", mode, dtype, target_dtype, store_lse, N, arch, launch)
     key += (STREAM_UNITS,) if stream else ()
+    key += ("lean",) if stream and stream_lean(mode, options) else ()
     key = key if options.plain else key + (options,)
     return CACHE.get(key + ("inplace",) if inplace else key, build)
