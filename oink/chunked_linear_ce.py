@@ -325,10 +325,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                    "gradients are computed in the forward and scaled in place once")
             ctx.scaled = True
             dh, dw, db = ctx.saved_tensors
-            g = dloss
-            for t in (dh, dw, db):
-                if t.numel():
-                    t.mul_(g.to(t.dtype))
+            # one vectorized pass a tensor, the scalar read on the device in fp32 (with a 0-d operand, mul_
+            # takes the strided, unvectorized elementwise kernel: the backward's cost at a large lm head)
+            grads = [t for t in (dh, dw, db) if t.numel()]
+            if grads:
+                torch._foreach_mul_(grads, dloss.float())
         return (dh if need_dh else None, dw if need_dw else None, None, db if need_db else None,
                 None, None, None, None, None, None, None, None, None, None, None)
 
