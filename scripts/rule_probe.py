@@ -60,6 +60,7 @@ RULES = {
     "mid8p": lambda N, vec: cluster_rows(N, vec, 16, 256, 8, exact=False),
     "quacklike": _quack_like,
     "wholewarps": whole_warp_launch,  # the FP8 kernels' rule, for the other families
+    "wholewarps4": lambda N, vec: whole_warp_launch(N, vec, iters=4),
 }
 
 

@@ -44,16 +44,16 @@ def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None)
         "=r,f,f,f,f", [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)], loc, ip))
 
 
-def whole_warp_launch(N: int, vec: int, max_iters: int = 4) -> RowLaunch | None:
+def whole_warp_launch(N: int, vec: int, max_iters: int = 4, iters: int = 2) -> RowLaunch | None:
     """A row over whole warps with at most ``max_iters`` accesses a thread and the least padding (within 5% of
-    the row, the accesses a thread nearest 2): 2560 / 16 = 160 threads x 1, 4992: 160 x 2, 11008: 352 x 2, where
+    the row, the accesses a thread nearest ``iters``): 2560 / 16 = 160 threads x 1, 4992: 160 x 2, 11008: 352 x 2, where
     a power of two of threads leaves 96 of 256, 200 of 512 and 336 of 1024 idle. None past 1024 threads."""
     units = N // vec
     fits = [(tpr * -(-units // tpr) - units, -(-units // tpr), tpr) for tpr in range(32, 1025, 32)
             if -(-units // tpr) <= max_iters]
     if not fits:
         return None
-    _, _, tpr = min(fits, key=lambda f: (f[0] > 0.05 * units, abs(f[1] - 2), f[0]))
+    _, _, tpr = min(fits, key=lambda f: (f[0] > 0.05 * units, abs(f[1] - iters), f[0]))
     return RowLaunch(N=N, vec=vec, threads_per_row=tpr, num_threads=tpr * -(-128 // tpr))  # CTAs >= 128 threads
 
 
