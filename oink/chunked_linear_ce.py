@@ -325,11 +325,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                    "gradients are computed in the forward and scaled in place once")
             ctx.scaled = True
             dh, dw, db = ctx.saved_tensors
-            # one vectorized pass a tensor, the scalar read on the device in fp32 (with a 0-d operand, mul_
-            # takes the strided, unvectorized elementwise kernel: the backward's cost at a large lm head)
             grads = [t for t in (dh, dw, db) if t.numel()]
-            if grads:
-                torch._foreach_mul_(grads, dloss.float())
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                for t in grads:  # no host read in a capture: the scalar stays on the device
+                    t.mul_(dloss.to(t.dtype))
+            else:
+                # read on the host (one sync, as Liger's): loss.backward()'s 1 skips the pass over dweight, and a
+                # host scalar takes the vectorized kernel (a 0-d device operand takes the strided one)
+                g = dloss.item()
+                if g != 1.0:
+                    for t in grads:
+                        t.mul_(g)
         return (dh if need_dh else None, dw if need_dw else None, None, db if need_db else None,
                 None, None, None, None, None, None, None, None, None, None, None)
 
