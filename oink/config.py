@@ -69,6 +69,11 @@ class Config:
     # plain online softmax (no +inf branch a tile: ptxas if-converts fold_posinf's, so every row paid its +inf count
     # a logit) and a thread whose max came out +inf counts its +inf logits by reading its tiles again
     ce_stream_lean: bool | None = None
+    # TEMPORARY (issue #32 item 5, A/B; off unless True): a streamed row of an odd width (read through its aligned
+    # window) sets the columns of the rows beside it to -inf only in the tiles that can hold its edge vectors (its
+    # first, its last one or two), where a compare and a select a logit of every tile paid for it (ptxas if-converts
+    # the test a vector)
+    ce_stream_edge: bool | None = None
 
 
 DEV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not dataclasses.MISSING}

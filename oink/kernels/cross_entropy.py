@@ -161,6 +161,9 @@ class CrossEntropy(RowKernelBase):
         self.stream = stream
         # ``stream_lean``: read when the kernel object is built (the compile cache keys on it)
         self.lean = stream and stream_lean(mode, options)
+        # the ``ce_stream_edge`` development setting (TEMPORARY, issue #32 item 5): a streamed shifted row masks its
+        # window's columns outside the row only in its edge tiles (``stream_tile``); the compile cache keys on it
+        self.edge = stream and self.n != launch.N and bool(config.get().ce_stream_edge)
         if stream:
             width, passes = self.stream_tiling()
             self.padded = passes * width * launch.cluster_n != launch.N or self.shifted
@@ -624,13 +627,25 @@ class CrossEntropy(RowKernelBase):
                 cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
             elif first < L.N:
                 cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
-                if const_expr(self.shifted):  # an edge vector: its columns of the rows beside
-                    if first < lo or first + L.vec > lo + self.n:
-                        r_i, c_i = rX[None, None, i], tXcX[None, None, i]
-                        for j in cutlass.range_constexpr(cute.size(r_i)):
-                            if c_i[j][1] < lo or c_i[j][1] >= lo + self.n:
-                                r_i[j] = r_i.element_type(-math.inf)
+                if const_expr(self.shifted and not self.edge):
+                    self.mask_edge(rX, tXcX, i, lo)
+        if const_expr(self.edge):
+            # only the window's vector 0 and its last two (the row ends in one of them) hold columns outside the
+            # row: a test a tile, uniform over the CTA, where one a vector became a compare and a select a logit
+            if tile == 0 or tile >= (L.N // L.vec - 2) // (STREAM_UNITS * L.threads_per_row):
+                for i in cutlass.range_constexpr(STREAM_UNITS):
+                    self.mask_edge(rX, tXcX, i, lo)
         return rX, tXcX
+
+    @cute.jit
+    def mask_edge(self, rX: cute.Tensor, tXcX: cute.Tensor, i: cutlass.Constexpr, lo):
+        """Vector ``i`` of a shifted row's streamed tile, if an edge vector: its columns of the rows beside -inf."""
+        first = tXcX[(0, 0), 0, i][1]
+        if first < lo or first + self.launch.vec > lo + self.n:
+            r_i, c_i = rX[None, None, i], tXcX[None, None, i]
+            for j in cutlass.range_constexpr(cute.size(r_i)):
+                if c_i[j][1] < lo or c_i[j][1] >= lo + self.n:
+                    r_i[j] = r_i.element_type(-math.inf)
 
     @cute.jit
     def store_stream_tile(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, lo):
@@ -740,5 +755,6 @@ def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arc
     key = ("cross_entropy", mode, dtype, target_dtype, store_lse, N, arch, launch)
     key += (STREAM_UNITS,) if stream else ()
     key += ("lean",) if stream and stream_lean(mode, options) else ()
+    key += ("edge",) if stream and width and config.get().ce_stream_edge else ()
     key = key if options.plain else key + (options,)
     return CACHE.get(key + ("inplace",) if inplace else key, build)
