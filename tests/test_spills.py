@@ -188,3 +188,16 @@ def test_cross_entropy_stream_settings_do_not_spill(keep_cubin, monkeypatch, set
         if res["frame_bytes"]:
             spilled[(mode, N, sets[o])] = res
     assert checked >= 4 and not spilled, f"{setting} {dtype} {arch}: {spilled}"
+
+
+# the fused cross-entropy's rule for full-width 16-bit rows of 8192 columns or more (``cross_entropy_launch``):
+# widths no suite or search names, the widest a 128-thread CTA at 8 accesses in a cluster of 16 (or 8) holds
+CE_FUSED_WIDTHS = (8192, 12800, 40960, 98304, 180224, 262144)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_cross_entropy_fused_rule_does_not_spill(keep_cubin, arch):
+    found = {N: _resources("ce_fwd_bwd", "bfloat16", N, arch) for N in CE_FUSED_WIDTHS}
+    spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"]}
+    assert not spilled, f"ce_fwd_bwd bfloat16 {arch} spills at (launch, resources) {spilled}"
+    assert all(r[1]["registers"] > 0 for r in found.values())

@@ -33,7 +33,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick
-from .reduction import LOG2E, MAX_CLUSTER, MAX_N, WARP, RowKernelBase, RowLaunch, add, pick_row_launch
+from .reduction import LOG2E, MAX_CLUSTER, MAX_N, WARP, RowKernelBase, RowLaunch, add, cluster_rows, pick_row_launch
 
 MODES = ("forward", "backward", "fwd_bwd")
 
@@ -47,7 +47,10 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", 
     CTAs a SM keep more rows loading while others reduce; a 16-bit sm_90a forward past 8 CTAs of 256
     takes a cluster of 16 (a non-portable size, as Quack's); a shifted one, one CTA of up to 1024
     threads as long as it can. The modes that write dlogits lose more to a spill: 5 units a thread,
-    then a larger cluster."""
+    then a larger cluster; but the fused forward+backward's 16-bit rows of 8192 columns or more take the wide
+    norms' rule, 128-thread CTAs over the smallest cluster that holds the row in 8 accesses a thread (16
+    CTAs on sm_90a, 8 on sm_100a): it gives the 8 shapes the H100's search had found there, and on an H200
+    was 10-37% faster than the rule before at 8192-256000 columns (bench/RESULTS.md)."""
     vec = math.gcd(N, 128 // x_bits)
     if mode == "forward" and HELD_THREADS * 4 < N // vec <= HELD_THREADS * HELD_MAX_UNITS:
         return RowLaunch(N=N, vec=vec, threads_per_row=HELD_THREADS, num_threads=HELD_THREADS)
@@ -58,6 +61,9 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", 
             return small
         if arch == "sm_90a" and x_bits == 16 and 256 * 8 * 8 < units <= 256 * 16 * 8:
             return dataclasses.replace(small, cluster_n=16)
+    if mode == "fwd_bwd" and x_bits == 16 and not shifted and vec == 8 and N // vec >= 1024:
+        # the fused mode's full-width rows of 8192 columns or more: 128-thread CTAs over a cluster (``cluster_rows``)
+        return cluster_rows(N, vec, 16 if arch == "sm_90a" else MAX_CLUSTER, 128, 8)
     return pick_row_launch(N, x_bits, max_units_per_thread=8 if mode == "forward" else 5)
 
 
