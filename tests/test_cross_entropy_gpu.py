@@ -14,7 +14,8 @@ from tests.gpu_helpers import DTYPES, MS, close_family, kernel, poison_allocator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
 
-NS = (64, 1000, 3072, 6144, 50257, 128256, 262144)
+# 12800 and 98304: the fused mode's cluster rule at widths no search named
+NS = (64, 1000, 3072, 6144, 12800, 50257, 98304, 128256, 262144)
 IGNORE = -100
 # TEMPORARY (issue #32 item 5): the streamed rows' A/B development settings, by test id: the default fold, the
 # ce_stream_lean fold (no +inf branch a tile), ce_stream_edge (a shifted row's edge masks in its edge tiles only), both
