@@ -3,15 +3,17 @@ code around the kernels (comments, docstrings, host-side settings) left every ke
 
 Every row kernel family the public ops launch (``oink.kernels.profile.ROW_FAMILIES``) at two widths and
 two dtypes, the staged and late-parameter forwards, the few-row softmax, FP4 and FP8 kernels, the split
-norm backward, the partials' sum and rowsumsq, for sm_90a and sm_100a (130 kernels, about 2 min on 2
-cores). Compare a tree before a change with the working tree:
+norm backward, the partials' sum and rowsumsq, cross-entropy kernels with the key's other fields (target
+dtype, lse, window, options, in place), for sm_90a and sm_100a (140 kernels, about 2 min on 2 cores).
+Compare a tree before a change with the working tree:
 
     git archive HEAD oink pytest_oink | tar -x -C /tmp/before
     PYTHONPATH=/tmp/before python3 scripts/cubin_hashes.py /tmp/before.json
     PYTHONPATH=. python3 scripts/cubin_hashes.py /tmp/after.json
     python3 scripts/cubin_hashes.py --compare /tmp/before.json /tmp/after.json   # exit 1 if any differs
 
-``--only ce_`` limits the row families to those whose name starts so (and skips the others).
+``--only ce_`` limits the row families (and the flagged cross-entropy kernels) to those whose name starts so
+(and skips the others).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def compare(before: str, after: str) -> int:
 
 
 def jobs(arch: str, only: str):
-    from oink.kernels import fp8, nvfp4, rmsnorm_bwd, softmax
+    from oink.kernels import cross_entropy, fp8, nvfp4, rmsnorm_bwd, softmax
     from oink.kernels.profile import ROW_FAMILIES
     from oink.kernels.rowsumsq import compiled_rowsumsq
 
@@ -64,6 +66,12 @@ def jobs(arch: str, only: str):
         return keyed(fp8, "RMSNormFp8Key", "compiled_rmsnorm_fp8", b, N, arch, w_dtype=b, res_dtype=res, mode=mode,
                      group_size=g, store_y=store_y, old=(b, res, b, N, arch, mode, g, False, False, False, store_y))
 
+    def ce(mode, dtype, target, N, store_lse=True, window=True, options=None, inplace=False):
+        options = options or cross_entropy.PLAIN
+        return keyed(cross_entropy, "CrossEntropyKey", "compiled_cross_entropy", mode, dtype, target, N, arch,
+                     store_lse=store_lse, window=window, options=options, inplace=inplace,
+                     old=(mode, dtype, target, N, arch, store_lse, window, options, inplace))
+
     def split(x: str, has_db: bool, layernorm: bool):
         return keyed(rmsnorm_bwd, "BackwardKey", "compiled_split_backward", x, 262144, arch, dout_dtype=x, w_dtype=x,
                      has_db=has_db, layernorm=layernorm, old=(x, 262144, arch, x, x, None, has_db, layernorm))
@@ -73,6 +81,16 @@ def jobs(arch: str, only: str):
             for d in ("bfloat16", "float32"):
                 for N in (32000, 128256) if fam.startswith("ce_") else (7168, 65536):
                     yield f"{fam}/{d}/{N}", lambda f=f, d=d, N=N: f(d, N, arch)
+    every = cross_entropy.CEOptions(0.1, 1e-4, 30.0)
+    flagged = {  # the cross-entropy key's other fields
+        "ce_fwd/int32/no_lse/4096": lambda: ce("forward", "bfloat16", "int32", 4096, store_lse=False),
+        "ce_bwd/no_window/50257": lambda: ce("backward", "bfloat16", "int64", 50257, window=False),
+        "ce_fwd_bwd/options/50257": lambda: ce("fwd_bwd", "bfloat16", "int64", 50257, options=every),
+        "ce_bwd/in_place/128256": lambda: ce("backward", "float32", "int64", 128256, inplace=True),
+        "ce_fwd_bwd/in_place/options/32000": lambda: ce("fwd_bwd", "bfloat16", "int64", 32000, options=every,
+                                                        inplace=True),
+    }
+    yield from ((name, job) for name, job in flagged.items() if name.startswith(only))
     if only:
         return
     fwd = ROW_FAMILIES

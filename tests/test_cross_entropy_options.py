@@ -311,21 +311,24 @@ def test_option_kernels_compile(monkeypatch, arch, mode):
     aligned windows or element accesses, fp32 and int32 targets) and streamed ones; the plain options
     are the plain kernel itself (one compile key)."""
     pytest.importorskip("cutlass")
-    from oink.kernels.cross_entropy import PLAIN, compiled_cross_entropy
+    from oink.kernels.cross_entropy import PLAIN, CrossEntropyKey, compiled_cross_entropy
+
+    def compiled(dtype, target_dtype, N, **fields):
+        return compiled_cross_entropy(CrossEntropyKey(mode, dtype, target_dtype, N, arch, **fields))
 
     for o in _option_sets():
         for N in (1000, 50257):
-            assert callable(compiled_cross_entropy(mode, "bfloat16", "int64", N, arch, True, True, o))
+            assert callable(compiled("bfloat16", "int64", N, options=o))
     every = _option_sets()[-1]
-    assert callable(compiled_cross_entropy(mode, "float32", "int32", 4096, arch, True, True, every))
-    assert callable(compiled_cross_entropy(mode, "bfloat16", "int64", 50257, arch, True, False, every))
-    plain = compiled_cross_entropy(mode, "bfloat16", "int64", 1000, arch)
-    assert compiled_cross_entropy(mode, "bfloat16", "int64", 1000, arch, True, True, PLAIN) is plain
-    assert compiled_cross_entropy(mode, "bfloat16", "int64", 1000, arch, True, True, every) is not plain
+    assert callable(compiled("float32", "int32", 4096, options=every))
+    assert callable(compiled("bfloat16", "int64", 50257, window=False, options=every))
+    plain = compiled("bfloat16", "int64", 1000)
+    assert compiled("bfloat16", "int64", 1000, options=PLAIN) is plain
+    assert compiled("bfloat16", "int64", 1000, options=every) is not plain
     _force_stream(monkeypatch)
     for o in (_option_sets()[0], every):
         for N in (1000, 50257, 200008):
-            assert callable(compiled_cross_entropy(mode, "bfloat16", "int64", N, arch, True, True, o))
+            assert callable(compiled("bfloat16", "int64", N, options=o))
 
 
 # Known limit (the heuristic's launch, 1024 threads of 64 registers; a cluster of 8 CTAs of 512 would leave a
@@ -339,7 +342,7 @@ def test_option_kernels_do_not_spill(monkeypatch, arch, dtype):
     """Every option (with and without the softcap) at the sweep's vocabularies keeps its values in
     registers, as the plain kernels do (read from the cubins' notes)."""
     pytest.importorskip("cutlass")
-    from oink.kernels.cross_entropy import CEOptions, compiled_cross_entropy
+    from oink.kernels.cross_entropy import CEOptions, CrossEntropyKey, compiled_cross_entropy
     from oink.kernels.profile import compiled_resources
     from pytest_oink.suites import SWEEP_VOCABS
     from tests.helpers import set_knob
@@ -350,7 +353,8 @@ def test_option_kernels_do_not_spill(monkeypatch, arch, dtype):
     for N in SWEEP_VOCABS:
         for mode in ("forward", "backward", "fwd_bwd"):
             for i, o in enumerate(sets):
-                res = compiled_resources(compiled_cross_entropy(mode, dtype, "int64", N, arch, True, True, o))
+                res = compiled_resources(compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch,
+                                                                                options=o)))
                 assert res["registers"] > 0
                 if res["frame_bytes"] and (arch, dtype, N, mode, i) not in OPTION_SPILL_LIMITS:
                     spilled[(N, mode, o)] = res

@@ -234,7 +234,7 @@ def test_softmax_merges_online_where_it_was_measured_faster():
 
 
 from oink.kernels.cross_entropy import MODES as CE_MODES  # noqa: E402
-from oink.kernels.cross_entropy import compiled_cross_entropy  # noqa: E402
+from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy  # noqa: E402
 
 # vocabularies: tiny and odd (scalar loads), one warp, the forward's CTAs of 64 threads (3072; an odd
 # 8322's window and 9216: 18 accesses a thread), Llama-2's 32000 (forward: 2 CTAs of 256),
@@ -249,9 +249,9 @@ CE_WIDTHS = [7, 64, 1000, 3072, 8322, 9216, 32000, 50257, 65536, 100277, 128256,
 @pytest.mark.parametrize("mode", CE_MODES)
 def test_cross_entropy_compiles(arch, dtype, mode):
     for N in CE_WIDTHS:
-        assert callable(compiled_cross_entropy(mode, dtype, "int64", N, arch))
-    assert callable(compiled_cross_entropy(mode, dtype, "int32", 4096, arch))
-    assert callable(compiled_cross_entropy(mode, dtype, "int64", 50257, arch, window=False))
+        assert callable(compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch)))
+    assert callable(compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int32", 4096, arch)))
+    assert callable(compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", 50257, arch, window=False)))
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -268,7 +268,8 @@ def test_cross_entropy_in_place_compiles(arch, dtype, mode):
         set_knob(mp, "OINK_KEEP_CUBIN", "1")
         for N, o in [(1000, None), (32000, None), (50257, None), (128256, None), (262144, None),
                      (128256, CEOptions(0.1, 1e-4, 30.0)), (50257, CEOptions(0.0, 0.0, 30.0))]:
-            fn = compiled_cross_entropy(mode, dtype, "int64", N, arch, options=o or CEOptions(), inplace=True)
+            fn = compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch, options=o or CEOptions(),
+                                                        inplace=True))
             assert compiled_resources(fn)["frame_bytes"] == 0, (N, o)
     with pytest.raises(ValueError, match="in place"):
         from oink.kernels.cross_entropy import CrossEntropy, cross_entropy_launch
@@ -295,13 +296,13 @@ def test_cross_entropy_streamed_rows_compile(monkeypatch, arch, dtype, mode, set
     set_dev(monkeypatch, ce_stream=True, **setting)
     for N in [7, 1000, 32000, 50257, 200008, 262144]:
         assert ce.stream_rows(N, 16, mode)
-        assert callable(compiled_cross_entropy(mode, dtype, "int64", N, arch))
-    assert callable(compiled_cross_entropy(mode, dtype, "int64", 50257, arch, window=False))
+        assert callable(compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch)))
+    assert callable(compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", 50257, arch, window=False)))
     if mode == "forward":
         set_dev(monkeypatch, ce_stream=False)
         for N in [65536, 262144]:
             assert not ce.stream_rows(N, 16, mode)
-            assert callable(compiled_cross_entropy(mode, dtype, "int64", N, arch))
+            assert callable(compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch)))
 
 
 def test_cross_entropy_streams_wide_rows(monkeypatch):

@@ -318,10 +318,10 @@ def _compile(arch: str, key: str, N: int):
 
         return compiled_softmax(SoftmaxKey(op, x16[variant], N, arch, few=few))
     if family == "cross_entropy":
-        from oink.kernels.cross_entropy import compiled_cross_entropy
+        from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy
 
         mode = op.removesuffix("_shifted").removesuffix("_stream")  # forward_stream(_shifted): the forward's
-        return compiled_cross_entropy(mode, x16[variant], "int64", _width(key, N), arch)
+        return compiled_cross_entropy(CrossEntropyKey(mode, x16[variant], "int64", _width(key, N), arch))
     raise AssertionError(f"{key}: add its compile call to tests/test_launch_table.py")
 
 

@@ -164,7 +164,8 @@ def test_cross_entropy_stream_settings_do_not_spill(keep_cubin, monkeypatch, set
     max is +inf reading its tiles again) and ``ce_stream_edge`` (an odd width's edge masks in its edge tiles only)
     keep their values in registers, and are their own kernels, not the default's (where the setting applies: the
     edge masks to odd widths only)."""
-    from oink.kernels.cross_entropy import CEOptions, compiled_cross_entropy, shifted_window, stream_rows
+    from oink.kernels.cross_entropy import (CEOptions, CrossEntropyKey, compiled_cross_entropy, shifted_window,
+                                            stream_rows)
     from oink.kernels.profile import compiled_resources
     from tests.helpers import set_dev
 
@@ -178,9 +179,9 @@ def test_cross_entropy_stream_settings_do_not_spill(keep_cubin, monkeypatch, set
             continue  # ce_stream_edge alone: an aligned row's kernel is the default one
         set_dev(monkeypatch, ce_stream=True if mode != "forward" else None, ce_stream_lean=None, ce_stream_edge=None)
         assert stream_rows(window or N, bits, mode)
-        default = compiled_cross_entropy(mode, dtype, "int64", N, arch, options=sets[o])
+        default = compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch, options=sets[o]))
         set_dev(monkeypatch, **dev)
-        fn = compiled_cross_entropy(mode, dtype, "int64", N, arch, options=sets[o])
+        fn = compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch, options=sets[o]))
         assert fn is not default, (mode, N, sets[o])
         res = compiled_resources(fn)
         assert res["registers"] > 0

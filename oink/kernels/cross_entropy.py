@@ -722,14 +722,29 @@ def option_launch(N: int, x_bits: int, mode: str, shifted: bool = False) -> RowL
     return launch if launch.iters <= 8 else pick_row_launch(N, x_bits, max_units_per_thread=5)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CrossEntropyKey:
+    """What a cross-entropy kernel is compiled for; M, strides and ignore_index are runtime. Built once
+    where a launch is prepared, it is the memoized compile's one argument."""
+    mode: str  # one of MODES
+    dtype: str  # the logits' torch name
+    target_dtype: str
+    N: int
+    arch: str
+    _: dataclasses.KW_ONLY
+    store_lse: bool = True  # the lse stored (never by the backward)
+    # False: dlogits rows do not lie at the logits' offsets (another row stride), so rows off 16-byte
+    # boundaries are not moved as aligned windows
+    window: bool = True
+    options: CEOptions = PLAIN  # compile-time constants (the plain kernel's key and code without them)
+    inplace: bool = False  # dx is the logits (``CrossEntropy``'s; rows register-held, even where they would stream)
+
+
 @memo
-def compiled_cross_entropy(mode: str, dtype: str, target_dtype: str, N: int, arch: str, store_lse: bool = True,
-                           window: bool = True, options: CEOptions = PLAIN, inplace: bool = False):
-    """Compile (or fetch) one kernel for (mode, dtypes, N, flags, options, arch); M, strides and
-    ignore_index are runtime. ``window=False``: dlogits rows do not lie at the logits' offsets
-    (another row stride), so rows off 16-byte boundaries are not moved as aligned windows.
-    ``options``: compile-time constants (the plain kernel's key and code without them). ``inplace``: dx
-    is the logits (``CrossEntropy``'s; rows register-held, even where they would stream)."""
+def compiled_cross_entropy(k: CrossEntropyKey):
+    """Compile (or fetch) the cross-entropy kernel for ``k``."""
+    mode, dtype, target_dtype, N, arch = k.mode, k.dtype, k.target_dtype, k.N, k.arch
+    store_lse, window, options, inplace = k.store_lse, k.window, k.options, k.inplace
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the cross-entropy kernels handle 1 <= N <= {MAX_N}")
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)

@@ -11,7 +11,7 @@ import torch
 from .compile import stream_of
 from ..reference.cross_entropy import (loss_from_lse, per_row, reduce_loss, reduction_dloss, row_weight, safe_target,
                                        z_loss_rows)
-from .cross_entropy import PLAIN, CEOptions, compiled_cross_entropy
+from .cross_entropy import PLAIN, CEOptions, CrossEntropyKey, compiled_cross_entropy
 from .host import allocator, dense, dtype_name, ld, row_layout, vec_for, width_reason
 
 INT32 = torch.iinfo(torch.int32)
@@ -123,9 +123,9 @@ class _Layout:
         # dlogits are dense unless in place: rows at the logits' offsets only where the logits' are dense too
         self.ldd = 0 if mode == "forward" else self.ldx if inplace else V
         self.copy_t = not target.is_contiguous()
-        self.fn = _skip if self.M == 0 else compiled_cross_entropy(
-            mode, dtype_name(logits), dtype_name(target), V, arch, store_lse, mode == "forward" or self.ldd == self.ldx,
-            options_of(a), inplace)
+        self.fn = _skip if self.M == 0 else compiled_cross_entropy(CrossEntropyKey(
+            mode, dtype_name(logits), dtype_name(target), V, arch, store_lse=store_lse,
+            window=mode == "forward" or self.ldd == self.ldx, options=options_of(a), inplace=inplace))
         self.stream = stream_of(logits.device)
         self.new_row = allocator((self.M,), F32, logits.device)
 

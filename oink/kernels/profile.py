@@ -8,7 +8,7 @@ from __future__ import annotations
 import struct
 
 from .compile import BLOCK_THREADS, CACHE, COMPILED, driver_checked
-from .cross_entropy import compiled_cross_entropy
+from .cross_entropy import CrossEntropyKey, compiled_cross_entropy
 from .rmsnorm import ForwardKey, compiled_forward
 from .rmsnorm_bwd import BackwardKey, compiled_backward
 from .softmax import SoftmaxKey, compiled_softmax
@@ -56,9 +56,9 @@ ROW_FAMILIES = {
     "softmax_fwd": lambda d, N, a: compiled_softmax(SoftmaxKey("forward", d, N, a)),
     "softmax_bwd": lambda d, N, a: compiled_softmax(SoftmaxKey("backward", d, N, a)),
     "softmax_fwd_bwd": lambda d, N, a: compiled_softmax(SoftmaxKey("fwd_bwd", d, N, a)),
-    "ce_fwd": lambda d, N, a: compiled_cross_entropy("forward", d, "int64", N, a),
-    "ce_bwd": lambda d, N, a: compiled_cross_entropy("backward", d, "int64", N, a),
-    "ce_fwd_bwd": lambda d, N, a: compiled_cross_entropy("fwd_bwd", d, "int64", N, a),
+    "ce_fwd": lambda d, N, a: compiled_cross_entropy(CrossEntropyKey("forward", d, "int64", N, a)),
+    "ce_bwd": lambda d, N, a: compiled_cross_entropy(CrossEntropyKey("backward", d, "int64", N, a)),
+    "ce_fwd_bwd": lambda d, N, a: compiled_cross_entropy(CrossEntropyKey("fwd_bwd", d, "int64", N, a)),
 }
 
 
