@@ -65,15 +65,6 @@ class Config:
     bwd_split: bool | None = None  # the norm backward's split kernels (forced either way)
     softmax_online: bool | None = None  # the softmax's max and sum in one reduction round (forced either way)
     ce_stream: bool | None = None  # the cross-entropy kernels stream their rows (forced either way)
-    # TEMPORARY (issue #32 item 5, A/B; off unless True): the streamed cross-entropy forward folds each tile as the
-    # plain online softmax (no +inf branch a tile: ptxas if-converts fold_posinf's, so every row paid its +inf count
-    # a logit) and a thread whose max came out +inf counts its +inf logits by reading its tiles again
-    ce_stream_lean: bool | None = None
-    # TEMPORARY (issue #32 item 5, A/B; off unless True): a streamed row of an odd width (read through its aligned
-    # window) sets the columns of the rows beside it to -inf only in the tiles that can hold its edge vectors (its
-    # first, its last one or two), where a compare and a select a logit of every tile paid for it (ptxas if-converts
-    # the test a vector)
-    ce_stream_edge: bool | None = None
 
 
 DEV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not dataclasses.MISSING}

@@ -5,8 +5,6 @@ every key a launch (forced in ``oink.tune.trial``), which is gated against the o
 reference (the benchmark gate) and timed (CUDA-graph replay, inputs cycled past L2). ``current`` is
 the library's own choice; ``--peers`` are timed the same way. One JSON line per trial, then a table.
 A rule is ``current``, a name of RULES, ``stream`` / ``held`` (cross-entropy's streaming forced),
-``streamlean`` (the streamed cross-entropy forward's tiles folded with no +inf branch: ``ce_stream_lean``),
-``streamedge`` (a streamed odd-width row's edge masks in its edge tiles only: ``ce_stream_edge``),
 ``fixed:TxC[xB]`` (T threads a row, a cluster of C, CTAs of B), ``units:U`` (a streamed pass's accesses)
 or ``file:PATH``; ``+`` joins them (``held+fixed:64x1x64``).
 
@@ -66,9 +64,7 @@ RULES = {
 
 
 # rules that are a development setting the op reads (oink.config.DEV), its launches its own
-SETTING_RULES = {"stream": {"ce_stream": True}, "held": {"ce_stream": False},
-                 # temporary, issue #32 item 5 (streamlean+streamedge: both)
-                 "streamlean": {"ce_stream_lean": True}, "streamedge": {"ce_stream_edge": True}}
+SETTING_RULES = {"stream": {"ce_stream": True}, "held": {"ce_stream": False}}
 
 
 def _set_rules(names) -> None:

@@ -17,10 +17,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
 # 12800 and 98304: the fused mode's cluster rule at widths no search named
 NS = (64, 1000, 3072, 6144, 12800, 50257, 98304, 128256, 262144)
 IGNORE = -100
-# TEMPORARY (issue #32 item 5): the streamed rows' A/B development settings, by test id: the default fold, the
-# ce_stream_lean fold (no +inf branch a tile), ce_stream_edge (a shifted row's edge masks in its edge tiles only), both
-STREAM_SETTINGS = {"fold": {}, "stream_lean": {"ce_stream_lean": True}, "stream_edge": {"ce_stream_edge": True},
-                   "stream_lean_edge": {"ce_stream_lean": True, "ce_stream_edge": True}}
 
 
 def _case(M, N, dtype, seed, target_dtype=torch.int64):
@@ -87,21 +83,14 @@ def _edge_logits(M, N, ld_pad, dtype, g):
     return buf[:, :N]
 
 
-@pytest.mark.parametrize("setting", ["fold", "stream_edge"])
 @pytest.mark.parametrize("ld_pad", [0, 2, 7])
 @pytest.mark.parametrize("N", [4097, 32001, 50257, 100277])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_shifted_rows_read_only_their_row(monkeypatch, dtype, N, ld_pad, setting, seed):
+def test_shifted_rows_read_only_their_row(dtype, N, ld_pad, seed):
     """The forward reads rows that start off a 16-byte boundary through aligned windows holding
     the ends of the rows beside them: a large logit at the first and last column of every third
     row would raise its neighbours' lse if their windows let it in. Rows ``ld_pad`` elements apart
-    beyond N (a view of a wider buffer). ``stream_edge``: the TEMPORARY ``ce_stream_edge`` setting (the
-    streamed rows, 32001-100277, mask in their edge tiles only)."""
-    from tests.helpers import set_dev
-
-    if setting != "fold" and N == 4097:
-        pytest.skip("a register-held row: ce_stream_edge leaves its kernel as it is")
-    set_dev(monkeypatch, **STREAM_SETTINGS[setting])
+    beyond N (a view of a wider buffer)."""
     M = 301
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = _edge_logits(M, N, ld_pad, dtype, g)
@@ -132,28 +121,22 @@ def test_shifted_rows_write_only_their_row(dtype, mode, N, ld_pad, dx_rows, seed
     assert (rows[:, N:] == 60.0).all(), "a store left its row"
 
 
-@pytest.mark.parametrize("setting", list(STREAM_SETTINGS))
 @pytest.mark.parametrize("pad", [24, 0])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", [520, 4104, 40000, 50257, 128256, 200008, 262144])
 @pytest.mark.parametrize("M", [1, 7, 300])
 @pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
-def test_streamed_rows(monkeypatch, mode, dtype, N, M, pad, setting, seed):
+def test_streamed_rows(monkeypatch, mode, dtype, N, M, pad, seed):
     """Streamed rows (forced at every width, ``ce_stream=True``: a row in passes, a running (max, sum
     of exp) a thread; the dlogits modes read the row again to store dx) against the fp32 reference
     where the row's max sits in its first or last column, where whole passes of a row are -inf
     (masked), where every logit is far below zero, with rows ``pad`` elements apart beyond N (a view of
     a wider buffer) or dense: rows of 50257 start off 16-byte boundaries and go through their aligned
     windows (the dlogits too where their dense rows lie at the logits' offsets: dense logits); targets
-    some ignored. ``setting``: the TEMPORARY A/B settings of issue #32 item 5 (``STREAM_SETTINGS``)."""
+    some ignored."""
     from tests.helpers import set_dev
 
-    dev = STREAM_SETTINGS[setting]
-    if dev.get("ce_stream_edge") and N != 50257:
-        pytest.skip("rows that start aligned: ce_stream_edge leaves their kernels as they are")
-    if mode == "backward" and dev and not dev.get("ce_stream_edge"):
-        pytest.skip("the backward folds no sums: ce_stream_lean leaves its kernel as it is")
-    set_dev(monkeypatch, ce_stream=True, **dev)
+    set_dev(monkeypatch, ce_stream=True)
     g = torch.Generator(device="cuda").manual_seed(seed)
     buf = torch.randn(M, N + pad, device="cuda", generator=g) * 4
     logits = buf[:, :N]
@@ -211,39 +194,30 @@ def _close_nan(actual, expected, family, dtype, what):
                                msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("setting", list(STREAM_SETTINGS))
 @pytest.mark.parametrize("opts", ["plain", "smooth", "zloss"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("N", [19298, 49207, 129280, 256000])
 @pytest.mark.parametrize("mode", ["forward", "fwd_bwd"])
-def test_streamed_forward_limits(monkeypatch, mode, N, dtype, opts, setting, seed):
+def test_streamed_forward_limits(monkeypatch, mode, N, dtype, opts, seed):
     """The streamed forward (these widths stream by default; the fused mode forced to, ``ce_stream=True``) on rows
     of the +inf limit (lse +inf, loss log k at one of k +inf logits, +inf elsewhere; label smoothing's and the
     z-loss's limits), NaN beside +inf (NaN), -inf masks over whole tiles, a row of one finite logit, every logit
-    +inf, ignored targets (loss 0), against the reference on the same logits (odd widths through aligned windows).
-    ``setting``: the TEMPORARY A/B settings of issue #32 item 5 (``STREAM_SETTINGS``): ``ce_stream_lean`` (each
-    tile folded with no +inf branch, a thread whose max is +inf counting its +inf logits by reading its tiles
-    again), ``ce_stream_edge`` (an odd width's edge masks in its edge tiles only); the test checks those kernels ran."""
+    +inf, ignored targets (loss 0), against the reference on the same logits. Each tile folds with no +inf
+    branch; a thread whose max is +inf counts its +inf logits by reading its tiles again."""
     from oink.kernels import cross_entropy as ce
-    from oink.kernels.compile import CACHE
     from tests.helpers import set_dev
 
     o = {"plain": {}, "smooth": dict(label_smoothing=0.1), "zloss": dict(z_loss=1e-4)}[opts]
     if mode == "fwd_bwd" and opts == "zloss":
         pytest.skip("a z-loss's gradient at +inf logits is undefined (the kernels leave it as it falls)")
-    dev = STREAM_SETTINGS[setting]
+    set_dev(monkeypatch, ce_stream=True if mode == "fwd_bwd" else None)
     bits = 16 if dtype == torch.bfloat16 else 32
-    shifted = ce.shifted_window(N, bits) is not None
-    if dev.get("ce_stream_edge") and not shifted:
-        pytest.skip("rows that start aligned: ce_stream_edge leaves their kernels as they are")
-    set_dev(monkeypatch, ce_stream=True if mode == "fwd_bwd" else None, **dev)
     assert ce.stream_rows(ce.shifted_window(N, bits) or N, bits, mode)
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits, target = _limit_rows(N, dtype, g)
     dloss = torch.rand(len(target), device="cuda", generator=g) + 0.5
     cpu = dict(logits=logits.cpu(), target=target.cpu(), ignore_index=IGNORE, **o)
     e_loss, e_lse = R.cross_entropy_forward(**cpu)
-    CACHE.clear_used()
     if mode == "forward":
         assert "kernel" in oink.explain("cross_entropy_forward", logits, target, IGNORE, **o)
         loss, lse = oink.cross_entropy_forward(logits, target, IGNORE, **o)
@@ -252,9 +226,6 @@ def test_streamed_forward_limits(monkeypatch, mode, N, dtype, opts, setting, see
         loss, dx, lse = oink.cross_entropy_fwd_bwd(dloss, logits, target, IGNORE, return_lse=True, **o)
         e_dx = R.cross_entropy_fwd_bwd(dloss.cpu(), **cpu)[1]
         _close_nan(dx, e_dx, "softmax", dtype, "dlogits")
-    for flag, name in (("lean", "ce_stream_lean"), ("edge", "ce_stream_edge")):
-        ran = any(f"'{flag}'" in str(key) for key in CACHE.used)
-        assert ran == bool(dev.get(name)), f"the {name} kernel {'ran' if ran else 'did not run'}: {CACHE.used}"
     _close_nan(loss, e_loss, "cross_entropy_loss", torch.float32, "loss")
     _close_nan(lse, e_lse, "cross_entropy_loss", torch.float32, "lse")
     assert torch.all(loss[target == IGNORE] == 0)

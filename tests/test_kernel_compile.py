@@ -279,21 +279,16 @@ def test_cross_entropy_in_place_compiles(arch, dtype, mode):
                      inplace=True)
 
 
-@pytest.mark.parametrize("setting", [{}, {"ce_stream_lean": True}, {"ce_stream_edge": True},
-                                     {"ce_stream_lean": True, "ce_stream_edge": True}],
-                         ids=["fold", "stream_lean", "stream_edge", "stream_lean_edge"])
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("mode", CE_MODES)
-def test_cross_entropy_streamed_rows_compile(monkeypatch, arch, dtype, mode, setting):
+def test_cross_entropy_streamed_rows_compile(monkeypatch, arch, dtype, mode):
     """Streamed rows forced at every width (one pass, several, a partial last one, clusters; odd
     widths through aligned windows, or element accesses where dlogits' rows lie elsewhere), and the
-    register-held forward at widths that stream by default (the A/B switch's other side); with the
-    TEMPORARY settings of issue #32 item 5 too: the ``ce_stream_lean`` fold (no +inf branch a tile), the
-    ``ce_stream_edge`` masks (an odd width's edge tiles only)."""
+    register-held forward at widths that stream by default (the A/B switch's other side)."""
     from oink.kernels import cross_entropy as ce
 
-    set_dev(monkeypatch, ce_stream=True, **setting)
+    set_dev(monkeypatch, ce_stream=True)
     for N in [7, 1000, 32000, 50257, 200008, 262144]:
         assert ce.stream_rows(N, 16, mode)
         assert callable(compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch)))

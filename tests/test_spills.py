@@ -146,49 +146,34 @@ def test_cubin_notes_refuse_what_is_not_a_cubin():
         cubin_resources(b"not an elf file at all")
 
 
-# TEMPORARY (issue #32 item 5): the streamed rows' A/B settings at widths the forward streams by default (odd:
-# shifted windows, one CTA of 128 threads and of 256; aligned: clusters of 2 and 4), each option of the forward that
-# keeps the +inf limit (a softcap's kernel is the default one), and the fused mode forced to stream (aligned, odd)
+# the streamed rows at widths the forward streams by default (odd: shifted windows, one CTA of 128 threads and of
+# 256; aligned: clusters of 2 and 4), each option of the forward that keeps the +inf limit, and the fused mode forced
+# to stream (aligned, odd)
 STREAM_CASES = [("forward", 19298, 0), ("forward", 49207, 0), ("forward", 129280, 0), ("forward", 256000, 0),
                 ("forward", 19298, 3), ("forward", 49207, 1), ("forward", 129280, 2), ("forward", 256000, 3),
                 ("fwd_bwd", 129280, 0), ("fwd_bwd", 50257, 0)]
-STREAM_SETTINGS = {"stream_lean": {"ce_stream_lean": True}, "stream_edge": {"ce_stream_edge": True},
-                   "stream_lean_edge": {"ce_stream_lean": True, "ce_stream_edge": True}}
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("setting", list(STREAM_SETTINGS))
-def test_cross_entropy_stream_settings_do_not_spill(keep_cubin, monkeypatch, setting, dtype, arch):
-    """The streamed rows' kernels under ``ce_stream_lean`` (their tiles folded with no +inf branch, a thread whose
-    max is +inf reading its tiles again) and ``ce_stream_edge`` (an odd width's edge masks in its edge tiles only)
-    keep their values in registers, and are their own kernels, not the default's (where the setting applies: the
-    edge masks to odd widths only)."""
-    from oink.kernels.cross_entropy import (CEOptions, CrossEntropyKey, compiled_cross_entropy, shifted_window,
-                                            stream_rows)
+def test_cross_entropy_streamed_rows_do_not_spill(keep_cubin, monkeypatch, dtype, arch):
+    """The streamed rows' kernels (tiles folded with no +inf branch; a thread whose max is +inf reads its tiles
+    again to count them) keep their values in registers."""
+    from oink.kernels.cross_entropy import CEOptions, CrossEntropyKey, compiled_cross_entropy, shifted_window, stream_rows
     from oink.kernels.profile import compiled_resources
     from tests.helpers import set_dev
 
     sets = [CEOptions(), CEOptions(0.1), CEOptions(0.0, 1e-4), CEOptions(0.1, 1e-4)]
-    dev = STREAM_SETTINGS[setting]
     bits = 16 if dtype == "bfloat16" else 32
-    spilled, checked = {}, 0
+    spilled = {}
     for mode, N, o in STREAM_CASES:
-        window = shifted_window(N, bits)
-        if not dev.get("ce_stream_lean") and not window:
-            continue  # ce_stream_edge alone: an aligned row's kernel is the default one
-        set_dev(monkeypatch, ce_stream=True if mode != "forward" else None, ce_stream_lean=None, ce_stream_edge=None)
-        assert stream_rows(window or N, bits, mode)
-        default = compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch, options=sets[o]))
-        set_dev(monkeypatch, **dev)
-        fn = compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch, options=sets[o]))
-        assert fn is not default, (mode, N, sets[o])
-        res = compiled_resources(fn)
+        set_dev(monkeypatch, ce_stream=True if mode != "forward" else None)
+        assert stream_rows(shifted_window(N, bits) or N, bits, mode)
+        res = compiled_resources(compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch, options=sets[o])))
         assert res["registers"] > 0
-        checked += 1
         if res["frame_bytes"]:
             spilled[(mode, N, sets[o])] = res
-    assert checked >= 4 and not spilled, f"{setting} {dtype} {arch}: {spilled}"
+    assert not spilled, f"{dtype} {arch}: {spilled}"
 
 
 # the fused cross-entropy's rule for full-width 16-bit rows of 8192 columns or more (``cross_entropy_launch``):

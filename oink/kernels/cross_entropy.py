@@ -105,16 +105,6 @@ def stream_launch(N: int, x_bits: int) -> RowLaunch:
     return RowLaunch(N=N, vec=vec, threads_per_row=threads, num_threads=threads, cluster_n=cluster_n)
 
 
-def stream_lean(mode: str, options: "CEOptions") -> bool:
-    """Whether a streamed row of ``mode`` with ``options`` takes the ``ce_stream_lean`` development setting's fold
-    (TEMPORARY, issue #32 item 5; off by default): each tile folds into the thread's (max, sum of exp) as the plain
-    online softmax, with no +inf branch (ptxas if-converts ``fold_posinf``'s, so every row paid its +inf count a
-    logit, about 4 instructions of 14), and a thread whose max came out +inf counts its +inf logits by reading its
-    tiles once more (``stream_count_posinf``). The forward's sums only (and the fused mode's, streamed), without
-    a softcap (capped logits are finite)."""
-    return mode != "backward" and options.softcap is None and bool(config.get().ce_stream_lean)
-
-
 @dataclasses.dataclass(frozen=True)
 class CEOptions:
     """The cross-entropy options, compile-time constants of a kernel (``oink.reference.cross_entropy``
@@ -140,8 +130,8 @@ class CrossEntropy(RowKernelBase):
     label smoothing adds the row's sum of logits to the one reduction round (slot 2); the z-loss is
     per-row arithmetic. Rows holding +inf logits take the limit (``oink.reference.cross_entropy``):
     where a register-held row's max (or the backward's lse) is +inf, each warp counts the row's +inf
-    logits by reading it again (the reductions themselves are the plain ones; streamed rows count theirs
-    as they fold, ``fold_posinf``), the lse is +inf, the loss log k at a +inf target, and the dlogits are
+    logits by reading it again (the reductions themselves are the plain ones; in a streamed row only a
+    thread whose max is +inf reads its tiles again, ``stream_count_posinf``), the lse is +inf, the loss log k at a +inf target, and the dlogits are
     1/k on the k +inf logits."""
 
     def __init__(self, launch: RowLaunch, dtype, target_dtype, mode: str, n: int | None = None,
@@ -165,11 +155,6 @@ class CrossEntropy(RowKernelBase):
         self.n = launch.N if n is None else n
         self.shifted = self.n != launch.N
         self.stream = stream
-        # ``stream_lean``: read when the kernel object is built (the compile cache keys on it)
-        self.lean = stream and stream_lean(mode, options)
-        # the ``ce_stream_edge`` development setting (TEMPORARY, issue #32 item 5): a streamed shifted row masks its
-        # window's columns outside the row only in its edge tiles (``stream_tile``); the compile cache keys on it
-        self.edge = stream and self.n != launch.N and bool(config.get().ce_stream_edge)
         if stream:
             width, passes = self.stream_tiling()
             self.padded = passes * width * launch.cluster_n != launch.N or self.shifted
@@ -344,14 +329,13 @@ class CrossEntropy(RowKernelBase):
                     shift = m_new
                     if m_new == Float32(-math.inf):  # only -inf so far: sums stay 0, never NaN
                         shift = Float32(0.0)
-                    if const_expr(self.posinf and not self.lean):
-                        s = self.fold_posinf(m, s, m_new, shift, x)
-                    else:  # (lean: a tile holding +inf makes s NaN; recounted below)
-                        s = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
-                            (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
-                                                                       reduction_profile=0)
+                    # no +inf branch a tile (ptxas if-converts one, and every logit pays it): a tile holding
+                    # +inf makes s NaN, and such a thread counts its +inf logits after the loop
+                    s = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
+                        (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
+                                                                   reduction_profile=0)
                     m = m_new
-                if const_expr(self.lean):
+                if const_expr(self.posinf):
                     if m == Float32(math.inf):  # only threads that met a +inf: their count, a NaN still NaN
                         s = self.stream_count_posinf(src, ident, thr, at, cy * passes, passes, lo)
             self.wait_cluster()
@@ -569,33 +553,10 @@ class CrossEntropy(RowKernelBase):
         return s
 
     @cute.jit
-    def fold_posinf(self, m: Float32, s: Float32, m_new: Float32, shift: Float32, x) -> Float32:
-        """A streamed tile x folded into the thread's running sum s (at max m, the new max m_new); where
-        m_new is +inf the sum counts the +inf values instead (the limit; a NaN stays NaN), and
-        ``merge_max_sum(posinf=True)`` adds the counts. A branch around the usual fold: a row without
-        +inf pays one comparison a tile (a rescan of the row, as the register-held rows take, made the
-        streamed kernel spill)."""
-        s_new = s * Float32(0.0)
-        if m_new == Float32(math.inf):
-            if m == Float32(math.inf):
-                s_new = s
-            for i in cutlass.range_constexpr(cute.size(x.shape)):
-                v = x[i]
-                if v == Float32(math.inf):
-                    s_new = s_new + Float32(1.0)
-                if v != v:
-                    s_new = s_new + v
-        else:
-            s_new = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
-                (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
-                                                           reduction_profile=0)
-        return s_new
-
-    @cute.jit
     def stream_count_posinf(self, src: cute.Tensor, ident: cute.Tensor, thr, at, first, passes, lo) -> Float32:
         """The count of +inf values in this thread's tiles ``first`` .. ``first + passes - 1`` of a streamed row,
-        read again (NaN if one is NaN): the ``ce_stream_lean`` fold's sum where the thread's max is +inf, which
-        ``merge_max_sum(posinf=True)`` adds over the row as ``fold_posinf``'s. Only such threads pay."""
+        read again (NaN if one is NaN): the streamed fold's sum where the thread's max is +inf (the limit), which
+        ``merge_max_sum(posinf=True)`` adds over the row. Only such threads pay."""
         k = Float32(0.0)
         for p in cutlass.range(passes, unroll=2):
             rX, _ = self.stream_tile(src, ident, thr, at, first + p, lo)
@@ -633,25 +594,13 @@ class CrossEntropy(RowKernelBase):
                 cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
             elif first < L.N:
                 cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
-                if const_expr(self.shifted and not self.edge):
-                    self.mask_edge(rX, tXcX, i, lo)
-        if const_expr(self.edge):
-            # only the window's vector 0 and its last two (the row ends in one of them) hold columns outside the
-            # row: a test a tile, uniform over the CTA, where one a vector became a compare and a select a logit
-            if tile == 0 or tile >= (L.N // L.vec - 2) // (STREAM_UNITS * L.threads_per_row):
-                for i in cutlass.range_constexpr(STREAM_UNITS):
-                    self.mask_edge(rX, tXcX, i, lo)
+                if const_expr(self.shifted):  # an edge vector: its columns of the rows beside
+                    if first < lo or first + L.vec > lo + self.n:
+                        r_i, c_i = rX[None, None, i], tXcX[None, None, i]
+                        for j in cutlass.range_constexpr(cute.size(r_i)):
+                            if c_i[j][1] < lo or c_i[j][1] >= lo + self.n:
+                                r_i[j] = r_i.element_type(-math.inf)
         return rX, tXcX
-
-    @cute.jit
-    def mask_edge(self, rX: cute.Tensor, tXcX: cute.Tensor, i: cutlass.Constexpr, lo):
-        """Vector ``i`` of a shifted row's streamed tile, if an edge vector: its columns of the rows beside -inf."""
-        first = tXcX[(0, 0), 0, i][1]
-        if first < lo or first + self.launch.vec > lo + self.n:
-            r_i, c_i = rX[None, None, i], tXcX[None, None, i]
-            for j in cutlass.range_constexpr(cute.size(r_i)):
-                if c_i[j][1] < lo or c_i[j][1] >= lo + self.n:
-                    r_i[j] = r_i.element_type(-math.inf)
 
     @cute.jit
     def store_stream_tile(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, lo):
@@ -775,7 +724,5 @@ def compiled_cross_entropy(k: CrossEntropyKey):
 
     key = ("cross_entropy", mode, dtype, target_dtype, store_lse, N, arch, launch)
     key += (STREAM_UNITS,) if stream else ()
-    key += ("lean",) if stream and stream_lean(mode, options) else ()
-    key += ("edge",) if stream and width and config.get().ce_stream_edge else ()
     key = key if options.plain else key + (options,)
     return CACHE.get(key + ("inplace",) if inplace else key, build)
