@@ -30,10 +30,11 @@ from .reference.cross_entropy import REDUCTIONS
 
 log = logging.getLogger("oink.dispatch")
 
-# One chunk's logits buffer by default: as large as the hidden states themselves (the memory a
-# chunked loss adds is then no more than its input's, Liger's rule), within these bounds and a quarter
-# of the free memory. Larger chunks cost memory and save per-chunk work (one read-modify-write of
-# dweight, the matmuls' tails); the floor keeps small batches from splitting into many thin chunks.
+# One chunk's logits buffer by default: as large as the hidden states, in Liger's rows (M / ceil(V / H) rounded
+# up to a power of two, so never more memory than Liger's at the same shape) or ours (rounded down to whole
+# tiles), whichever is more, within these bounds and a quarter of the free memory. Larger chunks cost memory and
+# save per-chunk work (one read-modify-write of dweight, the matmuls' tails); the floor keeps small batches from
+# splitting into many thin chunks (more memory than Liger's there, for fewer, faster chunks).
 CHUNK_MIN_BYTES = 128 * 2**20
 CHUNK_MAX_BYTES = 512 * 2**20
 CHUNK_ROW_MULTIPLE = 128  # whole matmul tiles a chunk
@@ -133,12 +134,19 @@ def chunk_loss_and_grad(logits: Tensor, target: Tensor, dloss: Tensor | None, ig
     return out[0], out[1], out[2] if z_rows else None
 
 
+def liger_chunk_rows(M: int, H: int, V: int) -> int:
+    """Liger's chunk rows: M / ceil(V / H), rounded up to a power of two."""
+    rows = -(-M // max(1, -(-V // H)))
+    return 1 << max(0, rows - 1).bit_length()
+
+
 def default_chunk_rows(M: int, H: int, V: int, elem_size: int, buffers: int, device: torch.device) -> int:
-    """Rows a chunk: its ``buffers`` [rows, V] buffers within the hidden states' size M x H (bounded
-    by CHUNK_MIN_BYTES and CHUNK_MAX_BYTES) and within a quarter of the memory free now (the
-    allocator's cached blocks included), whole CHUNK_ROW_MULTIPLE tiles (one tile at least), and
-    never more than M."""
-    budget = min(CHUNK_MAX_BYTES, max(CHUNK_MIN_BYTES, M * H * elem_size))
+    """Rows a chunk: its ``buffers`` [rows, V] buffers within the hidden states' size M x H or Liger's
+    chunk (``liger_chunk_rows``) of V-wide rows, whichever is larger (bounded by CHUNK_MIN_BYTES and
+    CHUNK_MAX_BYTES), and within a quarter of the memory free now (the allocator's cached blocks
+    included), whole CHUNK_ROW_MULTIPLE tiles (one tile at least), and never more than M."""
+    wanted = max(M * H, liger_chunk_rows(M, H, V) * V) * elem_size
+    budget = min(CHUNK_MAX_BYTES, max(CHUNK_MIN_BYTES, wanted))
     if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():  # no driver queries in a capture
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
