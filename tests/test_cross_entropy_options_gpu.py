@@ -2,7 +2,8 @@
 fp32 reference, forward, backward and fused, register-held and streamed rows, aligned and odd
 vocabularies (about 30% of the rows ignored, outputs from a NaN-poisoned allocator); the routes (a class
 weight with label smoothing takes the reference); autograd against float64 torch; +inf logits with
-options."""
+options. The fused softcap cases run with and without the ``ce_softcap_lean`` development setting
+(TEMPORARY, issue #35: ids with "lean"; ``-k softcap`` selects them all), against the float64 reference too."""
 from __future__ import annotations
 
 import math
@@ -13,6 +14,7 @@ import torch
 import oink
 from oink import reference as R
 from tests.gpu_helpers import close_family, kernel, poison_allocator
+from tests.helpers import set_dev
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
 
@@ -23,6 +25,12 @@ OPTIONS = {
     "softcap": dict(softcap=30.0),
     "all": dict(label_smoothing=0.2, z_loss=1e-3, softcap=15.0),
 }
+
+
+def _lean(monkeypatch, lean) -> None:
+    """The ``ce_softcap_lean`` development setting on for this test where ``lean`` (TEMPORARY, issue #35)."""
+    if lean:
+        set_dev(monkeypatch, ce_softcap_lean=True)
 
 
 def _case(M, N, dtype, seed, scale=4.0):
@@ -76,7 +84,7 @@ def test_option_kernels_match_the_reference(mode, M, N, dtype, opts, seed):
 
 
 @pytest.mark.parametrize("pad", [24, 0])
-@pytest.mark.parametrize("opts", ["smooth", "all"])
+@pytest.mark.parametrize("opts", ["smooth", "all", "all-softcap-lean"])
 @pytest.mark.parametrize("N", (1000, 50257, 200008))
 @pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
 def test_streamed_rows_with_options(monkeypatch, mode, N, opts, pad, seed):
@@ -87,6 +95,8 @@ def test_streamed_rows_with_options(monkeypatch, mode, N, opts, pad, seed):
     from tests.test_cross_entropy_options import _force_stream
 
     _force_stream(monkeypatch)
+    _lean(monkeypatch, opts.endswith("-softcap-lean"))
+    opts = opts.removesuffix("-softcap-lean")
     M = 7
     g = torch.Generator(device="cuda").manual_seed(seed)
     buf = torch.randn(M, N + pad, device="cuda", generator=g) * 4
@@ -150,11 +160,13 @@ def test_autograd_with_options_against_float64(inplace, seed):
     close_family(got, want.to(torch.bfloat16), "softmax", torch.bfloat16, "dlogits")
 
 
-@pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
+@pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd", "backward-lean", "fwd_bwd-lean"])
 @pytest.mark.parametrize("V", (4097, 256000))
-def test_softcap_at_gemma_scale(mode, V, seed):
+def test_softcap_at_gemma_scale(monkeypatch, mode, V, seed):
     """bf16 logits spread as wide as the softcap (30, Gemma-2's), most capped near +-c, where the 16-bit
     kernels' tanh.approx errs most: the loss and lse within the capped-loss bound, the dlogits as bf16."""
+    _lean(monkeypatch, mode.endswith("-lean"))
+    mode = mode.removesuffix("-lean")
     logits, target, dloss = _case(64, V, torch.bfloat16, seed, scale=30.0)
     with pytest.raises(AssertionError):  # the bound means something: the uncapped loss is far outside it
         close_family(R.cross_entropy_forward(logits, target, IGNORE)[0],
@@ -163,10 +175,12 @@ def test_softcap_at_gemma_scale(mode, V, seed):
     _checked(mode, logits, target, dloss, dict(softcap=30.0), torch.bfloat16, "cross_entropy_capped_loss")
 
 
+@pytest.mark.parametrize("lean", ["", "softcap-lean"])
 @pytest.mark.parametrize("V", (1000, 50257, 128256))
-def test_infinite_logits_with_options(V, seed):
+def test_infinite_logits_with_options(monkeypatch, V, lean, seed):
     """A softcap makes +-inf logits finite (+-c) on the kernel path; label smoothing of a row holding
     +inf logits gives the reference's limit (+inf, log V where every logit is +inf) and finite dlogits."""
+    _lean(monkeypatch, lean)
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = torch.randn(4, V, device="cuda", generator=g)
     logits[0, 3] = math.inf
@@ -209,13 +223,15 @@ def test_nan_beside_posinf_stays_nan(V, seed):
         close_family(dx[2:], e_dx, "softmax", torch.bfloat16, f"other rows' dx {opts}")
 
 
-@pytest.mark.parametrize("opts", ["plain", "softcap", "all"])
+@pytest.mark.parametrize("opts", ["plain", "softcap", "softcap-lean", "all"])
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("N", (1000, 32000, 50257, 128256, 262144))
-def test_fused_in_place(N, dtype, opts, seed):
+def test_fused_in_place(monkeypatch, N, dtype, opts, seed):
     """``cross_entropy_fwd_bwd_`` (linear_cross_entropy's chunks): loss, lse and the dlogits written over
     the logits against the reference, on rows holding +inf logits too (their count read from the row
     before any thread stores over it), through the kernel."""
+    _lean(monkeypatch, opts.endswith("-lean"))
+    opts = opts.removesuffix("-lean")
     o = {} if opts == "plain" else OPTIONS[opts]
     logits, target, dloss = _case(37, N, dtype, seed)
     logits[3, 5] = math.inf
@@ -230,3 +246,71 @@ def test_fused_in_place(N, dtype, opts, seed):
     close_family(loss, e_loss, family, torch.float32, "loss")
     close_family(lse, e_lse, family, torch.float32, "lse")
     close_family(x, e_dx, "softmax", dtype, "dlogits in place")
+
+
+def _fused_against_float64(logits, target, dloss, opts, dtype, inplace, what):
+    """The fused kernel's loss, lse and dlogits (``inplace``: the in-place op's, over a copy of the logits)
+    against the float64 reference (``oink.reference`` on float64 inputs): the loss and lse within the
+    capped-loss bound on 16-bit logits (their tanh.approx), fp32's otherwise; the dlogits as ``dtype``."""
+    e_loss, e_dx, e_lse = R.cross_entropy_fwd_bwd(dloss.double(), logits.double(), target, IGNORE, return_lse=True,
+                                                  **opts)
+    if inplace:
+        dx = logits.clone()
+        loss, lse = torch.ops.oink.cross_entropy_fwd_bwd_(dloss, dx, target, IGNORE, **opts)
+    else:
+        loss, lse, dx = _launch("fwd_bwd", logits, target, dloss, None, opts)
+    family = "cross_entropy_capped_loss" if dtype != torch.float32 else "cross_entropy_loss"
+    close_family(loss, e_loss, family, torch.float32, f"{what} loss")
+    close_family(lse, e_lse, family, torch.float32, f"{what} lse")
+    close_family(dx, e_dx, "softmax", dtype, f"{what} dlogits")
+    assert torch.all(dx[target == IGNORE] == 0) and torch.all(loss[target == IGNORE] == 0)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["", "inplace"])
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+@pytest.mark.parametrize("N", (1000, 4097, 50257, 128256, 256000))
+@pytest.mark.parametrize("lean", ["", "lean"])
+def test_softcap_fwd_bwd_against_float64(monkeypatch, lean, N, dtype, inplace, seed):
+    """The fused kernels with a softcap of 30 (register-held rows: one warp, a CTA, shifted windows, clusters;
+    in place and out), with and without ``ce_softcap_lean``, against the float64 reference: rows of logits
+    spread 4 and 30 wide (Gemma-2's cap, most logits capped near +-c), a row of -inf but one logit, a row
+    of +inf logits, +-inf at the target."""
+    _lean(monkeypatch, lean)
+    logits, target, dloss = _case(37, N, dtype, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    logits[:8] = (torch.randn(8, N, device="cuda", generator=g) * 30.0).to(dtype)
+    logits[8, 1:] = -math.inf
+    logits[9, :] = math.inf
+    logits[10, 3], target[10] = math.inf, 3
+    logits[11, 5], target[11] = -math.inf, 5
+    _fused_against_float64(logits, target, dloss, OPTIONS["softcap"], dtype, inplace, f"{lean} {N}")
+
+
+@pytest.mark.parametrize("N", (4097, 128256))
+@pytest.mark.parametrize("lean", ["", "lean"])
+def test_softcap_z_loss_fwd_bwd_against_float64(monkeypatch, lean, N, seed):
+    """The same with a z-loss beside the softcap (the setting's other case: its dlogits scale by 1 + 2 z lse)."""
+    _lean(monkeypatch, lean)
+    logits, target, dloss = _case(37, N, torch.bfloat16, seed)
+    _fused_against_float64(logits, target, dloss, dict(z_loss=1e-3, softcap=30.0), torch.bfloat16, False,
+                           f"{lean} {N}")
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+@pytest.mark.parametrize("N", (1000, 50257, 256000))
+@pytest.mark.parametrize("lean", ["", "lean"])
+def test_softcap_backward_against_float64(monkeypatch, lean, N, dtype, seed):
+    """The backward with a softcap of 30, with and without ``ce_softcap_lean`` (its dlogits straight from the
+    logits as loaded), from the float64 lse, against the float64 reference; rows spread 4 and 30 wide, +-inf."""
+    _lean(monkeypatch, lean)
+    logits, target, dloss = _case(37, N, dtype, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    logits[:8] = (torch.randn(8, N, device="cuda", generator=g) * 30.0).to(dtype)
+    logits[9, :] = math.inf
+    logits[10, 3], target[10] = math.inf, 3
+    logits[11, 5], target[11] = -math.inf, 5
+    opts = OPTIONS["softcap"]
+    _, e_dx, e_lse = R.cross_entropy_fwd_bwd(dloss.double(), logits.double(), target, IGNORE, return_lse=True, **opts)
+    dx = _launch("backward", logits, target, dloss, e_lse.float(), opts)[2]
+    close_family(dx, e_dx, "softmax", dtype, f"{lean} {N} dlogits")
+    assert torch.all(dx[target == IGNORE] == 0)

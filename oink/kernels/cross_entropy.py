@@ -155,6 +155,12 @@ class CrossEntropy(RowKernelBase):
         self.n = launch.N if n is None else n
         self.shifted = self.n != launch.N
         self.stream = stream
+        # the ``ce_softcap_lean`` development setting (TEMPORARY, issue #35; ``softcap_form``), read when the kernel
+        # object is built (the compile cache keys on it): a fused register-held row with a softcap c <= 40 and no
+        # label smoothing holds exp(t - c) (1 - (t / c)^2) a logit from the row's sum to its dlogits (``held_exp``);
+        # the backward's and a streamed fused row's dlogits come from the logits as loaded (``capped_exp_slope``)
+        form = softcap_form(mode, options, stream)
+        self.hold, self.raw = form == "held", form == "raw"
         if stream:
             width, passes = self.stream_tiling()
             self.padded = passes * width * launch.cluster_n != launch.N or self.shifted
@@ -216,7 +222,18 @@ class CrossEntropy(RowKernelBase):
         self.wait_cluster()
         x = rX.load().to(Float32)
         inside = self.inside(rX, tXcX, shift)
-        x = self.capped(x, rX, inside)
+        if const_expr(self.hold):
+            # the leader loads the target's logit now: the softcap's derivative there rides the reduction
+            # round to every thread (no thread compares its columns with the target's before the dlogits), and
+            # it writes the loss from it (in place too: the load's value is in the leader's partial, so it is
+            # read before any thread of the row is past the round and storing)
+            xt, f_t = Float32(0.0), Float32(0.0)
+            if self.is_leader(tXcX, cy) and row < M and valid and not bad:
+                xt = Float32(mX[row, target])
+                f_t = self.capped_exp_slope(xt, Float32(self.options.softcap))[1]
+            s_thr, x = self.held_exp(x, rX, inside)  # x: exp(t - c) (1 - (t / c)^2) a logit
+        elif const_expr(not self.raw):  # (raw: the backward's dlogits from the logits as loaded)
+            x = self.capped(x, rX, inside)
         k = Float32(0.0)  # the row's count of +inf logits, where its lse is +inf
 
         if const_expr(self.mode == "backward"):
@@ -230,6 +247,9 @@ class CrossEntropy(RowKernelBase):
             sx = Float32(0.0)
             if const_expr(self.options.label_smoothing):
                 m, s, sx = self.row_max_sum(x, buf, mbar, extra=self.row_sum(x, inside))
+            elif const_expr(self.hold):  # sums at the one shift c, no max; f_t: the leader's, the others' 0
+                s, f_t = self.row_allreduce_pair(s_thr, f_t, add, Float32(0.0), buf, mbar, 0, 1)
+                m = Float32(self.options.softcap)
             else:
                 m, s = self.row_max_sum(x, buf, mbar)
             if const_expr(self.posinf):
@@ -242,7 +262,17 @@ class CrossEntropy(RowKernelBase):
             leader = tXcX[0][1] == 0
             if const_expr(L.cluster_n > 1):
                 leader = leader and cy == 0
-            if const_expr(self.inplace):
+            if const_expr(self.hold):
+                if leader and row < M:
+                    loss = Float32(0.0)
+                    if bad:
+                        loss = Float32(math.nan)
+                    elif valid:
+                        loss = self.row_loss(lse, s, sx, xt)
+                    mLoss[row] = loss
+                    if const_expr(mLseOut is not None):
+                        mLseOut[row] = lse
+            elif const_expr(self.inplace):
                 # the thread holding the target's column has its logit (others may be storing dlogits)
                 xt, owner = Float32(0.0), False
                 for i in cutlass.range_constexpr(cute.size(rX)):
@@ -274,7 +304,10 @@ class CrossEntropy(RowKernelBase):
             if bad:
                 scale = Float32(math.nan)
             rD = cute.make_rmem_tensor_like(rX, Float32)
-            self.dlogits(rD, x, lse, scale, k, tXcX, target + shift)
+            if const_expr(self.hold):
+                self.held_dlogits(rD, x, f_t, lse, scale, tXcX, target + shift)
+            else:
+                self.dlogits(rD, x, lse, scale, k, tXcX, target + shift)
             rO = cute.make_rmem_tensor_like(rX, self.x_dtype)
             rO.store(rD.load().to(self.x_dtype))
             if row < M:
@@ -369,7 +402,9 @@ class CrossEntropy(RowKernelBase):
                     tile = cy * passes + p
                     rX, tXcX = self.stream_tile(src, ident, thr, at, tile, lo)
                     rD = cute.make_rmem_tensor_like(rX, Float32)
-                    x = self.capped(rX.load().to(Float32), rX, None)  # dx past the row is not stored
+                    x = rX.load().to(Float32)
+                    if const_expr(not self.raw):  # (raw: the dlogits from the logits as loaded)
+                        x = self.capped(x, rX, None)  # dx past the row is not stored
                     self.dlogits(rD, x, lse, scale, k, tXcX, target + lo)
                     rO = cute.make_rmem_tensor_like(rX)
                     rO.store(rD.load().to(self.x_dtype))
@@ -435,6 +470,73 @@ class CrossEntropy(RowKernelBase):
         return x
 
     @cute.jit
+    def is_leader(self, tXcX: cute.Tensor, cy):
+        """Whether this thread leads its row: holds its column 0, in the cluster's first CTA."""
+        leader = tXcX[0][1] == 0
+        if const_expr(self.launch.cluster_n > 1):
+            leader = leader and cy == 0
+        return leader
+
+    @cute.jit
+    def capped_exp_slope(self, x: Float32, shift):
+        """``ce_softcap_lean``'s form of one logit x through the softcap c: (exp(t - shift), 1 - (t / c)^2) of its
+        capped value t = c u, u = tanh(x / c), straight from x: 16-bit logits take tanh.approx (as ``capped_one``)
+        and exp2(u c log2(e) - shift log2(e)), one FMA's argument (not t rounded, then shifted and scaled); fp32
+        ones ``capped_one``'s exact form, u = 1 - 2 r with r = 1 / (exp(2x / c) + 1), so t - shift = c - shift
+        - 2 c r, and the derivative 4 r (1 - r), exact where 1 - u^2 would cancel (|x| >> c). ``shift``: the
+        row's lse (the dlogits' exp(t - lse)), or c (``held_exp``: a compile-time constant, folded)."""
+        c = self.options.softcap
+        e, f = Float32(0.0), Float32(0.0)
+        if const_expr(self.x_dtype.width == 16):
+            u = cute.math.tanh(x * Float32(1.0 / c), approx=True)
+            e = cute.math.exp2(u * Float32(c * LOG2E) - shift * Float32(LOG2E), fastmath=True)
+            f = Float32(1.0) - u * u
+        else:
+            r = cute.arch.rcp_approx(cute.math.exp2(x * Float32(2 * LOG2E / c), fastmath=True) + Float32(1.0))
+            e = cute.math.exp2(r * Float32(-2 * c * LOG2E) + (Float32(c) - shift) * Float32(LOG2E), fastmath=True)
+            f = r * (Float32(4.0) - Float32(4.0) * r)
+        return e, f
+
+    @cute.jit
+    def held_exp(self, x, rX: cute.Tensor, inside):
+        """``ce_softcap_lean``: the thread's fp32 logits x as the fused kernel holds them from its forward's sum to
+        its dlogits, in one tanh and one exp a logit where the other path takes a second exp for the gradient:
+        each value becomes h = exp(t - c) (1 - (t / c)^2) of its capped value t (``capped_exp_slope``), and the
+        thread's sum of exp(t - c) its part of the row's: every t is at most c, so c is the shift and no max is
+        taken (``softcap_form``: c <= 40, so exp(t - c) >= exp(-80) is a normal fp32, nothing underflows). The
+        dlogits are then scale (1 + 2 z lse) exp(c - lse) h, less scale (1 - (t / c)^2) at the target
+        (``held_dlogits``). The columns outside the row (``inside`` false) add 0 to the sum.
+        -> (the thread's sum of exp(t - c), h)."""
+        c = Float32(self.options.softcap)
+        rE = cute.make_rmem_tensor_like(rX, Float32)
+        rF = cute.make_rmem_tensor_like(rX, Float32)
+        rE.store(x)
+        for i in cutlass.range_constexpr(cute.size(rE)):
+            rE[i], rF[i] = self.capped_exp_slope(rE[i], c)
+        e, h = rE.load(), rE.load() * rF.load()
+        if const_expr(inside is not None):
+            e = cute.where(inside, e, cute.full_like(e, 0.0))
+        s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        # + 0 * (the sum of h): h in the round's input, so computed before it; without it ptxas computed h after the
+        # round, from e and u kept live across it (2 registers a logit, not 1: spilled at 256000 bf16)
+        s = s + Float32(0.0) * h.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        return s, h
+
+    @cute.jit
+    def held_dlogits(self, rD: cute.Tensor, h, f_t: Float32, lse: Float32, scale: Float32, tXcX: cute.Tensor, tcol):
+        """``ce_softcap_lean``'s fp32 dlogits into ``rD`` from ``held_exp``'s values h (exp(t - c) times the
+        softcap's derivative): scale (1 + 2 z lse) exp(c - lse) h, less scale f_t at the target's column
+        ``tcol`` (one multiply a logit)."""
+        coef = scale
+        if const_expr(self.options.z_loss):
+            coef = scale * (Float32(1.0) + Float32(2 * self.options.z_loss) * lse)
+        g = coef * cute.math.exp2((Float32(self.options.softcap) - lse) * LOG2E, fastmath=True)
+        rD.store(h * g)
+        for i in cutlass.range_constexpr(cute.size(rD)):
+            if tXcX[i][1] == tcol:  # ignored rows have scale 0, so no column needs the guard
+                rD[i] = rD[i] - scale * f_t
+
+    @cute.jit
     def row_sum(self, x, inside) -> Float32:
         """The thread's sum of its values in the row (label smoothing's sum of logits)."""
         if const_expr(inside is not None):
@@ -483,6 +585,15 @@ class CrossEntropy(RowKernelBase):
             # one value at a time, in place: the factor 1 - (x / c)^2 needs x after p, and whole arrays of
             # both would spill (capped logits are finite: no +inf limit here)
             rD.store(x)
+            if const_expr(self.raw):  # x: the logits as loaded (``ce_softcap_lean``)
+                rel = tcol - tXcX[0][1]  # the target's column against each value's offset, a constant
+                for i in cutlass.range_constexpr(cute.size(rD)):
+                    p, f = self.capped_exp_slope(rD[i], lse)
+                    d = p * coef - smooth
+                    if tXcX[i][1] - tXcX[0][1] == rel:
+                        d = d - at_target
+                    rD[i] = d * f
+                return
             for i in cutlass.range_constexpr(cute.size(rD)):
                 xi = rD[i]
                 d = cute.math.exp2((xi - lse) * LOG2E, fastmath=True) * coef - smooth
@@ -655,6 +766,26 @@ class CrossEntropy(RowKernelBase):
                         d_i[j] = s_i[j]
 
 
+# the largest softcap ``CrossEntropy.held_exp`` takes: exp(t - c) of a capped logit t >= -c is at least exp(-2c),
+# a normal fp32 (>= 2^-126 = exp(-87.3)) up to here
+SOFTCAP_LEAN_MAX = 40.0
+
+
+def softcap_form(mode: str, options: CEOptions, stream: bool) -> str | None:
+    """Where the ``ce_softcap_lean`` development setting (TEMPORARY, issue #35; off by default) changes the kernel
+    of ``mode`` with ``options`` (a softcap): "held", the fused mode on register-held rows with a softcap of at
+    most ``SOFTCAP_LEAN_MAX`` and no label smoothing (``CrossEntropy.held_exp``); "raw", the backward and a
+    streamed fused row's dlogits pass (``capped_exp_slope`` from the logits as loaded); else None (the kernel
+    without the setting)."""
+    if options.softcap is None or mode == "forward" or not config.get().ce_softcap_lean:
+        return None
+    if mode == "backward" or stream:
+        return "raw"
+    if options.softcap <= SOFTCAP_LEAN_MAX and not options.label_smoothing:
+        return "held"
+    return None
+
+
 def shifted_window(N: int, x_bits: int) -> int | None:
     """The window width of a shifted-rows forward at width N (N plus up to a vector less one of
     lead, whole vectors), or None where rows start aligned."""
@@ -725,4 +856,6 @@ def compiled_cross_entropy(k: CrossEntropyKey):
     key = ("cross_entropy", mode, dtype, target_dtype, store_lse, N, arch, launch)
     key += (STREAM_UNITS,) if stream else ()
     key = key if options.plain else key + (options,)
+    form = softcap_form(mode, options, stream)
+    key += (f"softcap_{form}",) if form else ()
     return CACHE.get(key + ("inplace",) if inplace else key, build)
