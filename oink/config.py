@@ -65,11 +65,6 @@ class Config:
     bwd_split: bool | None = None  # the norm backward's split kernels (forced either way)
     softmax_online: bool | None = None  # the softmax's max and sum in one reduction round (forced either way)
     ce_stream: bool | None = None  # the cross-entropy kernels stream their rows (forced either way)
-    # TEMPORARY (issue #35, A/B; off unless True): the fused cross-entropy forward+backward with a softcap c <= 40
-    # and no label smoothing, on register-held rows, holds each logit's exp(t - c) from the row's sum (shifted by c,
-    # no max) times the softcap's derivative 1 - (t / c)^2: one tanh and one exp a logit, not a tanh and two exps;
-    # the backward's (and a streamed fused row's) softcap dlogits come straight from tanh(x / c)
-    ce_softcap_lean: bool | None = None
 
 
 DEV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not dataclasses.MISSING}

@@ -2,7 +2,7 @@
 >= 0.90 of copy for cases >= 256 MB, and no more than 5% slower than without them).
 
     python3 scripts/bench_ce_options.py [--shapes 4096x128256,8192x151936,2048x256000] [--dtype bfloat16]
-        [--modes forward,backward,fwd_bwd,fwd_bwd_] [--sets plain,softcap,caplean,softcap@plain,caplean@plain]
+        [--modes forward,backward,fwd_bwd,fwd_bwd_] [--sets plain,softcap,zcap,softcap@plain]
 
 Per shape and mode (forward, backward, fwd_bwd; ``fwd_bwd_``: the fused op in place, as
 ``oink.linear_cross_entropy`` runs it, over a copy of the logits): the median of CUDA-event timings of the
@@ -11,10 +11,7 @@ each option set, its bandwidth as a fraction of a device copy's (bytes read + wr
 the same logits), and its time over the plain kernel's (the first set; "plain" leads by default). Every case
 is larger than L2, so no flush is needed. A set named ``NAME@plain`` runs at the launch the plain kernel
 takes for the shape and mode (forced as ``oink.tune.trial`` forces a launch), where the options otherwise take
-their own (``option_launch``). TEMPORARY (issue #35): ``caplean`` is ``softcap`` under the ``ce_softcap_lean``
-development setting (the fused mode's one tanh and one exp a logit, the backward's dlogits straight from
-tanh(x / c); the forward's kernel is the same), ``zcaplean`` the z-loss and softcap under it: the A/B against
-``softcap`` and ``zcap`` in one process."""
+their own (``option_launch``)."""
 from __future__ import annotations
 
 import argparse
@@ -29,11 +26,7 @@ OPTION_SETS = {
     "softcap": dict(softcap=30.0),
     "zcap": dict(z_loss=1e-4, softcap=30.0),
     "all": dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0),
-    # TEMPORARY (issue #35): the sets above under a development setting (oink.config.override)
-    "caplean": dict(softcap=30.0),
-    "zcaplean": dict(z_loss=1e-4, softcap=30.0),
 }
-SETTINGS = {"caplean": dict(ce_softcap_lean=True), "zcaplean": dict(ce_softcap_lean=True)}
 DEFAULT_SETS = "plain,smooth,zloss,softcap,all"
 
 
@@ -67,7 +60,6 @@ def _args(mode: str, x, t, dloss, opts: dict, arch: str) -> dict:
 
 def _time_set(mode: str, name: str, x, t, dloss, arch: str) -> float:
     """ms of ``mode`` with option set ``name`` (``NAME@plain``: at the plain kernel's launch)."""
-    from oink import config
     from oink.dispatch import prepare
     from oink.kernels.compile import CACHE
     from oink.tune import trial
@@ -82,7 +74,7 @@ def _time_set(mode: str, name: str, x, t, dloss, arch: str) -> float:
             prepare(op, arch, a)
         (key,), (launch,) = looked_up.seen, CACHE.used_launches()
         forced = {key: launch}
-    with config.override(**SETTINGS.get(base, {})), trial(forced):
+    with trial(forced):
         a = _args(mode, x, t, dloss, OPTION_SETS[base], arch)
         launch = prepare(op, arch, a)
         return _median_ms(lambda: launch(a))

@@ -361,33 +361,23 @@ def test_option_kernels_do_not_spill(monkeypatch, arch, dtype):
     assert not spilled, spilled
 
 
-# TEMPORARY (issue #35, the ``ce_softcap_lean`` A/B). Known limit of the fused softcap kernels without the setting:
-# in place, rows of 256000 and 262144 spill (bf16 40-56 bytes, fp32 56-160; sm_90a and sm_100a), where the setting's
-# form, one value a logit held across the reduction, does not
-SOFTCAP_SPILL_LIMITS = {(arch, dtype, N) for arch in ("sm_90a", "sm_100a") for dtype in ("bfloat16", "float32")
-                        for N in (256000, 262144)}
-
-
-@pytest.mark.parametrize("lean", [False, True], ids=["", "lean"])
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_softcap_dlogits_compile_without_spill(monkeypatch, lean, arch, dtype):
-    """The dlogits kernels with a softcap of 30 (and a z-loss beside it), with and without the ``ce_softcap_lean``
-    development setting: the fused mode's register-held rows of a warp, a CTA, shifted windows (dlogits through
-    them, or element accesses), clusters, in place and out; the backward's; streamed rows of both; no spill (read
-    from the cubins' notes). The setting changes only those kernels (``softcap_form``; its own compile keys)."""
+def test_softcap_dlogits_compile_without_spill(monkeypatch, arch, dtype):
+    """The dlogits kernels with a softcap of 30 (and a z-loss beside it): the fused mode's register-held rows of a
+    warp, a CTA, shifted windows (dlogits through them, or element accesses), clusters, in place and out; the
+    backward's; streamed rows of both; no spill (read from the cubins' notes). Which softcap form each takes
+    (``softcap_form``)."""
     pytest.importorskip("cutlass")
     from oink.kernels import cross_entropy as ce
     from oink.kernels.profile import compiled_resources
     from tests.helpers import set_dev, set_knob
 
     set_knob(monkeypatch, "OINK_KEEP_CUBIN", "1")
-    set_dev(monkeypatch, ce_softcap_lean=lean)
     cap, zcap = ce.CEOptions(softcap=30.0), ce.CEOptions(z_loss=1e-4, softcap=30.0)
-    on = lambda form: form if lean else None  # noqa: E731
-    assert ce.softcap_form("fwd_bwd", cap, False) == ce.softcap_form("fwd_bwd", zcap, False) == on("held")
-    assert ce.softcap_form("backward", cap, False) == ce.softcap_form("fwd_bwd", cap, True) == on("raw")
-    assert ce.softcap_form("backward", ce.CEOptions(0.1, 0.0, 80.0), True) == on("raw")
+    assert ce.softcap_form("fwd_bwd", cap, False) == ce.softcap_form("fwd_bwd", zcap, False) == "held"
+    assert ce.softcap_form("backward", cap, False) == ce.softcap_form("fwd_bwd", cap, True) == "raw"
+    assert ce.softcap_form("backward", ce.CEOptions(0.1, 0.0, 80.0), True) == "raw"
     assert ce.softcap_form("forward", cap, False) is ce.softcap_form("forward", cap, True) is None
     assert ce.softcap_form("fwd_bwd", ce.CEOptions(0.1, 0.0, 30.0), False) is None  # label smoothing
     assert ce.softcap_form("fwd_bwd", ce.CEOptions(softcap=ce.SOFTCAP_LEAN_MAX * 2), False) is None
@@ -399,7 +389,7 @@ def test_softcap_dlogits_compile_without_spill(monkeypatch, lean, arch, dtype):
                                                           inplace=inplace))
         res = compiled_resources(fn)
         assert res["registers"] > 0
-        if res["frame_bytes"] and (lean or not inplace or (arch, dtype, N) not in SOFTCAP_SPILL_LIMITS):
+        if res["frame_bytes"]:
             spilled[(mode, N, inplace, options, window)] = res
         return fn
 
@@ -410,10 +400,8 @@ def test_softcap_dlogits_compile_without_spill(monkeypatch, lean, arch, dtype):
         check("backward", N)
     check("fwd_bwd", 4097, options=zcap)
     check("fwd_bwd", 50257, options=zcap, window=False)
-    fn = check("fwd_bwd", 1000)
-    set_dev(monkeypatch, ce_softcap_lean=not lean)
-    assert check("fwd_bwd", 1000) is not fn  # the kernels with the setting are kernels of their own
-    set_dev(monkeypatch, ce_softcap_lean=lean, ce_stream=True)
+    check("fwd_bwd", 1000, options=ce.CEOptions(0.1, 0.0, 30.0))
+    set_dev(monkeypatch, ce_stream=True)
     for N in (1000, 50257, 200008):
         for mode in ("backward", "fwd_bwd"):
             check(mode, N)

@@ -2,8 +2,8 @@
 fp32 reference, forward, backward and fused, register-held and streamed rows, aligned and odd
 vocabularies (about 30% of the rows ignored, outputs from a NaN-poisoned allocator); the routes (a class
 weight with label smoothing takes the reference); autograd against float64 torch; +inf logits with
-options. The fused softcap cases run with and without the ``ce_softcap_lean`` development setting
-(TEMPORARY, issue #35: ids with "lean"; ``-k softcap`` selects them all), against the float64 reference too."""
+options; the fused and backward softcap kernels against the float64 reference too (``-k softcap`` selects
+the softcap cases)."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,6 @@ import torch
 import oink
 from oink import reference as R
 from tests.gpu_helpers import close_family, kernel, poison_allocator
-from tests.helpers import set_dev
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
 
@@ -25,12 +24,6 @@ OPTIONS = {
     "softcap": dict(softcap=30.0),
     "all": dict(label_smoothing=0.2, z_loss=1e-3, softcap=15.0),
 }
-
-
-def _lean(monkeypatch, lean) -> None:
-    """The ``ce_softcap_lean`` development setting on for this test where ``lean`` (TEMPORARY, issue #35)."""
-    if lean:
-        set_dev(monkeypatch, ce_softcap_lean=True)
 
 
 def _case(M, N, dtype, seed, scale=4.0):
@@ -84,7 +77,7 @@ def test_option_kernels_match_the_reference(mode, M, N, dtype, opts, seed):
 
 
 @pytest.mark.parametrize("pad", [24, 0])
-@pytest.mark.parametrize("opts", ["smooth", "all", "all-softcap-lean"])
+@pytest.mark.parametrize("opts", ["smooth", "all"])
 @pytest.mark.parametrize("N", (1000, 50257, 200008))
 @pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
 def test_streamed_rows_with_options(monkeypatch, mode, N, opts, pad, seed):
@@ -95,8 +88,6 @@ def test_streamed_rows_with_options(monkeypatch, mode, N, opts, pad, seed):
     from tests.test_cross_entropy_options import _force_stream
 
     _force_stream(monkeypatch)
-    _lean(monkeypatch, opts.endswith("-softcap-lean"))
-    opts = opts.removesuffix("-softcap-lean")
     M = 7
     g = torch.Generator(device="cuda").manual_seed(seed)
     buf = torch.randn(M, N + pad, device="cuda", generator=g) * 4
@@ -160,13 +151,11 @@ def test_autograd_with_options_against_float64(inplace, seed):
     close_family(got, want.to(torch.bfloat16), "softmax", torch.bfloat16, "dlogits")
 
 
-@pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd", "backward-lean", "fwd_bwd-lean"])
+@pytest.mark.parametrize("mode", ["forward", "backward", "fwd_bwd"])
 @pytest.mark.parametrize("V", (4097, 256000))
-def test_softcap_at_gemma_scale(monkeypatch, mode, V, seed):
+def test_softcap_at_gemma_scale(mode, V, seed):
     """bf16 logits spread as wide as the softcap (30, Gemma-2's), most capped near +-c, where the 16-bit
     kernels' tanh.approx errs most: the loss and lse within the capped-loss bound, the dlogits as bf16."""
-    _lean(monkeypatch, mode.endswith("-lean"))
-    mode = mode.removesuffix("-lean")
     logits, target, dloss = _case(64, V, torch.bfloat16, seed, scale=30.0)
     with pytest.raises(AssertionError):  # the bound means something: the uncapped loss is far outside it
         close_family(R.cross_entropy_forward(logits, target, IGNORE)[0],
@@ -175,12 +164,10 @@ def test_softcap_at_gemma_scale(monkeypatch, mode, V, seed):
     _checked(mode, logits, target, dloss, dict(softcap=30.0), torch.bfloat16, "cross_entropy_capped_loss")
 
 
-@pytest.mark.parametrize("lean", ["", "softcap-lean"])
 @pytest.mark.parametrize("V", (1000, 50257, 128256))
-def test_infinite_logits_with_options(monkeypatch, V, lean, seed):
+def test_infinite_logits_with_options(V, seed):
     """A softcap makes +-inf logits finite (+-c) on the kernel path; label smoothing of a row holding
     +inf logits gives the reference's limit (+inf, log V where every logit is +inf) and finite dlogits."""
-    _lean(monkeypatch, lean)
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = torch.randn(4, V, device="cuda", generator=g)
     logits[0, 3] = math.inf
@@ -223,15 +210,13 @@ def test_nan_beside_posinf_stays_nan(V, seed):
         close_family(dx[2:], e_dx, "softmax", torch.bfloat16, f"other rows' dx {opts}")
 
 
-@pytest.mark.parametrize("opts", ["plain", "softcap", "softcap-lean", "all"])
+@pytest.mark.parametrize("opts", ["plain", "softcap", "all"])
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("N", (1000, 32000, 50257, 128256, 262144))
-def test_fused_in_place(monkeypatch, N, dtype, opts, seed):
+def test_fused_in_place(N, dtype, opts, seed):
     """``cross_entropy_fwd_bwd_`` (linear_cross_entropy's chunks): loss, lse and the dlogits written over
     the logits against the reference, on rows holding +inf logits too (their count read from the row
     before any thread stores over it), through the kernel."""
-    _lean(monkeypatch, opts.endswith("-lean"))
-    opts = opts.removesuffix("-lean")
     o = {} if opts == "plain" else OPTIONS[opts]
     logits, target, dloss = _case(37, N, dtype, seed)
     logits[3, 5] = math.inf
@@ -269,13 +254,11 @@ def _fused_against_float64(logits, target, dloss, opts, dtype, inplace, what):
 @pytest.mark.parametrize("inplace", [False, True], ids=["", "inplace"])
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("N", (1000, 4097, 50257, 128256, 256000))
-@pytest.mark.parametrize("lean", ["", "lean"])
-def test_softcap_fwd_bwd_against_float64(monkeypatch, lean, N, dtype, inplace, seed):
+def test_softcap_fwd_bwd_against_float64(N, dtype, inplace, seed):
     """The fused kernels with a softcap of 30 (register-held rows: one warp, a CTA, shifted windows, clusters;
-    in place and out), with and without ``ce_softcap_lean``, against the float64 reference: rows of logits
+    in place and out) against the float64 reference: rows of logits
     spread 4 and 30 wide (Gemma-2's cap, most logits capped near +-c), a row of -inf but one logit, a row
     of +inf logits, +-inf at the target."""
-    _lean(monkeypatch, lean)
     logits, target, dloss = _case(37, N, dtype, seed)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     logits[:8] = (torch.randn(8, N, device="cuda", generator=g) * 30.0).to(dtype)
@@ -283,26 +266,21 @@ def test_softcap_fwd_bwd_against_float64(monkeypatch, lean, N, dtype, inplace, s
     logits[9, :] = math.inf
     logits[10, 3], target[10] = math.inf, 3
     logits[11, 5], target[11] = -math.inf, 5
-    _fused_against_float64(logits, target, dloss, OPTIONS["softcap"], dtype, inplace, f"{lean} {N}")
+    _fused_against_float64(logits, target, dloss, OPTIONS["softcap"], dtype, inplace, f"{N}")
 
 
 @pytest.mark.parametrize("N", (4097, 128256))
-@pytest.mark.parametrize("lean", ["", "lean"])
-def test_softcap_z_loss_fwd_bwd_against_float64(monkeypatch, lean, N, seed):
-    """The same with a z-loss beside the softcap (the setting's other case: its dlogits scale by 1 + 2 z lse)."""
-    _lean(monkeypatch, lean)
+def test_softcap_z_loss_fwd_bwd_against_float64(N, seed):
+    """The same with a z-loss beside the softcap (the held form's dlogits scale by 1 + 2 z lse)."""
     logits, target, dloss = _case(37, N, torch.bfloat16, seed)
-    _fused_against_float64(logits, target, dloss, dict(z_loss=1e-3, softcap=30.0), torch.bfloat16, False,
-                           f"{lean} {N}")
+    _fused_against_float64(logits, target, dloss, dict(z_loss=1e-3, softcap=30.0), torch.bfloat16, False, f"{N}")
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("N", (1000, 50257, 256000))
-@pytest.mark.parametrize("lean", ["", "lean"])
-def test_softcap_backward_against_float64(monkeypatch, lean, N, dtype, seed):
-    """The backward with a softcap of 30, with and without ``ce_softcap_lean`` (its dlogits straight from the
-    logits as loaded), from the float64 lse, against the float64 reference; rows spread 4 and 30 wide, +-inf."""
-    _lean(monkeypatch, lean)
+def test_softcap_backward_against_float64(N, dtype, seed):
+    """The backward with a softcap of 30 (its dlogits straight from the logits as loaded), from the float64 lse,
+    against the float64 reference; rows spread 4 and 30 wide, +-inf."""
     logits, target, dloss = _case(37, N, dtype, seed)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     logits[:8] = (torch.randn(8, N, device="cuda", generator=g) * 30.0).to(dtype)
@@ -312,5 +290,5 @@ def test_softcap_backward_against_float64(monkeypatch, lean, N, dtype, seed):
     opts = OPTIONS["softcap"]
     _, e_dx, e_lse = R.cross_entropy_fwd_bwd(dloss.double(), logits.double(), target, IGNORE, return_lse=True, **opts)
     dx = _launch("backward", logits, target, dloss, e_lse.float(), opts)[2]
-    close_family(dx, e_dx, "softmax", dtype, f"{lean} {N} dlogits")
+    close_family(dx, e_dx, "softmax", dtype, f"{N} dlogits")
     assert torch.all(dx[target == IGNORE] == 0)

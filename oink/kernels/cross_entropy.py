@@ -155,8 +155,7 @@ class CrossEntropy(RowKernelBase):
         self.n = launch.N if n is None else n
         self.shifted = self.n != launch.N
         self.stream = stream
-        # the ``ce_softcap_lean`` development setting (TEMPORARY, issue #35; ``softcap_form``), read when the kernel
-        # object is built (the compile cache keys on it): a fused register-held row with a softcap c <= 40 and no
+        # the softcap's dlogits form (``softcap_form``): a fused register-held row with a softcap c <= 40 and no
         # label smoothing holds exp(t - c) (1 - (t / c)^2) a logit from the row's sum to its dlogits (``held_exp``);
         # the backward's and a streamed fused row's dlogits come from the logits as loaded (``capped_exp_slope``)
         form = softcap_form(mode, options, stream)
@@ -402,9 +401,8 @@ class CrossEntropy(RowKernelBase):
                     tile = cy * passes + p
                     rX, tXcX = self.stream_tile(src, ident, thr, at, tile, lo)
                     rD = cute.make_rmem_tensor_like(rX, Float32)
+                    # the dlogits from the logits as loaded (a softcap's ``raw`` form); dx past the row is not stored
                     x = rX.load().to(Float32)
-                    if const_expr(not self.raw):  # (raw: the dlogits from the logits as loaded)
-                        x = self.capped(x, rX, None)  # dx past the row is not stored
                     self.dlogits(rD, x, lse, scale, k, tXcX, target + lo)
                     rO = cute.make_rmem_tensor_like(rX)
                     rO.store(rD.load().to(self.x_dtype))
@@ -479,7 +477,7 @@ class CrossEntropy(RowKernelBase):
 
     @cute.jit
     def capped_exp_slope(self, x: Float32, shift):
-        """``ce_softcap_lean``'s form of one logit x through the softcap c: (exp(t - shift), 1 - (t / c)^2) of its
+        """The softcap's dlogits form of one logit x through the softcap c: (exp(t - shift), 1 - (t / c)^2) of its
         capped value t = c u, u = tanh(x / c), straight from x: 16-bit logits take tanh.approx (as ``capped_one``)
         and exp2(u c log2(e) - shift log2(e)), one FMA's argument (not t rounded, then shifted and scaled); fp32
         ones ``capped_one``'s exact form, u = 1 - 2 r with r = 1 / (exp(2x / c) + 1), so t - shift = c - shift
@@ -499,8 +497,8 @@ class CrossEntropy(RowKernelBase):
 
     @cute.jit
     def held_exp(self, x, rX: cute.Tensor, inside):
-        """``ce_softcap_lean``: the thread's fp32 logits x as the fused kernel holds them from its forward's sum to
-        its dlogits, in one tanh and one exp a logit where the other path takes a second exp for the gradient:
+        """The thread's fp32 logits x as the fused kernel holds them from its forward's sum to its dlogits, in
+        one tanh and one exp a logit (the capped values' exp for the sum and again for the gradient take two):
         each value becomes h = exp(t - c) (1 - (t / c)^2) of its capped value t (``capped_exp_slope``), and the
         thread's sum of exp(t - c) its part of the row's: every t is at most c, so c is the shift and no max is
         taken (``softcap_form``: c <= 40, so exp(t - c) >= exp(-80) is a normal fp32, nothing underflows). The
@@ -524,7 +522,7 @@ class CrossEntropy(RowKernelBase):
 
     @cute.jit
     def held_dlogits(self, rD: cute.Tensor, h, f_t: Float32, lse: Float32, scale: Float32, tXcX: cute.Tensor, tcol):
-        """``ce_softcap_lean``'s fp32 dlogits into ``rD`` from ``held_exp``'s values h (exp(t - c) times the
+        """The held softcap form's fp32 dlogits into ``rD`` from ``held_exp``'s values h (exp(t - c) times the
         softcap's derivative): scale (1 + 2 z lse) exp(c - lse) h, less scale f_t at the target's column
         ``tcol`` (one multiply a logit)."""
         coef = scale
@@ -585,7 +583,7 @@ class CrossEntropy(RowKernelBase):
             # one value at a time, in place: the factor 1 - (x / c)^2 needs x after p, and whole arrays of
             # both would spill (capped logits are finite: no +inf limit here)
             rD.store(x)
-            if const_expr(self.raw):  # x: the logits as loaded (``ce_softcap_lean``)
+            if const_expr(self.raw):  # x: the logits as loaded (``softcap_form``'s "raw")
                 rel = tcol - tXcX[0][1]  # the target's column against each value's offset, a constant
                 for i in cutlass.range_constexpr(cute.size(rD)):
                     p, f = self.capped_exp_slope(rD[i], lse)
@@ -772,12 +770,12 @@ SOFTCAP_LEAN_MAX = 40.0
 
 
 def softcap_form(mode: str, options: CEOptions, stream: bool) -> str | None:
-    """Where the ``ce_softcap_lean`` development setting (TEMPORARY, issue #35; off by default) changes the kernel
-    of ``mode`` with ``options`` (a softcap): "held", the fused mode on register-held rows with a softcap of at
-    most ``SOFTCAP_LEAN_MAX`` and no label smoothing (``CrossEntropy.held_exp``); "raw", the backward and a
-    streamed fused row's dlogits pass (``capped_exp_slope`` from the logits as loaded); else None (the kernel
-    without the setting)."""
-    if options.softcap is None or mode == "forward" or not config.get().ce_softcap_lean:
+    """The softcap's dlogits form of the kernel of ``mode`` with ``options`` (a softcap): "held", the fused mode on
+    register-held rows with a softcap of at most ``SOFTCAP_LEAN_MAX`` and no label smoothing
+    (``CrossEntropy.held_exp``); "raw", the backward and a streamed fused row's dlogits pass (``capped_exp_slope``
+    from the logits as loaded); else None: the forward, and a fused register-held row with label smoothing or a
+    larger softcap, which hold the capped logits (``capped``) and take their exp for the gradient (``dlogits``)."""
+    if options.softcap is None or mode == "forward":
         return None
     if mode == "backward" or stream:
         return "raw"
@@ -856,6 +854,4 @@ def compiled_cross_entropy(k: CrossEntropyKey):
     key = ("cross_entropy", mode, dtype, target_dtype, store_lse, N, arch, launch)
     key += (STREAM_UNITS,) if stream else ()
     key = key if options.plain else key + (options,)
-    form = softcap_form(mode, options, stream)
-    key += (f"softcap_{form}",) if form else ()
     return CACHE.get(key + ("inplace",) if inplace else key, build)
