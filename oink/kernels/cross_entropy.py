@@ -49,8 +49,8 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", 
     threads as long as it can. The modes that write dlogits lose more to a spill: 5 units a thread,
     then a larger cluster; but the fused forward+backward's 16-bit rows of 8192 columns or more take the wide
     norms' rule, 128-thread CTAs over the smallest cluster that holds the row in 8 accesses a thread (16
-    CTAs on sm_90a, 8 on sm_100a): it gives the 8 shapes the H100's search had found there, and on an H200
-    was 10-37% faster than the rule before at 8192-256000 columns (bench/RESULTS.md)."""
+    CTAs on sm_90a, 8 on sm_100a): it gives the shapes the H100's search had found there, and on an H200 it
+    beat the rule before at every width measured (bench/RESULTS.md)."""
     vec = math.gcd(N, 128 // x_bits)
     if mode == "forward" and HELD_THREADS * 4 < N // vec <= HELD_THREADS * HELD_MAX_UNITS:
         return RowLaunch(N=N, vec=vec, threads_per_row=HELD_THREADS, num_threads=HELD_THREADS)
@@ -131,8 +131,8 @@ class CrossEntropy(RowKernelBase):
     per-row arithmetic. Rows holding +inf logits take the limit (``oink.reference.cross_entropy``):
     where a register-held row's max (or the backward's lse) is +inf, each warp counts the row's +inf
     logits by reading it again (the reductions themselves are the plain ones; in a streamed row only a
-    thread whose max is +inf reads its tiles again, ``stream_count_posinf``), the lse is +inf, the loss log k at a +inf target, and the dlogits are
-    1/k on the k +inf logits."""
+    thread whose max is +inf reads its tiles again, ``stream_count_posinf``), the lse is +inf, the loss
+    log k at a +inf target, and the dlogits are 1/k on the k +inf logits."""
 
     def __init__(self, launch: RowLaunch, dtype, target_dtype, mode: str, n: int | None = None,
                  stream: bool = False, options: CEOptions = PLAIN, inplace: bool = False):
