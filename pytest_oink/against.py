@@ -4,11 +4,12 @@ needs no stored baseline. The other tree is a directory holding ``oink/``, or a 
 repository this Oink was imported from, exported (``git archive``) into a temporary directory.
 
 A worker process imports Oink from the other tree, with its own OINK_CACHE_DIR (its compiles are its
-own), and this tree's harness (pytest_oink: the same gate and timers on both sides). For each gated
-row this session times its first round, the worker gates and times the same row, and while the
-verdict from both sides' samples (verdicts.judge) is UNSURE one more round is timed on each side in
-turn. The other tree's samples become the row's baseline entry, so the regression gate, its lines
-and its failing on SLOWER are the same as against a stored baseline."""
+own), and this tree's harness and bench entries (pytest_oink and this Oink's oink.reference.BENCH: the
+same gate, inputs and timers on both sides). For each gated row this session times its first round,
+the worker gates and times the same row, and while the verdict from both sides' samples
+(verdicts.judge) is UNSURE one more round is timed on each side in turn. The other tree's samples
+become the row's baseline entry, so the regression gate, its lines and its failing on SLOWER are the
+same as against a stored baseline."""
 from __future__ import annotations
 
 import io
@@ -81,7 +82,7 @@ class OtherTree:
     """The other tree and its worker process (started at the first gated row)."""
 
     def __init__(self, spec: str):
-        repo = oink_root()
+        self.repo = repo = oink_root()
         self.root, self.name, self.tmp = resolve(spec, repo)
         if self.root == repo:
             raise ValueError(f"--oink-against={spec}: that is this session's own Oink ({repo})")
@@ -93,7 +94,7 @@ class OtherTree:
         return f"A/B in one run: this tree {self.this} against {self.name}, rounds alternating on the same device"
 
     def _start(self) -> None:
-        env = dict(os.environ, OINK_AGAINST_TREE=str(self.root))
+        env = dict(os.environ, OINK_AGAINST_TREE=str(self.root), OINK_AGAINST_THIS=str(self.repo))
         if env.get("OINK_CACHE_DIR", "") != "0":  # its compiles are its own (the cache off stays off)
             env["OINK_CACHE_DIR"] = str(Path(self.tmp or tempfile.mkdtemp(prefix="oink-against-")) / ".oink-cache")
         harness = str(Path(__file__).resolve().parents[1])
@@ -205,6 +206,15 @@ def worker_main() -> None:
     {"cmd": "done"} frees the row; {"cmd": "quit"} ends."""
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # kernels' and libraries' prints must not break the protocol
+    from .providers import specs
+
+    # this session's specs: its Oink's bench entries (oink.reference), imported from this session's tree
+    # before the other tree's Oink takes the name (the entries find oink and oink.reference when they call them)
+    sys.path.insert(0, os.environ["OINK_AGAINST_THIS"])
+    specs()
+    del sys.path[0]
+    for name in [m for m in sys.modules if m == "oink" or m.startswith("oink.")]:
+        del sys.modules[name]
     sys.path.insert(0, os.environ["OINK_AGAINST_TREE"])
     import oink
 

@@ -1,11 +1,15 @@
 """Registry mapping (op, provider) to a callable builder, and the per-op benchmark specs.
 
 A spec makes inputs (keyword arguments of the op's reference signature), computes the fp32
-reference outputs, and counts the bytes the op must move. A provider's builder returns a
-callable ``run(args) -> outputs`` (outputs in the order the reference gives them), or raises
-``Unavailable`` with the reason (peer not installed, op or arch not supported). Peers that do
-out of place what Oink does in place are timed with the copies that make the semantics equal,
-and their label says so. Imports of torch and peers happen inside builders only.
+reference outputs, and counts the bytes the op must move. Oink's ops declare theirs beside their
+references (``oink.reference.BENCH``: each family module's entries, ``oink/reference/bench.py``):
+``SPECS`` is built from them on first use (they import torch), with the training suite's. A
+provider's builder returns a callable ``run(args) -> outputs`` (outputs in the order the reference
+gives them), or raises ``Unavailable`` with the reason (peer not installed, op or arch not
+supported); Oink, torch eager and torch.compile serve every such op, the peers' builders below
+the ops they have. Peers that do out of place what Oink does in place are timed with the copies
+that make the semantics equal, and their label says so. Imports of torch and peers happen inside
+builders only.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
-EPS = 1e-6
+EPS = 1e-6  # the bench entries' (oink/reference/bench.py)
 
 
 class Unavailable(Exception):
@@ -87,306 +91,57 @@ def _fp8_code_steps(outputs):
     return signed, outputs[1].float()
 
 
-def _fp8_inputs(M, N, dtype, device, gen):
-    return dict(x=_rand((M, N), dtype, device, gen) * 3)
-
-
-def _silu_fp8_inputs(M, N, dtype, device, gen):
-    return dict(x=_rand((M, 2 * N), dtype, device, gen) * 2)  # N is the quantized width K
-
-
-def _rand(shape, dtype, device, gen, scale=1.0):
-    import torch
-
-    return (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
-
-
 def _R():
     return importlib.import_module("oink.reference")
 
 
-def _norm_inputs(M, N, dtype, device, gen):
-    return dict(x=_rand((M, N), dtype, device, gen), weight=_rand((N,), dtype, device, gen))
+# the views a bench entry's gate may compare instead of the outputs (``Bench.gate_view``)
+GATE_VIEWS = {"fp4_code_steps": _fp4_code_steps, "mx_block_ratios": _mx_block_ratios,
+              "fp8_code_steps": _fp8_code_steps}
 
 
-def _norm_w32_inputs(M, N, dtype, device, gen):
-    import torch
-
-    return dict(x=_rand((M, N), dtype, device, gen), weight=_rand((N,), torch.float32, device, gen))
-
-
-def _gemma_inputs(M, N, dtype, device, gen):
-    import torch
-
-    # Gemma's zero-initialised weight (plus noise), applied as (1 + w)
-    return dict(x=_rand((M, N), dtype, device, gen), weight=_rand((N,), torch.float32, device, gen, scale=0.1))
-
-
-def _res32_inputs(M, N, dtype, device, gen):
-    import torch
-
-    # the fp32 residual stream of mixed-precision training: x and y in dtype, the residual in fp32
-    return dict(x=_rand((M, N), dtype, device, gen), residual=_rand((M, N), torch.float32, device, gen),
-                weight=_rand((N,), torch.float32, device, gen))
+def spec_of(b) -> OpSpec:
+    """An Oink op's spec from its bench entry (``oink.reference.bench.Bench``): the reference is the entry's
+    call on ``oink.reference``, the Oink call the same on ``oink`` (or the entry's own), each module found
+    when called (an --oink-against worker's are the other tree's)."""
+    view = None
+    if b.gate_view is not None:
+        if b.gate_view not in GATE_VIEWS:
+            raise ValueError(f"unknown gate view {b.gate_view!r}; known: {', '.join(GATE_VIEWS)}")
+        view = GATE_VIEWS[b.gate_view]
+    return OpSpec(b.family, b.inputs, lambda a: b.call(_R(), a), b.nbytes, mutates=b.mutates, gate_view=view,
+                  oink=b.oink or b.call, block=b.block, only_in=b.only_in)
 
 
-def _fused_inputs(M, N, dtype, device, gen):
-    return dict(x=_rand((M, N), dtype, device, gen), residual=_rand((M, N), dtype, device, gen),
-                weight=_rand((N,), dtype, device, gen))
+def specs() -> dict:
+    """``SPECS``: each bench entry's spec, then the training suite's, built once (importing the entries,
+    which import torch); Oink, torch eager and torch.compile registered as each op's providers."""
+    built = globals().get("SPECS")
+    if built is None:
+        from oink.reference import BENCH
+
+        from . import training
+
+        _ENTRIES.update(BENCH)
+        built = {op: spec_of(b) for op, b in BENCH.items()}
+        for op in built:
+            for name, builder in (("oink", _oink_builder), ("torch", _torch_builder),
+                                  ("torch.compile", _compile_builder)):
+                PROVIDERS.setdefault((op, name), builder(op))  # one registered before stays
+        built.update(training.SPECS)
+        globals()["SPECS"] = built
+    return built
 
 
-def _bwd_inputs(M, N, dtype, device, gen):
-    x, w = _rand((M, N), dtype, device, gen), _rand((N,), dtype, device, gen)
-    rstd = _R().rmsnorm_forward(x, w, store_rstd=True)[1]
-    return dict(x=x, weight=w, dout=_rand((M, N), dtype, device, gen), rstd=rstd)
+_ENTRIES: dict = {}  # op -> its bench entry (torch.compile compiles the entry's own call: see _compile_builder)
 
 
-def _ln_inputs(M, N, dtype, device, gen):
-    return dict(x=_rand((M, N), dtype, device, gen), weight=_rand((N,), dtype, device, gen),
-                bias=_rand((N,), dtype, device, gen))
-
-
-def _ce_inputs(M, N, dtype, device, gen):
-    import torch
-
-    return dict(logits=_rand((M, N), dtype, device, gen, 4.0),
-                target=torch.randint(0, N, (M,), generator=gen, device=device))
-
-
-def _ln_bwd_inputs(M, N, dtype, device, gen):
-    a = _ln_inputs(M, N, dtype, device, gen)
-    _, rstd, mean = _R().layernorm(a["x"], a["weight"], a["bias"], EPS, return_rstd=True, return_mean=True)
-    return dict(dout=_rand((M, N), dtype, device, gen), rstd=rstd, mean=mean, **a)
-
-
-def _softmax_bwd_inputs(M, N, dtype, device, gen):
-    y = _R().softmax_forward(_rand((M, N), dtype, device, gen, 3.0))
-    return dict(dy=_rand((M, N), dtype, device, gen), y=y)
-
-
-def _softmax_fwd_bwd_inputs(M, N, dtype, device, gen):
-    return dict(dy=_rand((M, N), dtype, device, gen), x=_rand((M, N), dtype, device, gen, 3.0))
-
-
-def _ce_bwd_inputs(M, N, dtype, device, gen):
-    import torch
-
-    a = _ce_inputs(M, N, dtype, device, gen)
-    a["lse"] = _R().cross_entropy_forward(a["logits"], a["target"])[1]
-    a["dloss"] = torch.rand(M, generator=gen, device=device)
-    return a
-
-
-def _ce_fwd_bwd_inputs(M, N, dtype, device, gen):
-    a = _ce_bwd_inputs(M, N, dtype, device, gen)
-    del a["lse"]
-    return a
-
-
-def _fp4_inputs(M, N, dtype, device, gen):
-    import torch
-
-    return dict(x=_rand((M, N), dtype, device, gen), global_scale=torch.tensor([448 * 6 / 5.0], device=device))
-
-
-def _mx_inputs(M, N, dtype, device, gen):
-    return dict(x=_rand((M, N), dtype, device, gen))
-
-
-def _silu_fp4_inputs(M, N, dtype, device, gen):
-    a = _fp4_inputs(M, 2 * N, dtype, device, gen)  # N is the quantized width K: x is [M, 2K]
-    a["x"] = a["x"] * 2
-    return a
-
-
-def _silu_mx_inputs(M, N, dtype, device, gen):
-    return dict(x=_rand((M, 2 * N), dtype, device, gen) * 2)
-
-
-def _add_rms_fp4_inputs(M, N, dtype, device, gen):
-    import torch
-
-    return dict(_fused_inputs(M, N, dtype, device, gen), global_scale=torch.tensor([448.0], device=device))
-
-
-def _oink_ops():
-    import torch
-
-    import oink.ops  # noqa: F401  (registers torch.ops.oink)
-
-    return torch.ops.oink
-
-
-def _rmsnorm_forward_reference(a):
-    return (_R().rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0],)
-
-
-def _gemma_reference(a):
-    return (_R().rmsnorm_forward(a["x"], a["weight"], eps=EPS, weight_offset=1.0)[0],)
-
-
-def _res32_reference(a):
-    y, _, res_out = _R().rmsnorm_forward(a["x"], a["weight"], residual=a["residual"], eps=EPS)
-    return y, res_out
-
-
-def _fused_reference(a):
-    x, r = a["x"].clone(), a["residual"].clone()
-    _R().fused_add_rmsnorm_(x, r, a["weight"], EPS)
-    return x, r
-
-
-MX_FUSED_GATE = ("mxfp4_block_ratio", "nvfp4_code_step")  # (code ratios, scale bytes)
-FP8_SUITES = ("fp8", "smoke", "launch", "random")
-# FP4 ops have no peer kernel in the quack and dsv3 suites (Quack's, DeepSeek's shapes for the norms,
-# softmax and cross-entropy): their numbers at scale are the nvfp4 suite's
-FP4_SUITES = ("nvfp4", "sweep", "smoke", "launch", "random")
-
-SPECS = {
-    "rmsnorm_forward": OpSpec("rmsnorm", _norm_inputs, _rmsnorm_forward_reference,
-                              lambda M, N, e: 2 * M * N * e + N * e,
-                              oink=lambda o, a: (o.rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0],)),
-    # the same op with an fp32 weight (mixed-precision training keeps the weight in fp32)
-    "rmsnorm_forward_w32": OpSpec("rmsnorm", _norm_w32_inputs, _rmsnorm_forward_reference,
-                                  lambda M, N, e: 2 * M * N * e + N * 4,
-                                  oink=lambda o, a: (o.rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0],)),
-    # Gemma's RMSNorm: y = x_hat * (1 + w), fp32 weight
-    "rmsnorm_forward_gemma": OpSpec("rmsnorm", _gemma_inputs, _gemma_reference,
-                                    lambda M, N, e: 2 * M * N * e + N * 4,
-                                    oink=lambda o, a: (o.rmsnorm_forward(a["x"], a["weight"], eps=EPS,
-                                                                          weight_offset=1.0)[0],)),
-    # an fp32 residual stream: y in x's dtype and residual_out = x + residual in fp32
-    "rmsnorm_forward_res32": OpSpec(("rmsnorm", "rmsnorm"), _res32_inputs, _res32_reference,
-                                    lambda M, N, e: 2 * M * N * e + 8 * M * N + N * 4,
-                                    oink=lambda o, a: o.rmsnorm_forward(a["x"], a["weight"], residual=a["residual"],
-                                                                        eps=EPS)[::2]),
-    "fused_add_rmsnorm_": OpSpec("rmsnorm", _fused_inputs, _fused_reference,
-                                 lambda M, N, e: 4 * M * N * e + N * e, mutates=("x", "residual"),
-                                 oink=lambda o, a: (o.fused_add_rmsnorm_(a["x"], a["residual"], a["weight"], EPS),
-                                                    a["x"], a["residual"])[1:]),
-    # dx and dw: every provider must compute both (a compiler would drop an unused dw)
-    "rmsnorm_backward": OpSpec(("norm_backward", "weight_grad"), _bwd_inputs,
-                               lambda a: _R().rmsnorm_backward(a["x"], a["weight"], a["dout"], a["rstd"])[:2],
-                               lambda M, N, e: 3 * M * N * e + 2 * N * e + 4 * M,
-                               oink=lambda o, a: o.rmsnorm_backward(a["x"], a["weight"], a["dout"], a["rstd"])[:2]),
-    "layernorm": OpSpec("layernorm", _ln_inputs,
-                        lambda a: (_R().layernorm(a["x"], a["weight"], a["bias"], EPS),),
-                        lambda M, N, e: 2 * M * N * e + 2 * N * e,
-                        oink=lambda o, a: (o.layernorm(a["x"], a["weight"], a["bias"], EPS),)),
-    # read x, dout, weight, mean, rstd; write dx, dweight, dbias
-    "layernorm_backward": OpSpec(("norm_backward", "weight_grad", "weight_grad"), _ln_bwd_inputs,
-                                 lambda a: _R().layernorm_backward(a["dout"], a["x"], a["weight"], a["rstd"],
-                                                                   a["mean"], a["bias"]),
-                                 lambda M, N, e: 3 * M * N * e + 8 * M + 3 * N * e,
-                                 oink=lambda o, a: o.layernorm_backward(a["dout"], a["x"], a["weight"], a["rstd"],
-                                                                          a["mean"], a["bias"])),
-    "softmax_forward": OpSpec("softmax", _norm_inputs, lambda a: (_R().softmax_forward(a["x"]),),
-                              lambda M, N, e: 2 * M * N * e,
-                              oink=lambda o, a: (o.softmax_forward(a["x"]),)),
-    "softmax_backward": OpSpec("norm_backward", _softmax_bwd_inputs,
-                               lambda a: (_R().softmax_backward(a["dy"], a["y"]),),
-                               lambda M, N, e: 3 * M * N * e,
-                               oink=lambda o, a: (o.softmax_backward(a["dy"], a["y"]),)),
-    # fused: read x and dy, write dx (y never touches memory)
-    "softmax_fwd_bwd": OpSpec("norm_backward", _softmax_fwd_bwd_inputs,
-                              lambda a: (_R().softmax_fwd_bwd(a["dy"], a["x"]),),
-                              lambda M, N, e: 3 * M * N * e,
-                              oink=lambda o, a: (o.softmax_fwd_bwd(a["dy"], a["x"]),)),
-    # read logits and int64 targets; write fp32 loss and lse
-    "cross_entropy_forward": OpSpec("cross_entropy_loss", _ce_inputs,
-                                    lambda a: (_R().cross_entropy_forward(a["logits"], a["target"])[0],),
-                                    lambda M, N, e: M * N * e + 8 * M + 4 * M,
-                                    oink=lambda o, a: (o.cross_entropy_forward(a["logits"], a["target"])[0],)),
-    # read logits, targets, lse, dloss; write dlogits
-    "cross_entropy_backward": OpSpec("softmax", _ce_bwd_inputs,
-                                     lambda a: (_R().cross_entropy_backward(a["dloss"], a["logits"], a["target"],
-                                                                            a["lse"]),),
-                                     lambda M, N, e: 2 * M * N * e + 16 * M,
-                                     oink=lambda o, a: (o.cross_entropy_backward(a["dloss"], a["logits"], a["target"],
-                                                                                  a["lse"]),)),
-    # read logits, targets, dloss; write loss and dlogits
-    "cross_entropy_fwd_bwd": OpSpec(("cross_entropy_loss", "softmax"), _ce_fwd_bwd_inputs,
-                                    lambda a: _R().cross_entropy_fwd_bwd(a["dloss"], a["logits"], a["target"]),
-                                    lambda M, N, e: 2 * M * N * e + 16 * M,
-                                    oink=lambda o, a: o.cross_entropy_fwd_bwd(a["dloss"], a["logits"], a["target"])),
-    # read x; write codes (half a byte an element) and one scale byte per 16. Gated to one step
-    # like the fused ops: torch.compile of the reference is not bit-exact (the kernel is: tests)
-    "nvfp4_quantize": OpSpec("nvfp4_code_step", _fp4_inputs,
-                             lambda a: _R().nvfp4_quantize(a["x"], a["global_scale"]),
-                             lambda M, N, e: M * N * e + M * N // 2 + M * N // 16, gate_view=_fp4_code_steps,
-                             oink=lambda o, a: o.nvfp4_quantize(a["x"], a["global_scale"]), block=16,
-                             only_in=FP4_SUITES),
-    # read x; write codes and one UE8M0 scale byte per 32
-    "mxfp4_quantize": OpSpec("nvfp4_code_step", _mx_inputs, lambda a: _R().mxfp4_quantize(a["x"]),
-                             lambda M, N, e: M * N * e + M * N // 2 + M * N // 32, gate_view=_fp4_code_steps,
-                             oink=lambda o, a: o.mxfp4_quantize(a["x"]), block=32, only_in=FP4_SUITES),
-    # read x and residual, write residual (in place), codes and scales; read the weight
-    "add_rmsnorm_fp4quant": OpSpec("nvfp4_code_step", _add_rms_fp4_inputs,
-                                   lambda a: _R().add_rmsnorm_fp4quant(a["x"], a["residual"], a["weight"],
-                                                                       a["global_scale"], EPS),
-                                   lambda M, N, e: 3 * M * N * e + M * N // 2 + M * N // 16 + N * e,
-                                   gate_view=_fp4_code_steps,
-                                   oink=lambda o, a: o.add_rmsnorm_fp4quant(a["x"], a["residual"], a["weight"],
-                                                                            a["global_scale"], EPS), block=16,
-                                   only_in=FP4_SUITES),
-    # read x [M, 2N]; write codes and scales of the N-wide product
-    "silu_mul_fp4quant": OpSpec("nvfp4_code_step", _silu_fp4_inputs,
-                                lambda a: _R().silu_mul_fp4quant(a["x"], a["global_scale"]),
-                                lambda M, N, e: 2 * M * N * e + M * N // 2 + M * N // 16,
-                                gate_view=_fp4_code_steps,
-                                oink=lambda o, a: o.silu_mul_fp4quant(a["x"], a["global_scale"]), block=16,
-                                only_in=FP4_SUITES),
-    # the MXFP4 fused variants: the same bytes with one scale byte per 32
-    "add_rmsnorm_mxfp4quant": OpSpec(MX_FUSED_GATE, _fused_inputs,
-                                     lambda a: _R().add_rmsnorm_mxfp4quant(a["x"], a["residual"], a["weight"], EPS),
-                                     lambda M, N, e: 3 * M * N * e + M * N // 2 + M * N // 32 + N * e,
-                                     gate_view=_mx_block_ratios,
-                                     oink=lambda o, a: o.add_rmsnorm_mxfp4quant(a["x"], a["residual"], a["weight"],
-                                                                              EPS), block=32,
-                                     only_in=FP4_SUITES),
-    "silu_mul_mxfp4quant": OpSpec(MX_FUSED_GATE, _silu_mx_inputs, lambda a: _R().silu_mul_mxfp4quant(a["x"]),
-                                  lambda M, N, e: 2 * M * N * e + M * N // 2 + M * N // 32,
-                                  gate_view=_mx_block_ratios,
-                                  oink=lambda o, a: o.silu_mul_mxfp4quant(a["x"]), block=32, only_in=FP4_SUITES),
-    # vLLM's two ops as vLLM calls them (torch.ops.oink.*, through the dispatcher): launch cost only
-    "vllm_rmsnorm": OpSpec("rmsnorm", _norm_inputs, _rmsnorm_forward_reference, lambda M, N, e: 2 * M * N * e + N * e,
-                           oink=lambda o, a: (_oink_ops().rmsnorm(a["x"], a["weight"], EPS),), only_in=("launch",)),
-    "vllm_fused_add_rms_norm": OpSpec("rmsnorm", _fused_inputs, _fused_reference,
-                                      lambda M, N, e: 4 * M * N * e + N * e, mutates=("x", "residual"),
-                                      oink=lambda o, a: (_oink_ops().fused_add_rms_norm(a["x"], a["residual"],
-                                                                                        a["weight"], EPS),
-                                                         a["x"], a["residual"])[1:], only_in=("launch",)),
-    # FP8 (e4m3 codes, fp32 scales): the fp8 suite's ops (see oink/reference/fp8.py for the modes)
-    # per token: read x; write codes and one fp32 scale a row
-    "fp8_quantize": OpSpec(("fp8_code_step", "fp8_scale"), _fp8_inputs, lambda a: _R().fp8_quantize(a["x"]),
-                           lambda M, N, e: M * N * e + M * N + 4 * M, gate_view=_fp8_code_steps,
-                           oink=lambda o, a: o.fp8_quantize(a["x"]), only_in=FP8_SUITES),
-    # per 1 x 128 group (DeepSeek-V3's activations): one fp32 scale a group
-    "fp8_quantize_group": OpSpec(("fp8_code_step", "fp8_scale"), _fp8_inputs,
-                                 lambda a: _R().fp8_quantize(a["x"], group_size=128),
-                                 lambda M, N, e: M * N * e + M * N + M * N // 32, gate_view=_fp8_code_steps,
-                                 oink=lambda o, a: o.fp8_quantize(a["x"], group_size=128), block=128,
-                                 only_in=FP8_SUITES),
-    # read x and weight; write codes and per-row scales
-    "rmsnorm_fp8quant": OpSpec(("fp8_code_step", "fp8_scale"), _norm_inputs,
-                               lambda a: _R().rmsnorm_fp8quant(a["x"], a["weight"], EPS),
-                               lambda M, N, e: M * N * e + M * N + 4 * M + N * e, gate_view=_fp8_code_steps,
-                               oink=lambda o, a: o.rmsnorm_fp8quant(a["x"], a["weight"], EPS), only_in=FP8_SUITES),
-    # read x and residual, write residual (in place), codes and 1 x 128 group scales; read the weight
-    "add_rmsnorm_fp8quant": OpSpec(("fp8_code_step", "fp8_scale"), _fused_inputs,
-                                   lambda a: _R().add_rmsnorm_fp8quant(a["x"], a["residual"], a["weight"], EPS,
-                                                                       group_size=128),
-                                   lambda M, N, e: 3 * M * N * e + M * N + M * N // 32 + N * e,
-                                   gate_view=_fp8_code_steps, block=128, only_in=FP8_SUITES,
-                                   oink=lambda o, a: o.add_rmsnorm_fp8quant(a["x"], a["residual"], a["weight"], EPS,
-                                                                            group_size=128)),
-    # read x [M, 2N]; write codes and 1 x 128 group scales of the N-wide product
-    "silu_mul_fp8quant": OpSpec(("fp8_code_step", "fp8_scale"), _silu_fp8_inputs,
-                                lambda a: _R().silu_mul_fp8quant(a["x"], group_size=128),
-                                lambda M, N, e: 2 * M * N * e + M * N + M * N // 32, gate_view=_fp8_code_steps,
-                                oink=lambda o, a: o.silu_mul_fp8quant(a["x"], group_size=128), block=128,
-                                only_in=FP8_SUITES),
-}
+def __getattr__(name: str):
+    if name == "SPECS":  # built on first use (see specs)
+        return specs()
+    if name == "MX_FUSED_GATE":  # the fused MXFP4 entries' families: (code ratios, scale bytes)
+        return importlib.import_module("oink.reference.nvfp4").MX_FUSED_GATE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ------------------------------------------------------------------------------ providers
@@ -421,8 +176,8 @@ def _needs_cuda(device):
 _PARAMS = ("weight", "bias")  # per-column inputs: their first dim is N, never the rows
 
 
-def _compiled(fn):
-    """torch.compile of ``fn(args)`` with the rows dimension marked dynamic on first sight (torch's
+def _compiled(fn, *first):
+    """torch.compile of ``fn(*first, args)`` with the rows dimension marked dynamic on first sight (torch's
     ``maybe_mark_dynamic``: Inductor may still specialize it): one compile serves every M, as the
     automatic-dynamic recompile of torch's default would from the second M on, without compiling a
     static kernel first. N stays static."""
@@ -438,32 +193,36 @@ def _compiled(fn):
             if (rows is not None and isinstance(v, torch.Tensor) and name not in _PARAMS and v.dim()
                     and v.shape[0] == rows and not hasattr(v, "_dynamo_weak_dynamic_indices")):
                 mark(v, 0)
-        return compiled(a)
+        return compiled(*first, a)
 
     return run
 
 
-
-for _op in SPECS:
-    def _oink_builder(device, _op=_op):
+def _oink_builder(op: str):
+    def build(device):
         import oink
 
-        call = SPECS[_op].oink
+        call = specs()[op].oink
         return lambda a: call(oink, a)
 
-    provider(_op, "oink")(_oink_builder)
+    return build
 
-    # torch eager and torch.compile run the op's reference (the PyTorch a user would write)
-    def _torch_builder(device, _op=_op):
-        return SPECS[_op].reference if not SPECS[_op].mutates else _inplace_reference(_op)
 
-    def _compile_builder(device, _op=_op):
-        if SPECS[_op].mutates and device.type != "cuda":
+# torch eager and torch.compile run the op's reference (the PyTorch a user would write)
+def _torch_builder(op: str):
+    return lambda device: specs()[op].reference
+
+
+def _compile_builder(op: str):
+    def build(device):
+        if specs()[op].mutates and device.type != "cuda":
             return _compiled_out_of_place_with_copies()
-        return _compiled(_torch_builder(device, _op))
+        # the entry's call compiled, on oink.reference: the spec's reference is one lambda for every op (and a
+        # partial, a wrapper of torch's), where torch.compile's cache of one function recompiles 8 times, then
+        # runs it eagerly
+        return _compiled(_ENTRIES[op].call, _R())
 
-    provider(_op, "torch")(_torch_builder)
-    provider(_op, "torch.compile")(_compile_builder)
+    return build
 
 
 def _compiled_out_of_place_with_copies():
@@ -484,14 +243,6 @@ def _compiled_out_of_place_with_copies():
         return a["x"], a["residual"]
 
     run.label = "on CPU: compiled out of place + 2 copies"  # this device's rows only (see run_case)
-    return run
-
-
-def _inplace_reference(op):
-    def run(a):
-        _R().fused_add_rmsnorm_(a["x"], a["residual"], a["weight"], EPS)
-        return a["x"], a["residual"]
-
     return run
 
 
@@ -742,11 +493,13 @@ ALL_PROVIDERS = ("oink", "oink-unfused", "quack", "liger", "flashinfer", "torch"
 
 
 def providers_for(op: str, wanted=None) -> list[str]:
+    specs()
     names = [p for p in ALL_PROVIDERS if (op, p) in PROVIDERS]
     return [p for p in names if wanted is None or p in wanted]
 
 
 def build(op: str, name: str, device):
+    specs()
     try:
         builder = PROVIDERS[(op, name)]
     except KeyError:
@@ -754,4 +507,4 @@ def build(op: str, name: str, device):
     return builder(device)
 
 
-from . import training  # noqa: E402,F401  (registers the training suite's specs and providers)
+from . import training  # noqa: E402,F401  (registers the training suite's providers; specs() adds its specs)

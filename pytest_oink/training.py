@@ -1,6 +1,6 @@
 """The training suite's specs and providers: an lm head and its loss (linear cross-entropy), forward
-and backward, per model of ``suites.TRAINING_MODELS`` (registered into providers.SPECS and
-PROVIDERS when providers is imported).
+and backward, per model of ``suites.TRAINING_MODELS`` (providers.SPECS takes them after the ops' own;
+the providers registered when providers is imported).
 
 Every provider returns (loss, dhidden, dweight) of the "mean" loss from hidden [M, H], weight [V, H]
 and targets (10% ignored). The gate compares the loss, and each gradient as its shape (divided by its
@@ -143,7 +143,3 @@ for _op in TRAINING_MODELS:
     provider(_op, "torch.compile")(_compile_builder)
     provider(_op, "liger", label="LigerFusedLinearCrossEntropy")(_liger_builder)
     provider(_op, "quack", label=f"chunked_linear_cross_entropy, chunk {QUACK_CHUNK}")(_quack_builder(_op))
-
-from . import providers as _providers  # noqa: E402  (already imported: this module is imported at its end)
-
-_providers.SPECS.update(SPECS)

@@ -14,3 +14,5 @@ from .nvfp4 import *  # noqa: F401,F403
 from .softmax import *  # noqa: F401,F403
 
 __all__ = [*norms.__all__, *softmax.__all__, *cross_entropy.__all__, *nvfp4.__all__, *fp8.__all__]
+# every op's bench entry, by name (each family module's, beside its references; see .bench)
+BENCH = {**norms.BENCH, **softmax.BENCH, **cross_entropy.BENCH, **nvfp4.BENCH, **fp8.BENCH}

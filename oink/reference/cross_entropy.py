@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .bench import Bench, rand
+
 __all__ = [  # the public ops (oink.reference re-exports them)
     "cross_entropy_forward", "cross_entropy_backward", "cross_entropy_fwd_bwd",
 ]
@@ -223,3 +225,37 @@ def cross_entropy_backward_(dloss: Tensor, logits: Tensor, target: Tensor, lse: 
     """In place: logits <- dlogits (the memory-saving backward of ``oink.cross_entropy``)."""
     logits.copy_(cross_entropy_backward(dloss, logits, target, lse, ignore_index, weight, label_smoothing, z_loss,
                                         softcap))
+
+
+# ---- bench entries (``.bench``: pytest_oink builds each op's benchmark spec from its own) ----
+def _forward_inputs(M, N, dtype, device, gen):
+    return dict(logits=rand((M, N), dtype, device, gen, 4.0),
+                target=torch.randint(0, N, (M,), generator=gen, device=device))
+
+
+def _backward_inputs(M, N, dtype, device, gen):
+    a = _forward_inputs(M, N, dtype, device, gen)
+    a["lse"] = cross_entropy_forward(a["logits"], a["target"])[1]
+    a["dloss"] = torch.rand(M, generator=gen, device=device)
+    return a
+
+
+def _fwd_bwd_inputs(M, N, dtype, device, gen):
+    a = _backward_inputs(M, N, dtype, device, gen)
+    del a["lse"]
+    return a
+
+
+BENCH = {
+    # read logits and int64 targets; write fp32 loss and lse
+    "cross_entropy_forward": Bench("cross_entropy_loss", _forward_inputs, lambda M, N, e: M * N * e + 8 * M + 4 * M,
+                                   lambda o, a: (o.cross_entropy_forward(a["logits"], a["target"])[0],)),
+    # read logits, targets, lse, dloss; write dlogits
+    "cross_entropy_backward": Bench("softmax", _backward_inputs, lambda M, N, e: 2 * M * N * e + 16 * M,
+                                    lambda o, a: (o.cross_entropy_backward(a["dloss"], a["logits"], a["target"],
+                                                                           a["lse"]),)),
+    # read logits, targets, dloss; write loss and dlogits
+    "cross_entropy_fwd_bwd": Bench(("cross_entropy_loss", "softmax"), _fwd_bwd_inputs,
+                                   lambda M, N, e: 2 * M * N * e + 16 * M,
+                                   lambda o, a: o.cross_entropy_fwd_bwd(a["dloss"], a["logits"], a["target"])),
+}

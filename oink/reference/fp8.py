@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .bench import EPS, Bench, rand, x_residual_weight, x_weight
+
 __all__ = [  # the public ops (oink.reference re-exports them)
     "fp8_quantize", "rmsnorm_fp8quant", "add_rmsnorm_fp8quant", "silu_mul_fp8quant",
 ]
@@ -164,3 +166,40 @@ def silu_mul_fp8quant(x: Tensor, scale: Tensor | None = None, group_size: int = 
     q, s = quantize_rows(torch.nn.functional.silu(xf[:, :K]) * xf[:, K:], scale, group_size, column_major_scales,
                          ue8m0, scale_ub)
     return q.reshape(*x.shape[:-1], K), s
+
+
+# ---- bench entries (``.bench``: pytest_oink builds each op's benchmark spec from its own) ----
+# (e4m3 codes, fp32 scales): the fp8 suite's ops
+FP8_SUITES = ("fp8", "smoke", "launch", "random")
+
+
+def _x_inputs(M, N, dtype, device, gen):
+    return dict(x=rand((M, N), dtype, device, gen) * 3)
+
+
+def _silu_inputs(M, N, dtype, device, gen):
+    return dict(x=rand((M, 2 * N), dtype, device, gen) * 2)  # N is the quantized width K
+
+
+def _fp8(inputs, nbytes, call, block=1):
+    return Bench(("fp8_code_step", "fp8_scale"), inputs, nbytes, call, gate_view="fp8_code_steps", block=block,
+                 only_in=FP8_SUITES)
+
+
+BENCH = {
+    # per token: read x; write codes and one fp32 scale a row
+    "fp8_quantize": _fp8(_x_inputs, lambda M, N, e: M * N * e + M * N + 4 * M, lambda o, a: o.fp8_quantize(a["x"])),
+    # per 1 x 128 group (DeepSeek-V3's activations): one fp32 scale a group
+    "fp8_quantize_group": _fp8(_x_inputs, lambda M, N, e: M * N * e + M * N + M * N // 32,
+                               lambda o, a: o.fp8_quantize(a["x"], group_size=128), 128),
+    # read x and weight; write codes and per-row scales
+    "rmsnorm_fp8quant": _fp8(x_weight, lambda M, N, e: M * N * e + M * N + 4 * M + N * e,
+                             lambda o, a: o.rmsnorm_fp8quant(a["x"], a["weight"], EPS)),
+    # read x and residual, write residual (in place), codes and 1 x 128 group scales; read the weight
+    "add_rmsnorm_fp8quant": _fp8(x_residual_weight, lambda M, N, e: 3 * M * N * e + M * N + M * N // 32 + N * e,
+                                 lambda o, a: o.add_rmsnorm_fp8quant(a["x"], a["residual"], a["weight"], EPS,
+                                                                     group_size=128), 128),
+    # read x [M, 2N]; write codes and 1 x 128 group scales of the N-wide product
+    "silu_mul_fp8quant": _fp8(_silu_inputs, lambda M, N, e: 2 * M * N * e + M * N + M * N // 32,
+                              lambda o, a: o.silu_mul_fp8quant(a["x"], group_size=128), 128),
+}

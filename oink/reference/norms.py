@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .bench import EPS, Bench, rand, x_residual_weight, x_weight
+
 __all__ = [  # the public ops (oink.reference re-exports them)
     "rmsnorm_forward", "fused_add_rmsnorm_", "rmsnorm_backward", "layernorm", "layernorm_backward",
 ]
@@ -103,3 +105,88 @@ def layernorm_backward(dout: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, me
     dw = (gf * xhat).sum(0).to(weight.dtype)
     db = gf.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dw, db
+
+
+# ---- bench entries (``.bench``: pytest_oink builds each op's benchmark spec from its own) ----
+def _w32_inputs(M, N, dtype, device, gen):
+    return dict(x=rand((M, N), dtype, device, gen), weight=rand((N,), torch.float32, device, gen))
+
+
+def _gemma_inputs(M, N, dtype, device, gen):
+    # Gemma's zero-initialised weight (plus noise), applied as (1 + w)
+    return dict(x=rand((M, N), dtype, device, gen), weight=rand((N,), torch.float32, device, gen, scale=0.1))
+
+
+def _res32_inputs(M, N, dtype, device, gen):
+    # the fp32 residual stream of mixed-precision training: x and y in dtype, the residual in fp32
+    return dict(x=rand((M, N), dtype, device, gen), residual=rand((M, N), torch.float32, device, gen),
+                weight=rand((N,), torch.float32, device, gen))
+
+
+def _backward_inputs(M, N, dtype, device, gen):
+    x, w = rand((M, N), dtype, device, gen), rand((N,), dtype, device, gen)
+    rstd = rmsnorm_forward(x, w, store_rstd=True)[1]
+    return dict(x=x, weight=w, dout=rand((M, N), dtype, device, gen), rstd=rstd)
+
+
+def _ln_inputs(M, N, dtype, device, gen):
+    return dict(x=rand((M, N), dtype, device, gen), weight=rand((N,), dtype, device, gen),
+                bias=rand((N,), dtype, device, gen))
+
+
+def _ln_backward_inputs(M, N, dtype, device, gen):
+    a = _ln_inputs(M, N, dtype, device, gen)
+    _, rstd, mean = layernorm(a["x"], a["weight"], a["bias"], EPS, return_rstd=True, return_mean=True)
+    return dict(dout=rand((M, N), dtype, device, gen), rstd=rstd, mean=mean, **a)
+
+
+def _y(o, a):
+    return (o.rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0],)
+
+
+def _fused(o, a):
+    return (o.fused_add_rmsnorm_(a["x"], a["residual"], a["weight"], EPS), a["x"], a["residual"])[1:]
+
+
+def _torch_ops():
+    """``torch.ops.oink``, where the vLLM entries call Oink (the declarations imported first)."""
+    import oink.ops  # noqa: F401  (registers torch.ops.oink)
+
+    return torch.ops.oink
+
+
+BENCH = {
+    "rmsnorm_forward": Bench("rmsnorm", x_weight, lambda M, N, e: 2 * M * N * e + N * e, _y),
+    # the same op with an fp32 weight (mixed-precision training keeps the weight in fp32)
+    "rmsnorm_forward_w32": Bench("rmsnorm", _w32_inputs, lambda M, N, e: 2 * M * N * e + N * 4, _y),
+    # Gemma's RMSNorm: y = x_hat * (1 + w), fp32 weight
+    "rmsnorm_forward_gemma": Bench("rmsnorm", _gemma_inputs, lambda M, N, e: 2 * M * N * e + N * 4,
+                                   lambda o, a: (o.rmsnorm_forward(a["x"], a["weight"], eps=EPS,
+                                                                   weight_offset=1.0)[0],)),
+    # an fp32 residual stream: y in x's dtype and residual_out = x + residual in fp32
+    "rmsnorm_forward_res32": Bench(("rmsnorm", "rmsnorm"), _res32_inputs,
+                                   lambda M, N, e: 2 * M * N * e + 8 * M * N + N * 4,
+                                   lambda o, a: o.rmsnorm_forward(a["x"], a["weight"], residual=a["residual"],
+                                                                  eps=EPS)[::2]),
+    "fused_add_rmsnorm_": Bench("rmsnorm", x_residual_weight, lambda M, N, e: 4 * M * N * e + N * e, _fused,
+                                mutates=("x", "residual")),
+    # dx and dw: every provider must compute both (a compiler would drop an unused dw)
+    "rmsnorm_backward": Bench(("norm_backward", "weight_grad"), _backward_inputs,
+                              lambda M, N, e: 3 * M * N * e + 2 * N * e + 4 * M,
+                              lambda o, a: o.rmsnorm_backward(a["x"], a["weight"], a["dout"], a["rstd"])[:2]),
+    "layernorm": Bench("layernorm", _ln_inputs, lambda M, N, e: 2 * M * N * e + 2 * N * e,
+                       lambda o, a: (o.layernorm(a["x"], a["weight"], a["bias"], EPS),)),
+    # read x, dout, weight, mean, rstd; write dx, dweight, dbias
+    "layernorm_backward": Bench(("norm_backward", "weight_grad", "weight_grad"), _ln_backward_inputs,
+                                lambda M, N, e: 3 * M * N * e + 8 * M + 3 * N * e,
+                                lambda o, a: o.layernorm_backward(a["dout"], a["x"], a["weight"], a["rstd"], a["mean"],
+                                                                  a["bias"])),
+    # vLLM's two ops as vLLM calls them (torch.ops.oink.*, through the dispatcher): launch cost only
+    "vllm_rmsnorm": Bench("rmsnorm", x_weight, lambda M, N, e: 2 * M * N * e + N * e, _y, only_in=("launch",),
+                          oink=lambda o, a: (_torch_ops().rmsnorm(a["x"], a["weight"], EPS),)),
+    "vllm_fused_add_rms_norm": Bench("rmsnorm", x_residual_weight, lambda M, N, e: 4 * M * N * e + N * e, _fused,
+                                     mutates=("x", "residual"), only_in=("launch",),
+                                     oink=lambda o, a: (_torch_ops().fused_add_rms_norm(a["x"], a["residual"],
+                                                                                        a["weight"], EPS),
+                                                        a["x"], a["residual"])[1:]),
+}

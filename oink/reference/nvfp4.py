@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .bench import EPS, Bench, rand, x_residual_weight
+
 __all__ = [  # the public ops (oink.reference re-exports them)
     "nvfp4_quantize", "nvfp4_dequantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant",
     "mxfp4_quantize", "mxfp4_dequantize", "add_rmsnorm_mxfp4quant", "silu_mul_mxfp4quant",
@@ -215,3 +217,64 @@ def mxfp4_dequantize(q: Tensor, sf: Tensor, swizzled: bool = False) -> Tensor:
     vals, sf_rm = _decode(q, sf, swizzled, MX_BLOCK)
     scale = torch.ldexp(torch.ones(sf_rm.shape, device=q.device), sf_rm.view(torch.uint8).int() - 127)
     return (vals * scale.unsqueeze(-1)).reshape(q.shape[0], q.shape[1] * 2)
+
+
+# ---- bench entries (``.bench``: pytest_oink builds each op's benchmark spec from its own) ----
+# FP4 ops have no peer kernel in the quack and dsv3 suites (Quack's, DeepSeek's shapes for the norms,
+# softmax and cross-entropy): their numbers at scale are the nvfp4 suite's
+FP4_SUITES = ("nvfp4", "sweep", "smoke", "launch", "random")
+MX_FUSED_GATE = ("mxfp4_block_ratio", "nvfp4_code_step")  # (code ratios, scale bytes)
+
+
+def _fp4_inputs(M, N, dtype, device, gen):
+    return dict(x=rand((M, N), dtype, device, gen), global_scale=torch.tensor([448 * 6 / 5.0], device=device))
+
+
+def _mx_inputs(M, N, dtype, device, gen):
+    return dict(x=rand((M, N), dtype, device, gen))
+
+
+def _silu_fp4_inputs(M, N, dtype, device, gen):
+    a = _fp4_inputs(M, 2 * N, dtype, device, gen)  # N is the quantized width K: x is [M, 2K]
+    a["x"] = a["x"] * 2
+    return a
+
+
+def _silu_mx_inputs(M, N, dtype, device, gen):
+    return dict(x=rand((M, 2 * N), dtype, device, gen) * 2)
+
+
+def _add_rms_fp4_inputs(M, N, dtype, device, gen):
+    return dict(x_residual_weight(M, N, dtype, device, gen), global_scale=torch.tensor([448.0], device=device))
+
+
+def _fp4(family, inputs, nbytes, call, block, view="fp4_code_steps"):
+    return Bench(family, inputs, nbytes, call, gate_view=view, block=block, only_in=FP4_SUITES)
+
+
+BENCH = {
+    # read x; write codes (half a byte an element) and one scale byte per 16. Gated to one step
+    # like the fused ops: torch.compile of the reference is not bit-exact (the kernel is: tests)
+    "nvfp4_quantize": _fp4("nvfp4_code_step", _fp4_inputs, lambda M, N, e: M * N * e + M * N // 2 + M * N // 16,
+                           lambda o, a: o.nvfp4_quantize(a["x"], a["global_scale"]), 16),
+    # read x; write codes and one UE8M0 scale byte per 32
+    "mxfp4_quantize": _fp4("nvfp4_code_step", _mx_inputs, lambda M, N, e: M * N * e + M * N // 2 + M * N // 32,
+                           lambda o, a: o.mxfp4_quantize(a["x"]), 32),
+    # read x and residual, write residual (in place), codes and scales; read the weight
+    "add_rmsnorm_fp4quant": _fp4("nvfp4_code_step", _add_rms_fp4_inputs,
+                                 lambda M, N, e: 3 * M * N * e + M * N // 2 + M * N // 16 + N * e,
+                                 lambda o, a: o.add_rmsnorm_fp4quant(a["x"], a["residual"], a["weight"],
+                                                                     a["global_scale"], EPS), 16),
+    # read x [M, 2N]; write codes and scales of the N-wide product
+    "silu_mul_fp4quant": _fp4("nvfp4_code_step", _silu_fp4_inputs,
+                              lambda M, N, e: 2 * M * N * e + M * N // 2 + M * N // 16,
+                              lambda o, a: o.silu_mul_fp4quant(a["x"], a["global_scale"]), 16),
+    # the MXFP4 fused variants: the same bytes with one scale byte per 32
+    "add_rmsnorm_mxfp4quant": _fp4(MX_FUSED_GATE, x_residual_weight,
+                                   lambda M, N, e: 3 * M * N * e + M * N // 2 + M * N // 32 + N * e,
+                                   lambda o, a: o.add_rmsnorm_mxfp4quant(a["x"], a["residual"], a["weight"], EPS), 32,
+                                   view="mx_block_ratios"),
+    "silu_mul_mxfp4quant": _fp4(MX_FUSED_GATE, _silu_mx_inputs,
+                                lambda M, N, e: 2 * M * N * e + M * N // 2 + M * N // 32,
+                                lambda o, a: o.silu_mul_mxfp4quant(a["x"]), 32, view="mx_block_ratios"),
+}
