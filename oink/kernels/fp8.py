@@ -46,8 +46,8 @@ def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None)
 
 def whole_warp_launch(N: int, vec: int, max_iters: int = 4, iters: int = 2) -> RowLaunch | None:
     """A row over whole warps with at most ``max_iters`` accesses a thread and the least padding (within 5% of
-    the row, the accesses a thread nearest ``iters``): 2560 / 16 = 160 threads x 1, 4992: 160 x 2, 11008: 352 x 2, where
-    a power of two of threads leaves 96 of 256, 200 of 512 and 336 of 1024 idle. None past 1024 threads."""
+    the row, the accesses a thread nearest ``iters``): 2560 / 16 = 160 threads x 1, 4992: 160 x 2, 11008: 352 x 2,
+    where a power of two of threads leaves 96 of 256, 200 of 512 and 336 of 1024 idle. None past 1024 threads."""
     units = N // vec
     fits = [(tpr * -(-units // tpr) - units, -(-units // tpr), tpr) for tpr in range(32, 1025, 32)
             if -(-units // tpr) <= max_iters]
@@ -64,8 +64,8 @@ def fp8_launch(N: int, arch: str, kind: str, group_size: int, op: str | None = N
     lanes. ``fp4_upt`` (a sweep's dial) sets the FP4 tiling."""
     knob = config.get().fp4_upt
     rule = None if knob else whole_warp_launch(N, UNIT)
-    launch = pick(f"fp8/{op or kind}/{'group' if group_size else 'row'}", arch, rule or fp4_launch(N, arch, kind, UNIT),
-                  knob)
+    launch = pick(f"fp8/{op or kind}/{'group' if group_size else 'row'}", arch,
+                  rule or fp4_launch(N, arch, kind, UNIT), knob)
     lanes = group_size // UNIT
     if group_size and (launch.threads_per_row % lanes or launch.vec != UNIT):
         raise ValueError(f"N={N}: no launch keeps a {group_size}-wide group on aligned lanes")
@@ -169,8 +169,9 @@ class Fp8Epilogue:
                 sp = finite_or_zero(s)
             if row < M and col0 < L.N:
                 for w in cutlass.range_constexpr(UNIT // 4):
-                    t = [self.scaled(unit[4 * w + j], inv) for j in range(4)]
-                    if const_expr(self.mode != "static"):
+                    if const_expr(self.mode == "static"):
+                        t = [self.scaled(unit[4 * w + j], inv) for j in range(4)]
+                    else:
                         t = [quotient_sat(unit[4 * w + j], y, sp, const_expr(mUb is None)) for j in range(4)]
                     rQ[w] = e4m3x4(t[0], t[1], t[2], t[3])
                 cute.copy(q_atom, rQ, cute.local_tile(mQ, (1, UNIT // 4), (row, col0 // UNIT))[0, None])
