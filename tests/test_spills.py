@@ -187,3 +187,28 @@ def test_cross_entropy_fused_rule_does_not_spill(keep_cubin, arch):
     spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"]}
     assert not spilled, f"ce_fwd_bwd bfloat16 {arch} spills at (launch, resources) {spilled}"
     assert all(r[1]["registers"] > 0 for r in found.values())
+
+
+# the backward's rule (``cluster_rows``, retiled by ``least_padding``) at the fused rule's widths and where it
+# retiles; and the options' dlogits kernels, which take the same rules (``option_launch``): the softcap's held
+# form, the capped loop (label smoothing with a softcap, or a softcap past SOFTCAP_LEAN_MAX) and the z-loss
+CE_BACKWARD_WIDTHS = CE_FUSED_WIDTHS + (50304, 100000, 201088)
+CE_WIDE_OPTIONS = ((0.0, 0.0, 30.0), (0.1, 1e-4, 30.0), (0.0, 0.0, 50.0), (0.1, 1e-4, None))
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_cross_entropy_wide_dlogits_rules_do_not_spill(keep_cubin, arch):
+    from oink.kernels.cross_entropy import CEOptions, CrossEntropyKey, compiled_cross_entropy
+    from oink.kernels.profile import compiled_resources
+
+    cases = [("backward", N, CEOptions()) for N in CE_BACKWARD_WIDTHS]
+    cases += [(mode, N, CEOptions(*o)) for mode in ("fwd_bwd", "backward") for N in (8192, 50304, 180224, 262144)
+              for o in CE_WIDE_OPTIONS]
+    spilled = {}
+    for mode, N, options in cases:
+        res = compiled_resources(compiled_cross_entropy(CrossEntropyKey(mode, "bfloat16", "int64", N, arch,
+                                                                        options=options)))
+        assert res["registers"] > 0
+        if res["frame_bytes"]:
+            spilled[(mode, N, options)] = res
+    assert not spilled, f"cross-entropy dlogits rows, {arch}, spill: {spilled}"

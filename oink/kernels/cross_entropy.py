@@ -33,7 +33,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick
-from .reduction import LOG2E, MAX_CLUSTER, MAX_N, WARP, RowKernelBase, RowLaunch, add, cluster_rows, pick_row_launch
+from .reduction import (LOG2E, MAX_CLUSTER, MAX_N, WARP, RowKernelBase, RowLaunch, add, cluster_rows, least_padding,
+                        pick_row_launch)
 
 MODES = ("forward", "backward", "fwd_bwd")
 
@@ -47,10 +48,11 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", 
     CTAs a SM keep more rows loading while others reduce; a 16-bit sm_90a forward past 8 CTAs of 256
     takes a cluster of 16 (a non-portable size, as Quack's); a shifted one, one CTA of up to 1024
     threads as long as it can. The modes that write dlogits lose more to a spill: 5 units a thread,
-    then a larger cluster; but the fused forward+backward's 16-bit rows of 8192 columns or more take the wide
-    norms' rule, 128-thread CTAs over the smallest cluster that holds the row in 8 accesses a thread (16
-    CTAs on sm_90a, 8 on sm_100a): it gives the shapes the H100's search had found there, and on an H200 it
-    beat the rule before at every width measured (bench/RESULTS.md)."""
+    then a larger cluster; but their full-width 16-bit rows of 8192 columns or more (``wide_rows``) take the
+    wide norms' rule, 128-thread CTAs over the smallest cluster that holds the row in 8 accesses a thread (16
+    CTAs on sm_90a, 8 on sm_100a), the backward's retiled where that leaves its last access mostly idle
+    (``least_padding``): the fused mode's gives the shapes the H100's search had found there, and on an H200
+    both beat the rule before at most widths measured, widths never tuned on included (bench/RESULTS.md)."""
     vec = math.gcd(N, 128 // x_bits)
     if mode == "forward" and HELD_THREADS * 4 < N // vec <= HELD_THREADS * HELD_MAX_UNITS:
         return RowLaunch(N=N, vec=vec, threads_per_row=HELD_THREADS, num_threads=HELD_THREADS)
@@ -61,10 +63,20 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", 
             return small
         if arch == "sm_90a" and x_bits == 16 and 256 * 8 * 8 < units <= 256 * 16 * 8:
             return dataclasses.replace(small, cluster_n=16)
-    if mode == "fwd_bwd" and x_bits == 16 and not shifted and vec == 8 and N // vec >= 1024:
-        # the fused mode's full-width rows of 8192 columns or more: 128-thread CTAs over a cluster (``cluster_rows``)
-        return cluster_rows(N, vec, 16 if arch == "sm_90a" else MAX_CLUSTER, 128, 8)
+    if wide_rows(N, x_bits, arch, mode, shifted):
+        # dlogits rows of 8192 columns or more: 128-thread CTAs over a cluster (``cluster_rows``); the backward's
+        # CTAs retiled where that leaves a mostly idle last access (``least_padding``)
+        launch = cluster_rows(N, vec, 16 if arch == "sm_90a" else MAX_CLUSTER, 128, 8)
+        return launch if mode == "fwd_bwd" else least_padding(launch, 8)
     return pick_row_launch(N, x_bits, max_units_per_thread=8 if mode == "forward" else 5)
+
+
+def wide_rows(N: int, x_bits: int, arch: str, mode: str, shifted: bool) -> bool:
+    """Whether a dlogits row of N columns takes ``cluster_rows``: full-width (16-byte aligned, unshifted)
+    16-bit rows of 8192 columns or more, in the fused mode, and in the backward on sm_90a (where it was
+    measured; on sm_100a its options' kernels spilled at 7-8 accesses a thread)."""
+    fits = mode == "fwd_bwd" or (mode == "backward" and arch == "sm_90a")
+    return fits and x_bits == 16 and not shifted and N % 8 == 0 and N >= 8192
 
 
 # A streamed forward row: each pass loads this many 128-bit units a thread and folds them into the
@@ -221,6 +233,17 @@ class CrossEntropy(RowKernelBase):
         self.wait_cluster()
         x = rX.load().to(Float32)
         inside = self.inside(rX, tXcX, shift)
+        fold = None
+        if const_expr(self.inplace and not self.hold and self.mode != "backward"):
+            # in place, the leader loads the target's logit before the reduction round and folds it (capped as
+            # the row's values are) into its max: a value of the row, so the round's result is unchanged, and
+            # every thread passes that round before it stores dlogits over the row, so after the load. (The
+            # thread holding the target's column keeping the logit instead kept the row live through the round:
+            # a third more registers a thread.)
+            xt, fold = Float32(0.0), Float32(-math.inf)
+            if self.is_leader(tXcX, cy) and row < M and valid and not bad:
+                xt = Float32(mX[row, target])
+                fold = self.capped_one(xt)
         if const_expr(self.hold):
             # the leader loads the target's logit now: the softcap's derivative there rides the reduction
             # round to every thread (no thread compares its columns with the target's before the dlogits), and
@@ -241,19 +264,19 @@ class CrossEntropy(RowKernelBase):
                 lse = mLseIn[row]
             if const_expr(self.posinf):
                 k = self.count_posinf(mX, row, M, lse)
-                self.reads_done()
+                self.reads_done(lse)
         else:
             sx = Float32(0.0)
             if const_expr(self.options.label_smoothing):
-                m, s, sx = self.row_max_sum(x, buf, mbar, extra=self.row_sum(x, inside))
+                m, s, sx = self.row_max_sum(x, buf, mbar, extra=self.row_sum(x, inside), also=fold)
             elif const_expr(self.hold):  # sums at the one shift c, no max; f_t: the leader's, the others' 0
                 s, f_t = self.row_allreduce_pair(s_thr, f_t, add, Float32(0.0), buf, mbar, 0, 1)
                 m = Float32(self.options.softcap)
             else:
-                m, s = self.row_max_sum(x, buf, mbar)
+                m, s = self.row_max_sum(x, buf, mbar, also=fold)
             if const_expr(self.posinf):
                 s = self.posinf_sum(mX, row, M, m, s)
-                self.reads_done()
+                self.reads_done(m)
             lse = m + cute.math.log(s, fastmath=False)
             k = s
             # the row's leader (column 0, first CTA of the cluster) writes the row's loss and lse; it
@@ -261,7 +284,7 @@ class CrossEntropy(RowKernelBase):
             leader = tXcX[0][1] == 0
             if const_expr(L.cluster_n > 1):
                 leader = leader and cy == 0
-            if const_expr(self.hold):
+            if const_expr(self.hold or self.inplace):  # the target's logit loaded before the round
                 if leader and row < M:
                     loss = Float32(0.0)
                     if bad:
@@ -269,21 +292,6 @@ class CrossEntropy(RowKernelBase):
                     elif valid:
                         loss = self.row_loss(lse, s, sx, xt)
                     mLoss[row] = loss
-                    if const_expr(mLseOut is not None):
-                        mLseOut[row] = lse
-            elif const_expr(self.inplace):
-                # the thread holding the target's column has its logit (others may be storing dlogits)
-                xt, owner = Float32(0.0), False
-                for i in cutlass.range_constexpr(cute.size(rX)):
-                    if tXcX[i][1] == target + shift:
-                        xt, owner = rX[i].to(Float32), True
-                if owner and row < M and valid and not bad:
-                    mLoss[row] = self.row_loss(lse, s, sx, xt)
-                if leader and row < M:
-                    if bad:
-                        mLoss[row] = Float32(math.nan)
-                    elif not valid:
-                        mLoss[row] = Float32(0.0)
                     if const_expr(mLseOut is not None):
                         mLseOut[row] = lse
             elif leader and row < M:
@@ -641,15 +649,27 @@ class CrossEntropy(RowKernelBase):
         return k
 
     @cute.jit
-    def reads_done(self):
+    def reads_done(self, top: Float32):
         """In place: every thread of the row (its CTA, its cluster) past its reads of the row from memory
-        (``count_posinf``'s) before any stores dlogits over it."""
+        (``count_posinf``'s, where the row's max or lse ``top`` is +inf) before any stores dlogits over it.
+        With one row a CTA, ``top`` is the same in every thread of the CTA (cluster), so only such a row
+        waits (a cluster barrier on every row slowed the in-place kernel, bench/RESULTS.md); a CTA of
+        several rows waits always (its rows' ``top`` differ; a CTA's barrier costs little)."""
         if const_expr(self.inplace):
-            if const_expr(self.launch.cluster_n > 1):
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
+            if const_expr(self.launch.rows_per_cta == 1):
+                if top == Float32(math.inf):
+                    self.row_barrier()
             else:
-                cute.arch.barrier()
+                self.row_barrier()
+
+    @cute.jit
+    def row_barrier(self):
+        """Every thread of the CTA (of the cluster, for a row over a cluster) arrives before any goes on."""
+        if const_expr(self.launch.cluster_n > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.barrier()
 
     @cute.jit
     def posinf_sum(self, mX: cute.Tensor, row, M, m: Float32, s: Float32) -> Float32:
@@ -791,11 +811,15 @@ def shifted_window(N: int, x_bits: int) -> int | None:
     return None if N % vec == 0 else -(-(N + vec - 1) // vec) * vec
 
 
-def option_launch(N: int, x_bits: int, mode: str, shifted: bool = False) -> RowLaunch:
+def option_launch(N: int, x_bits: int, arch: str, mode: str, shifted: bool = False) -> RowLaunch:
     """The dlogits modes' heuristic launch with options (a table entry, measured on a card, still wins):
-    CTAs of at most 512 threads (128 registers a thread, where the plain kernels' 1024 leave 64: the
-    options keep a few more values live, and spilled at 1024) while a cluster of 8 holds the row in 5
-    units a thread, else the plain kernels' launch."""
+    ``wide_rows`` take the plain kernel's rule (``cross_entropy_launch``: CTAs of 128-512 threads over a
+    cluster, 128 registers a thread or more); other rows CTAs of at
+    most 512 threads (128 registers a thread, where the plain kernels' 1024 leave 64: the options keep a few
+    more values live, and spilled at 1024) while a cluster of 8 holds the row in 5 units a thread, else the
+    plain kernels' launch."""
+    if wide_rows(N, x_bits, arch, mode, shifted):
+        return cross_entropy_launch(N, x_bits, arch, mode, shifted)
     launch = pick_row_launch(N, x_bits, max_units_per_thread=5, max_threads=512)
     return launch if launch.iters <= 8 else pick_row_launch(N, x_bits, max_units_per_thread=5)
 
@@ -830,7 +854,7 @@ def compiled_cross_entropy(k: CrossEntropyKey):
     stream = stream_rows(width or N, dt.width, mode) and not inplace
     held = functools.partial(cross_entropy_launch, arch=arch, mode=mode)
     if not options.plain and mode != "forward":  # the options' dlogits hold more live values a thread
-        held = functools.partial(option_launch, mode=mode)
+        held = functools.partial(option_launch, arch=arch, mode=mode)
     shifted = held(width, dt.width, shifted=True) if width and not stream else None
     if stream:  # shifted rows stream through their windows
         key = f"cross_entropy/{mode}_stream{'_shifted' if width else ''}/x{dt.width}"

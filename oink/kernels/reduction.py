@@ -156,6 +156,25 @@ def exact_share(launch: RowLaunch, max_iters: int, max_threads: int = 1024) -> R
     return dataclasses.replace(launch, threads_per_row=tpr, num_threads=max(tpr, 128))
 
 
+def least_padding(launch: RowLaunch, max_iters: int, max_threads: int = 512) -> RowLaunch:
+    """``launch`` with each CTA's share of the row retiled over the whole warps (128 to ``max_threads``
+    threads, at most ``max_iters`` accesses a thread) that pad its last access least, where the launch's own
+    tiling pads more than an eighth of the share (a last access mostly idle costs its whole pass); else
+    unchanged."""
+    share = -(-(launch.N // launch.vec) // launch.cluster_n)
+
+    def pad(t: int) -> int:
+        return t * -(-share // t) - share
+
+    if pad(launch.threads_per_row) * 8 <= share:
+        return launch
+    fits = [t for t in range(128, max_threads + 1, WARP) if -(-share // t) <= max_iters]
+    best = min(fits, key=lambda t: (pad(t), t), default=None)
+    if best is None or pad(best) >= pad(launch.threads_per_row):
+        return launch
+    return dataclasses.replace(launch, threads_per_row=best, num_threads=best)
+
+
 def share_tilings(share: int, max_iters: int, max_threads: int = 1024) -> list[tuple[int, int]]:
     """(accesses a thread, threads) of every whole-warp tiling that covers ``share`` 128-bit units exactly
     in at most ``max_iters`` accesses a thread and at most ``max_threads`` threads."""
@@ -371,13 +390,17 @@ class RowKernelBase:
         return m, e, self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
 
     @cute.jit
-    def row_max_sum(self, x, buf, mbar, with_exp: cutlass.Constexpr = False, extra=None):
+    def row_max_sum(self, x, buf, mbar, with_exp: cutlass.Constexpr = False, extra=None, also=None):
         """(row max m, the row's sum of exp(x - m)) in one reduction round (slots 0 and 1), where
         ``row_exp_sum`` takes two, one after the other: each thread's (max, sum of exp(x - its max))
         pairs merge by rescaling both sums to the larger max (online softmax). ``with_exp``: also
         exp(x - m), as the thread's exp(x - its max) times one rescale factor (softmax). ``extra``: a
-        thread's partial of a further row sum, reduced in the same round (slot 2) and returned third."""
+        thread's partial of a further row sum, reduced in the same round (slot 2) and returned third.
+        ``also``: a thread's value of the row held apart (or -inf), folded into its max only: the round's
+        result is the same, and it completes only once that value is in."""
         m = x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
+        if const_expr(also is not None):
+            m = cute.arch.fmax(m, also)
         shift = m
         if m == Float32(-math.inf):  # only padding (-inf) here: exp2(-inf) sums to 0, never NaN
             shift = Float32(0.0)
