@@ -1,0 +1,75 @@
+"""oink.linear_cross_entropy (its default chunk) against Liger's fused linear cross-entropy, forward + backward, at the
+training suite's heads and 16384 tokens, in interleaved rounds (issue #35's time target; the card's power cap moves
+the matmuls by several percent from call to call, so the two take turns): the gradients' relative difference, per
+shape the median times and the median (min, max) of the rounds' ratios, then a profile of one call each (kernel
+time by kernel name).
+
+    python3 scripts/lce_vs_liger.py
+"""
+import statistics
+
+import torch
+
+import oink
+from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
+
+SHAPES = [(16384, 4096, 128256), (16384, 2304, 256000), (16384, 3584, 151936), (16384, 5120, 151936)]
+
+
+def run_fn(fn, h0, w0, t, softcap=None):
+    def run():
+        h, w = h0.detach().requires_grad_(), w0.detach().requires_grad_()
+        kw = {} if softcap is None else dict(softcap=softcap)
+        return torch.autograd.grad(fn(h, w, t, **kw), (h, w))
+    return run
+
+
+def ms(fn, n=3):
+    out = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b.record(); b.synchronize(); out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def profile(fn, label):
+    from torch.profiler import profile as prof, ProfilerActivity
+    fn(); torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
+        fn(); torch.cuda.synchronize()
+    rows = {}
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = e.name[:70]
+            c, tot = rows.get(k, (0, 0.0))
+            rows[k] = (c + 1, tot + e.device_time)
+    total = sum(v[1] for v in rows.values())
+    print(f"  [{label}] kernels total {total/1e3:.2f} ms")
+    for k, (c, tot) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:7]:
+        print(f"     {tot/1e3:8.3f} ms {c:4d}x  {k}")
+
+
+for M, H, V in SHAPES:
+    softcap = 30.0 if V == 256000 else None
+    h = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+    t = torch.randint(0, V, (M,), device="cuda"); t[::10] = -100
+    fo, fl = run_fn(oink.linear_cross_entropy, h, w, t, softcap), run_fn(liger, h, w, t, softcap)
+    go, gl = fo(), fl()
+    for a, b, nm in zip(go, gl, ("dh", "dw")):
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        print(f"{M}x{H}x{V} cap={softcap} {nm} rel diff oink vs liger {err:.2e}")
+    del go, gl
+    for _ in range(2):
+        fo(); fl()
+    ro, rl = [], []
+    for r in range(8):
+        order = (("o", fo), ("l", fl)) if r % 2 == 0 else (("l", fl), ("o", fo))
+        for nm, f in order:
+            (ro if nm == "o" else rl).append(ms(f))
+    ratios = [a / b for a, b in zip(ro, rl)]
+    print(f"{M}x{H}x{V} cap={softcap}: oink {statistics.median(ro):.2f} ms  liger {statistics.median(rl):.2f} ms  "
+          f"ratio median {statistics.median(ratios):.4f} min {min(ratios):.4f} max {max(ratios):.4f}", flush=True)
+    profile(fo, "oink"); profile(fl, "liger")
+    del h, w, t, fo, fl
+    torch.cuda.empty_cache()
