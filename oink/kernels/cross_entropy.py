@@ -653,8 +653,7 @@ class CrossEntropy(RowKernelBase):
         """In place: every thread of the row (its CTA, its cluster) past its reads of the row from memory
         (``count_posinf``'s, where the row's max or lse ``top`` is +inf) before any stores dlogits over it.
         With one row a CTA, ``top`` is the same in every thread of the CTA (cluster), so only such a row
-        waits (a cluster barrier on every row slowed the in-place kernel, bench/RESULTS.md); a CTA of
-        several rows waits always (its rows' ``top`` differ; a CTA's barrier costs little)."""
+        waits (no other row reads twice); a CTA of several rows waits always (its rows' ``top`` differ)."""
         if const_expr(self.inplace):
             if const_expr(self.launch.rows_per_cta == 1):
                 if top == Float32(math.inf):
@@ -813,11 +812,10 @@ def shifted_window(N: int, x_bits: int) -> int | None:
 
 def option_launch(N: int, x_bits: int, arch: str, mode: str, shifted: bool = False) -> RowLaunch:
     """The dlogits modes' heuristic launch with options (a table entry, measured on a card, still wins):
-    ``wide_rows`` take the plain kernel's rule (``cross_entropy_launch``: CTAs of 128-512 threads over a
-    cluster, 128 registers a thread or more); other rows CTAs of at
-    most 512 threads (128 registers a thread, where the plain kernels' 1024 leave 64: the options keep a few
-    more values live, and spilled at 1024) while a cluster of 8 holds the row in 5 units a thread, else the
-    plain kernels' launch."""
+    ``wide_rows`` take the plain kernels' rule (``cross_entropy_launch``: CTAs of 128-512 threads over a
+    cluster); other rows CTAs of at most 512 threads (128 registers a thread, where the plain kernels' 1024
+    leave 64: the options keep a few more values live, and spilled at 1024) while a cluster of 8 holds the row
+    in 5 units a thread, else the plain kernels' launch."""
     if wide_rows(N, x_bits, arch, mode, shifted):
         return cross_entropy_launch(N, x_bits, arch, mode, shifted)
     launch = pick_row_launch(N, x_bits, max_units_per_thread=5, max_threads=512)
