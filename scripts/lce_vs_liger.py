@@ -28,15 +28,22 @@ def ms(fn, n=3):
     out = []
     for _ in range(n):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize(); out.append(a.elapsed_time(b))
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
     return statistics.median(out)
 
 
 def profile(fn, label):
-    from torch.profiler import profile as prof, ProfilerActivity
-    fn(); torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    fn()
+    torch.cuda.synchronize()
     with prof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
-        fn(); torch.cuda.synchronize()
+        fn()
+        torch.cuda.synchronize()
     rows = {}
     for e in p.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -49,27 +56,35 @@ def profile(fn, label):
         print(f"     {tot/1e3:8.3f} ms {c:4d}x  {k}")
 
 
-for M, H, V in SHAPES:
-    softcap = 30.0 if V == 256000 else None
-    h = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
-    t = torch.randint(0, V, (M,), device="cuda"); t[::10] = -100
-    fo, fl = run_fn(oink.linear_cross_entropy, h, w, t, softcap), run_fn(liger, h, w, t, softcap)
-    go, gl = fo(), fl()
-    for a, b, nm in zip(go, gl, ("dh", "dw")):
-        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
-        print(f"{M}x{H}x{V} cap={softcap} {nm} rel diff oink vs liger {err:.2e}")
-    del go, gl
-    for _ in range(2):
-        fo(); fl()
-    ro, rl = [], []
-    for r in range(8):
-        order = (("o", fo), ("l", fl)) if r % 2 == 0 else (("l", fl), ("o", fo))
-        for nm, f in order:
-            (ro if nm == "o" else rl).append(ms(f))
-    ratios = [a / b for a, b in zip(ro, rl)]
-    print(f"{M}x{H}x{V} cap={softcap}: oink {statistics.median(ro):.2f} ms  liger {statistics.median(rl):.2f} ms  "
-          f"ratio median {statistics.median(ratios):.4f} min {min(ratios):.4f} max {max(ratios):.4f}", flush=True)
-    profile(fo, "oink"); profile(fl, "liger")
-    del h, w, t, fo, fl
-    torch.cuda.empty_cache()
+def main() -> None:
+    for M, H, V in SHAPES:
+        softcap = 30.0 if V == 256000 else None
+        h = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+        t = torch.randint(0, V, (M,), device="cuda")
+        t[::10] = -100
+        fo, fl = run_fn(oink.linear_cross_entropy, h, w, t, softcap), run_fn(liger, h, w, t, softcap)
+        go, gl = fo(), fl()
+        for a, b, nm in zip(go, gl, ("dh", "dw")):
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            print(f"{M}x{H}x{V} cap={softcap} {nm} rel diff oink vs liger {err:.2e}")
+        del go, gl
+        for _ in range(2):
+            fo()
+            fl()
+        ro, rl = [], []
+        for r in range(8):
+            order = (("o", fo), ("l", fl)) if r % 2 == 0 else (("l", fl), ("o", fo))
+            for nm, f in order:
+                (ro if nm == "o" else rl).append(ms(f))
+        ratios = [a / b for a, b in zip(ro, rl)]
+        print(f"{M}x{H}x{V} cap={softcap}: oink {statistics.median(ro):.2f} ms  liger {statistics.median(rl):.2f} ms  "
+              f"ratio median {statistics.median(ratios):.4f} min {min(ratios):.4f} max {max(ratios):.4f}", flush=True)
+        profile(fo, "oink")
+        profile(fl, "liger")
+        del h, w, t, fo, fl
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
