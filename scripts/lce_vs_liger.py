@@ -11,29 +11,10 @@ import statistics
 import torch
 
 import oink
+from lce_chunks import _fwd_bwd, _timed  # this directory's (run as a script)
 from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
 
 SHAPES = [(16384, 4096, 128256), (16384, 2304, 256000), (16384, 3584, 151936), (16384, 5120, 151936)]
-
-
-def run_fn(fn, h0, w0, t, softcap=None):
-    def run():
-        h, w = h0.detach().requires_grad_(), w0.detach().requires_grad_()
-        kw = {} if softcap is None else dict(softcap=softcap)
-        return torch.autograd.grad(fn(h, w, t, **kw), (h, w))
-    return run
-
-
-def ms(fn, n=3):
-    out = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def profile(fn, label):
@@ -63,7 +44,9 @@ def main() -> None:
         w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
         t = torch.randint(0, V, (M,), device="cuda")
         t[::10] = -100
-        fo, fl = run_fn(oink.linear_cross_entropy, h, w, t, softcap), run_fn(liger, h, w, t, softcap)
+        kw = {} if softcap is None else dict(softcap=softcap)
+        fo = _fwd_bwd(lambda h_, w_, t_: oink.linear_cross_entropy(h_, w_, t_, **kw), h, w, t)
+        fl = _fwd_bwd(lambda h_, w_, t_: liger(h_, w_, t_, **kw), h, w, t)
         go, gl = fo(), fl()
         for a, b, nm in zip(go, gl, ("dh", "dw")):
             err = ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -76,7 +59,7 @@ def main() -> None:
         for r in range(8):
             order = (("o", fo), ("l", fl)) if r % 2 == 0 else (("l", fl), ("o", fo))
             for nm, f in order:
-                (ro if nm == "o" else rl).append(ms(f))
+                (ro if nm == "o" else rl).append(_timed(f, iters=3, warmup=0))
         ratios = [a / b for a, b in zip(ro, rl)]
         print(f"{M}x{H}x{V} cap={softcap}: oink {statistics.median(ro):.2f} ms  liger {statistics.median(rl):.2f} ms  "
               f"ratio median {statistics.median(ratios):.4f} min {min(ratios):.4f} max {max(ratios):.4f}", flush=True)
