@@ -193,18 +193,22 @@ def test_infinite_logits_with_options(V, seed):
 @pytest.mark.parametrize("V", (1000, 32000, 128256))
 def test_nan_beside_posinf_stays_nan(V, seed):
     """A row holding +inf and NaN: the +inf limit must not hide the NaN (loss, lse and dlogits NaN, the
-    other rows their reference values), plain and with label smoothing."""
+    other rows their reference values), plain, with label smoothing, and with a softcap (whose kernels take
+    part of their exps on the FMA pipe, ``exp2_fma``, which must keep a NaN too)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = torch.randn(6, V, device="cuda", generator=g).to(torch.bfloat16)
     logits[0, 1], logits[0, V - 1] = math.inf, math.nan
     logits[1, V - 1], logits[1, 0] = math.inf, math.nan  # the NaN first, in another thread's columns
     target = torch.tensor([1, V - 1, 2, 3, IGNORE, 5], device="cuda")
     dloss = torch.ones(6, device="cuda")
-    for opts in ({}, dict(label_smoothing=0.1)):
+    for opts in ({}, dict(label_smoothing=0.1), dict(softcap=30.0), dict(softcap=30.0, label_smoothing=0.1)):
         loss, dx, lse = oink.cross_entropy_fwd_bwd(dloss, logits, target, return_lse=True, **opts)
         f_loss, f_lse = oink.cross_entropy_forward(logits, target, **opts)
         assert loss[:2].isnan().all() and lse[:2].isnan().all() and dx[:2].isnan().all()
         assert f_loss[:2].isnan().all() and f_lse[:2].isnan().all()
+        finite_lse = torch.where(lse.isnan(), 10.0, lse)  # the backward's own NaN: the logit's, not the lse's
+        d = oink.cross_entropy_backward(dloss, logits, target, finite_lse, **opts)
+        assert d[0, V - 1].isnan() and d[1, 0].isnan() and not d[2:].isnan().any()
         e_loss, e_dx = R.cross_entropy_fwd_bwd(dloss[2:], logits[2:], target[2:], **opts)
         close_family(loss[2:], e_loss, "cross_entropy_loss", torch.float32, f"other rows {opts}")
         close_family(dx[2:], e_dx, "softmax", torch.bfloat16, f"other rows' dx {opts}")

@@ -33,8 +33,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick
-from .reduction import (LOG2E, MAX_CLUSTER, MAX_N, WARP, RowKernelBase, RowLaunch, add, cluster_rows, least_padding,
-                        pick_row_launch)
+from .reduction import (LOG2E, MAX_CLUSTER, MAX_N, WARP, RowKernelBase, RowLaunch, add, cluster_rows, exp2_fma,
+                        least_padding, pick_row_launch)
 
 MODES = ("forward", "backward", "fwd_bwd")
 
@@ -172,6 +172,9 @@ class CrossEntropy(RowKernelBase):
         # the backward's and a streamed fused row's dlogits come from the logits as loaded (``capped_exp_slope``)
         form = softcap_form(mode, options, stream)
         self.hold, self.raw = form == "held", form == "raw"
+        # a forward with a softcap c <= 40 sums exp(t - c) of the capped values t straight from the logits, at the
+        # one shift c (``capped_sum``): no max taken, one tanh and one exp a logit
+        self.lean = mode == "forward" and options.softcap is not None and options.softcap <= SOFTCAP_LEAN_MAX
         if stream:
             width, passes = self.stream_tiling()
             self.padded = passes * width * launch.cluster_n != launch.N or self.shifted
@@ -254,6 +257,8 @@ class CrossEntropy(RowKernelBase):
                 xt = Float32(mX[row, target])
                 f_t = self.capped_exp_slope(xt, Float32(self.options.softcap))[1]
             s_thr, x = self.held_exp(x, rX, inside)  # x: exp(t - c) (1 - (t / c)^2) a logit
+        elif const_expr(self.lean):
+            s_thr, sx_thr = self.capped_sum(x, rX, inside)
         elif const_expr(not self.raw):  # (raw: the backward's dlogits from the logits as loaded)
             x = self.capped(x, rX, inside)
         k = Float32(0.0)  # the row's count of +inf logits, where its lse is +inf
@@ -267,7 +272,13 @@ class CrossEntropy(RowKernelBase):
                 self.reads_done(lse)
         else:
             sx = Float32(0.0)
-            if const_expr(self.options.label_smoothing):
+            if const_expr(self.lean):  # sums at the one shift c, no max
+                m = Float32(self.options.softcap)
+                if const_expr(self.options.label_smoothing):
+                    m, s, sx = self.merge_max_sum(m, s_thr, buf, mbar, sx_thr)
+                else:
+                    m, s = self.merge_max_sum(m, s_thr, buf, mbar)
+            elif const_expr(self.options.label_smoothing):
                 m, s, sx = self.row_max_sum(x, buf, mbar, extra=self.row_sum(x, inside), also=fold)
             elif const_expr(self.hold):  # sums at the one shift c, no max; f_t: the leader's, the others' 0
                 s, f_t = self.row_allreduce_pair(s_thr, f_t, add, Float32(0.0), buf, mbar, 0, 1)
@@ -361,20 +372,26 @@ class CrossEntropy(RowKernelBase):
                 for p in cutlass.range(passes, unroll=2):
                     rX, tXcX = self.stream_tile(src, ident, thr, at, cy * passes + p, lo)
                     inside = self.inside(rX, tXcX, lo)
-                    x = self.capped(rX.load().to(Float32), rX, inside)
-                    if const_expr(self.options.label_smoothing):
-                        sx = sx + self.row_sum(x, inside)
-                    m_new = cute.arch.fmax(m, x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf),
-                                                       reduction_profile=0))
-                    shift = m_new
-                    if m_new == Float32(-math.inf):  # only -inf so far: sums stay 0, never NaN
-                        shift = Float32(0.0)
-                    # no +inf branch a tile (ptxas if-converts one, and every logit pays it): a tile holding
-                    # +inf makes s NaN, and such a thread counts its +inf logits after the loop
-                    s = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
-                        (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
-                                                                   reduction_profile=0)
-                    m = m_new
+                    if const_expr(self.lean):  # sums at the one shift c, no max
+                        s_t, sx_t = self.capped_sum(rX.load().to(Float32), rX, inside)
+                        s, sx = s + s_t, sx + sx_t
+                    else:
+                        x = self.capped(rX.load().to(Float32), rX, inside)
+                        if const_expr(self.options.label_smoothing):
+                            sx = sx + self.row_sum(x, inside)
+                        m_new = cute.arch.fmax(m, x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf),
+                                                           reduction_profile=0))
+                        shift = m_new
+                        if m_new == Float32(-math.inf):  # only -inf so far: sums stay 0, never NaN
+                            shift = Float32(0.0)
+                        # no +inf branch a tile (ptxas if-converts one, and every logit pays it): a tile holding
+                        # +inf makes s NaN, and such a thread counts its +inf logits after the loop
+                        s = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
+                            (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
+                                                                       reduction_profile=0)
+                        m = m_new
+                if const_expr(self.lean):
+                    m = Float32(self.options.softcap)
                 if const_expr(self.posinf):
                     if m == Float32(math.inf):  # only threads that met a +inf: their count, a NaN still NaN
                         s = self.stream_count_posinf(src, ident, thr, at, cy * passes, passes, lo)
@@ -484,24 +501,50 @@ class CrossEntropy(RowKernelBase):
         return leader
 
     @cute.jit
-    def capped_exp_slope(self, x: Float32, shift):
-        """The softcap's dlogits form of one logit x through the softcap c: (exp(t - shift), 1 - (t / c)^2) of its
-        capped value t = c u, u = tanh(x / c), straight from x: 16-bit logits take tanh.approx (as ``capped_one``)
-        and exp2(u c log2(e) - shift log2(e)), one FMA's argument (not t rounded, then shifted and scaled); fp32
-        ones ``capped_one``'s exact form, u = 1 - 2 r with r = 1 / (exp(2x / c) + 1), so t - shift = c - shift
-        - 2 c r, and the derivative 4 r (1 - r), exact where 1 - u^2 would cancel (|x| >> c). ``shift``: the
-        row's lse (the dlogits' exp(t - lse)), or c (``held_exp``: a compile-time constant, folded)."""
+    def capped_exp_slope(self, x: Float32, shift, fma: cutlass.Constexpr = False):
+        """The softcap's dlogits form of one logit x through the softcap c: (exp(t - shift), 1 - (t / c)^2, t) of
+        its capped value t = c u, u = tanh(x / c), straight from x: 16-bit logits take tanh.approx (as
+        ``capped_one``) and exp2(u c log2(e) - shift log2(e)), one FMA's argument (not t rounded, then shifted and
+        scaled); fp32 ones ``capped_one``'s exact form, u = 1 - 2 r with r = 1 / (exp(2x / c) + 1), so t - shift
+        = c - shift - 2 c r, and the derivative 4 r (1 - r), exact where 1 - u^2 would cancel (|x| >> c).
+        ``shift``: the row's lse (the dlogits' exp(t - lse)), or c (a compile-time constant, folded). ``fma``:
+        that exp on the FMA pipe (``exp2_fma``): the forward (``capped_sum``) takes every ``FMA_EXP_EVERY``-th
+        so, as two special-function ops a logit bound it where the plain forward takes one."""
         c = self.options.softcap
-        e, f = Float32(0.0), Float32(0.0)
+        exp2 = exp2_fma if const_expr(fma) else functools.partial(cute.math.exp2, fastmath=True)
+        e, f, t = Float32(0.0), Float32(0.0), Float32(0.0)
         if const_expr(self.x_dtype.width == 16):
             u = cute.math.tanh(x * Float32(1.0 / c), approx=True)
-            e = cute.math.exp2(u * Float32(c * LOG2E) - shift * Float32(LOG2E), fastmath=True)
+            e = exp2(u * Float32(c * LOG2E) - shift * Float32(LOG2E))
             f = Float32(1.0) - u * u
+            t = u * Float32(c)
         else:
             r = cute.arch.rcp_approx(cute.math.exp2(x * Float32(2 * LOG2E / c), fastmath=True) + Float32(1.0))
-            e = cute.math.exp2(r * Float32(-2 * c * LOG2E) + (Float32(c) - shift) * Float32(LOG2E), fastmath=True)
+            e = exp2(r * Float32(-2 * c * LOG2E) + (Float32(c) - shift) * Float32(LOG2E))
             f = r * (Float32(4.0) - Float32(4.0) * r)
-        return e, f
+            t = Float32(c) - Float32(2 * c) * r
+        return e, f, t
+
+    @cute.jit
+    def capped_sum(self, x, rX: cute.Tensor, inside):
+        """A softcap forward's (``lean``) sums over the thread's fp32 logits x: (the sum of exp(t - c), the sum
+        of t) of their capped values t (``capped_exp_slope``; t <= c, so c is the shift and no max is taken,
+        and c <= 40 keeps exp(t - c) a normal fp32). The second only with label smoothing, else 0. The columns
+        outside the row (``inside`` false) add 0."""
+        c = Float32(self.options.softcap)
+        rE = cute.make_rmem_tensor_like(rX, Float32)
+        rT = cute.make_rmem_tensor_like(rX, Float32)
+        rE.store(x)
+        for i in cutlass.range_constexpr(cute.size(rE)):
+            rE[i], _, rT[i] = self.capped_exp_slope(rE[i], c, i % FMA_EXP_EVERY == FMA_EXP_EVERY - 1)
+        e = rE.load()
+        if const_expr(inside is not None):
+            e = cute.where(inside, e, cute.full_like(e, 0.0))
+        s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        sx = Float32(0.0)
+        if const_expr(self.options.label_smoothing):
+            sx = self.row_sum(rT.load(), inside)
+        return s, sx
 
     @cute.jit
     def held_exp(self, x, rX: cute.Tensor, inside):
@@ -518,7 +561,7 @@ class CrossEntropy(RowKernelBase):
         rF = cute.make_rmem_tensor_like(rX, Float32)
         rE.store(x)
         for i in cutlass.range_constexpr(cute.size(rE)):
-            rE[i], rF[i] = self.capped_exp_slope(rE[i], c)
+            rE[i], rF[i], _ = self.capped_exp_slope(rE[i], c)
         e, h = rE.load(), rE.load() * rF.load()
         if const_expr(inside is not None):
             e = cute.where(inside, e, cute.full_like(e, 0.0))
@@ -594,7 +637,7 @@ class CrossEntropy(RowKernelBase):
             if const_expr(self.raw):  # x: the logits as loaded (``softcap_form``'s "raw")
                 rel = tcol - tXcX[0][1]  # the target's column against each value's offset, a constant
                 for i in cutlass.range_constexpr(cute.size(rD)):
-                    p, f = self.capped_exp_slope(rD[i], lse)
+                    p, f, _ = self.capped_exp_slope(rD[i], lse)
                     d = p * coef - smooth
                     if tXcX[i][1] - tXcX[0][1] == rel:
                         d = d - at_target
@@ -782,6 +825,10 @@ class CrossEntropy(RowKernelBase):
                     if c_i[j][1] >= shift and c_i[j][1] < shift + self.n:
                         d_i[j] = s_i[j]
 
+
+# every this many exps of a softcap forward's capped logits, one is ``exp2_fma``'s (``CrossEntropy.capped_sum``):
+# more, and the instructions it adds bind it instead (bench/RESULTS.md); the dlogits kernels take none
+FMA_EXP_EVERY = 3
 
 # the largest softcap ``CrossEntropy.held_exp`` takes: exp(t - c) of a capped logit t >= -c is at least exp(-2c),
 # a normal fp32 (>= 2^-126 = exp(-87.3)) up to here

@@ -32,13 +32,13 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick
 from .reduction import MAX_N, RowKernelBase, RowLaunch, pick_row_launch
+from .reduction import pure_asm as _asm
 from .rmsnorm import RMSNormForward
 
 BLOCK = 16  # NVFP4
@@ -63,12 +63,6 @@ def fp4_launch(N: int, arch: str, kind: str = "quantize", block: int = BLOCK) ->
         upt *= 2
     upt = config.get().fp4_upt or upt
     return pick_row_launch(N, 128 // block, units_per_thread=upt, max_units_per_thread=max(upt, 4))
-
-
-def _asm(res_type, ptx: str, constraints: str, args, loc=None, ip=None):
-    """Pure (side-effect free) inline PTX: LLVM may schedule, CSE and drop it like arithmetic."""
-    return llvm.inline_asm(res_type, args, ptx, constraints, has_side_effects=False, is_align_stack=False,
-                           loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import config
 
@@ -575,3 +577,31 @@ def _merge_max_sum(m1: Float32, s1: Float32, m2: Float32, s2: Float32, posinf: c
 @cute.jit
 def fmax(a: Float32, b: Float32) -> Float32:
     return cute.arch.fmax(a, b)
+
+
+def pure_asm(res_type, ptx: str, constraints: str, args, loc=None, ip=None):
+    """Pure (side-effect free) inline PTX: LLVM may schedule, CSE and drop it like arithmetic."""
+    return llvm.inline_asm(res_type, args, ptx, constraints, has_side_effects=False, is_align_stack=False,
+                           loc=loc, ip=ip)
+
+
+# 2^f on [-1/2, 1/2], degree 5, fitted for relative error (2.4e-7 in fp32 Horner: the special-function unit's
+# ex2.approx is ~2 ulp); float32 bit patterns, highest degree first
+_EXP2_POLY = ("0f3AAE062E", "0f3C1E862E", "0f3D635B6E", "0f3E75FC8C", "0f3F317214", "0f3F800001")
+
+
+@dsl_user_op
+def exp2_fma(z: Float32, *, loc=None, ip=None) -> Float32:
+    """2^z on the FMA and integer pipes, where ``cute.math.exp2`` takes the special-function unit (16 a
+    clock a SM on sm_90): a kernel bound by that unit computes part of its exps here. z rounds to an
+    integer j (a magic-number add), 2^(z - j) is a polynomial and 2^j a float built from j's bits that
+    multiplies it, so a NaN stays NaN. z below -127 (-inf included) gives 0; z must be at most 127."""
+    c = _EXP2_POLY
+    horner = "".join(f"fma.rn.f32 p, p, f, {k}; " for k in c[2:])
+    ptx = ("{ .reg .f32 t, j, f, p; .reg .b32 b; "
+           "max.NaN.f32 f, $1, 0fC2FE0000; "  # -127: 2^j's bits then 0; NaN passes
+           "add.rn.f32 t, f, 0f4B400000; sub.rn.f32 j, t, 0f4B400000; sub.rn.f32 f, f, j; "  # j, z - j
+           f"fma.rn.f32 p, f, {c[0]}, {c[1]}; {horner}"
+           "mov.b32 b, t; shl.b32 b, b, 23; add.s32 b, b, 0x3F800000; mov.b32 t, b; "  # 2^j: t's low bits hold j
+           "mul.rn.f32 $0, p, t; }")
+    return Float32(pure_asm(T.f32(), ptx, "=f,f", [Float32(z).ir_value(loc=loc, ip=ip)], loc, ip))

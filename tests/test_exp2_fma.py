@@ -1,0 +1,74 @@
+"""``reduction.exp2_fma``, the exp2 the softcapped cross-entropy kernels take on the FMA pipe for part of
+their logits: compiled for both archs on CPU, and on a GPU against float64 over its whole input range
+(-inf, NaN, the integers, where 2^j's bits are built, and the underflow edge included)."""
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+import pytest
+import torch
+from cutlass import Float32, Int32
+
+from oink.kernels.compile import compile_kernel, fake_stream, gmem_ptr
+from oink.kernels.reduction import exp2_fma
+
+THREADS = 128
+
+
+class _Exp2Fma:
+    """y[i] = exp2_fma(x[i]) over n fp32 values."""
+
+    @cute.jit
+    def __call__(self, px: cute.Pointer, py: cute.Pointer, n: Int32, stream: cuda.CUstream):
+        mX = cute.make_tensor(px, cute.make_layout((n,)))
+        mY = cute.make_tensor(py, cute.make_layout((n,)))
+        self.kernel(mX, mY).launch(grid=[cute.ceil_div(n, THREADS), 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mY: cute.Tensor):
+        bidx, _, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        i = bidx * THREADS + tidx
+        if i < cute.size(mX):
+            mY[i] = exp2_fma(mX[i])
+
+
+def _compiled(arch: str):
+    f32 = gmem_ptr(Float32, 4)
+    return compile_kernel(_Exp2Fma(), f32, f32, Int32(1), fake_stream(), arch=arch)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_exp2_fma_compiles(arch):
+    assert _compiled(arch) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.sm(90)
+def test_exp2_fma_matches_float64(seed):
+    from oink.dispatch import device_arch
+    from oink.kernels.compile import current_stream
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    z = torch.cat([
+        torch.linspace(-130.0, 127.0, 1 << 20, device="cuda"),
+        torch.rand(1 << 20, device="cuda", generator=g) * -120.0,  # the softcapped kernels' range
+        torch.arange(-127.0, 128.0, device="cuda"),
+        torch.arange(-127.0, 127.0, device="cuda") + 0.5,  # rounding ties (127.5 is past the domain: j = 128)
+        torch.tensor([-math.inf, math.nan, -126.51, -126.49, -127.0, -200.0, 0.0, -0.0], device="cuda"),
+    ])
+    y = torch.full_like(z, 12345.0)  # poison: every value must be written
+    fn = _compiled(device_arch(z.device.index)[0])
+    fn(z.data_ptr(), y.data_ptr(), z.numel(), current_stream(z.device))
+    torch.cuda.synchronize()
+    want = torch.exp2(z.double())
+    nan = z.isnan()
+    assert y[nan].isnan().all(), "a NaN must stay NaN"
+    normal = ~nan & (want >= 2.0 ** -125)
+    rel = ((y[normal].double() - want[normal]) / want[normal]).abs().max().item()
+    assert rel <= 3e-7, f"relative error {rel:.3g}"
+    tiny = ~nan & ~normal  # below 2^-125: 0 or the value, never more than 2^-125 away
+    assert ((y[tiny].double() - want[tiny]).abs() <= 2.0 ** -125).all()
+    assert y[z == -math.inf].eq(0).all() and y[z < -127].eq(0).all()
