@@ -595,7 +595,7 @@ def exp2_fma(z: Float32, *, loc=None, ip=None) -> Float32:
     """2^z on the FMA and integer pipes, where ``cute.math.exp2`` takes the special-function unit (16 a
     clock a SM on sm_90): a kernel bound by that unit computes part of its exps here. z rounds to an
     integer j (a magic-number add), 2^(z - j) is a polynomial and 2^j a float built from j's bits that
-    multiplies it, so a NaN stays NaN. z below -127 (-inf included) gives 0; z must be at most 127."""
+    multiplies it, so a NaN stays NaN. z below -126.5 (-inf included) gives 0; z must be below 127.5."""
     c = _EXP2_POLY
     horner = "".join(f"fma.rn.f32 p, p, f, {k}; " for k in c[2:])
     ptx = ("{ .reg .f32 t, j, f, p; .reg .b32 b; "
