@@ -11,6 +11,7 @@ import math
 from .. import config
 from .reduction import MAX_CLUSTER, RowLaunch, cluster_rows, least_padding, pick_row_launch
 
+
 @dataclasses.dataclass(frozen=True)
 class CEOptions:
     """The cross-entropy options, compile-time constants of a kernel (``oink.reference.cross_entropy``
@@ -28,8 +29,8 @@ class CEOptions:
 PLAIN = CEOptions()
 
 
-# the largest softcap ``CrossEntropy.held_exp`` takes: exp(t - c) of a capped logit t >= -c is at least exp(-2c),
-# a normal fp32 (>= 2^-126 = exp(-87.3)) up to here
+# the largest softcap whose sums of exp(t - c) take the fixed shift c (the fused kernel's ``held_exp``, the forward's
+# ``capped_sum``): exp(t - c) of a capped logit t >= -c is at least exp(-2c), a normal fp32 (>= 2^-126 = exp(-87.3))
 SOFTCAP_LEAN_MAX = 40.0
 
 
