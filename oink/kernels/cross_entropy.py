@@ -739,6 +739,7 @@ class CrossEntropy(RowKernelBase):
 # more, and the instructions it adds bind it instead (bench/RESULTS.md); the dlogits kernels take none
 FMA_EXP_EVERY = 3
 
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class CrossEntropyKey:
     """What a cross-entropy kernel is compiled for; M, strides and ignore_index are runtime. Built once
