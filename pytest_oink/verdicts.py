@@ -71,11 +71,17 @@ def from_samples(new, old, threshold: float) -> Verdict:
 def from_spread(new_median: float, new_spread: float | None, old_median: float, old_spread: float,
                 threshold: float) -> Verdict:
     """The rule for baselines without samples: SLOWER (FASTER) when the median moved beyond the
-    threshold and beyond NOISE_SIGMAS x the larger relative spread of the two runs; SAME otherwise."""
+    threshold and beyond NOISE_SIGMAS x the larger relative spread of the two runs; SAME otherwise.
+    The floor bounds the ratio on a log scale (above 1 + floor, below 1 / (1 + floor)): a floor
+    of 100% or more must not make FASTER unreachable."""
     ratio = new_median / old_median
     floor = NOISE_SIGMAS * max(new_spread or 0.0, old_spread or 0.0)
-    limit = max(threshold, floor)
-    name = "SLOWER" if ratio > 1 + limit else ("FASTER" if ratio < 1 - limit else "SAME")
+    if ratio > 1 + max(threshold, floor):
+        name = "SLOWER"
+    elif ratio < min(1 - threshold, 1 / (1 + floor)):
+        name = "FASTER"
+    else:
+        name = "SAME"
     return Verdict(name, ratio, None, floor)
 
 

@@ -56,6 +56,11 @@ def test_baseline_without_samples_keeps_the_spread_rule():
     assert v.name == "SLOWER" and v.interval is None and "spread rule" in v.describe(0.05)
     v = verdicts.judge([], 1.05e-4, 0.10, no_samples, 0.05)  # floor 30%: noise
     assert v.name == "SAME" and "noise floor 30.0%" in v.describe(0.05)
+    # a floor of 100% or more (a noisy CPU run) still lets a large speed-up read FASTER, on a log scale
+    v = verdicts.from_spread(1e-5, 0.40, 1.0, 0.0, 0.05)
+    assert v.name == "FASTER" and v.floor > 1
+    assert verdicts.from_spread(0.5, 0.40, 1.0, 0.0, 0.05).name == "SAME"  # within 1 / (1 + 1.2)
+    assert verdicts.from_spread(0.4, 0.40, 1.0, 0.0, 0.05).name == "FASTER"
     # too few samples on either side for an interval: the spread rule too
     few = report.BaselineEntry(1e-4, 0.0, samples=(1e-4,) * 4)
     assert verdicts.judge(_samples(2e-4, 0.001), 2e-4, 0.001, few, 0.05).interval is None
