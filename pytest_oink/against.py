@@ -7,7 +7,8 @@ A worker process imports Oink from the other tree, with its own OINK_CACHE_DIR (
 own), and this tree's harness and bench entries (pytest_oink and this Oink's oink.reference.BENCH: the
 same gate, inputs and timers on both sides). For each gated row this session times its first round,
 the worker gates and times the same row, and while the verdict from both sides' samples
-(verdicts.judge) is UNSURE one more round is timed on each side in turn. The other tree's samples
+(verdicts.judge) is UNSURE, or SLOWER after the first round, one more round is timed on each side,
+the trees' order flipping every round (the other tree first in the second round). The other tree's samples
 become the row's baseline entry, so the regression gate, its lines and its failing on SLOWER are the
 same as against a stored baseline."""
 from __future__ import annotations
@@ -130,7 +131,7 @@ class OtherTree:
         """(this tree's samples, rounds re-timed) of a gated row, with the other tree's samples of
         the same row recorded as its baseline entry; ungated rows untouched."""
         from .timing import median, relative_spread
-        from .verdicts import RETIME_ROUNDS, judge
+        from .verdicts import judge
 
         threshold, providers, gate_cpu = regression.gate_settings(config)
         if not report.gated(row, providers, gate_cpu):
@@ -141,22 +142,49 @@ class OtherTree:
         if reply["status"] != "ok":
             self.notes.append(f"{report.row_title(row)}: the other tree's row {reply['status']} ({reply['why']})")
             return samples, 0
-        other, samples, rounds = list(reply["samples"]), list(samples), 0
+        other = list(reply["samples"])
 
         def entry():
             return report.BaselineEntry(median(other), relative_spread(other), row.suite,
                                         report.what_was_timed(reply["method"]), tuple(other), row.mode,
                                         reply["throttled"])
-        while (rounds < RETIME_ROUNDS and time_once is not None
-               and judge(samples, median(samples), relative_spread(samples), entry(), threshold).name == "UNSURE"):
-            samples += list(time_once())
+
+        def other_round():
             more = self.ask({"cmd": "round"})
-            other += more["samples"]
+            other.extend(more["samples"])
             reply["throttled"] = more["throttled"]
-            rounds += 1
+
+        def verdict_of(samples):
+            return judge(samples, median(samples), relative_spread(samples), entry(), threshold).name
+
+        samples, rounds = counterbalanced(samples, verdict_of, time_once, other_round)
         self.ask({"cmd": "done"})  # the worker frees the row's tensors before this session's next row
         config.stash[STATE]["baseline"].setdefault(row.key, []).insert(0, entry())
         return samples, rounds
+
+
+def counterbalanced(samples, verdict_of, time_once, other_round, most: int | None = None):
+    """(this tree's samples, rounds re-timed) after the first round of each tree, this tree's
+    timed first: while ``verdict_of(samples)`` is UNSURE, or SLOWER from that first round alone, one
+    more round of each tree, the order flipping every round (this, other; other, this; this,
+    other; ...), at most ``most`` rounds (verdicts.RETIME_ROUNDS). A regression must show in both
+    orders: a round slow for being timed first is judged together with one that was timed second."""
+    from .verdicts import RETIME_ROUNDS
+
+    samples, rounds = list(samples), 0
+    most = RETIME_ROUNDS if most is None else most
+    while rounds < most and time_once is not None:
+        verdict = verdict_of(samples)
+        if verdict != "UNSURE" and not (verdict == "SLOWER" and rounds == 0):
+            break
+        if rounds % 2 == 0:
+            other_round()
+            samples += list(time_once())
+        else:
+            samples += list(time_once())
+            other_round()
+        rounds += 1
+    return samples, rounds
 
 
 def configure(config) -> None:

@@ -122,3 +122,45 @@ def test_under_xdist_the_controller_gates_on_the_workers_rows(pytester, slow_rep
     res.stdout.fnmatch_lines(["SLOWER beyond 5% (fails the session): softmax_forward 4x128 bfloat16 oink: SLOWER, "
                               "x*; softmax_forward 8x128 bfloat16 oink: SLOWER, x*"])
     assert "not compared" not in res.stdout.str()
+
+
+def _rounds(this_factor, first_round_factor, log):
+    """Timers of one row on both trees: 20 samples a round around 1 ms x the tree's factor; this
+    tree's first round (timed right after another row) x first_round_factor as well."""
+    import random
+
+    rng = random.Random(7)
+
+    def timer(name, factor):
+        def time_once():
+            slow = first_round_factor if name == "this" and not log else 1.0
+            log.append(name)
+            return [1e-3 * factor * slow * (1 + rng.gauss(0, 0.004)) for _ in range(20)]
+        return time_once
+    return timer("this", this_factor), timer("other", 1.0)
+
+
+@pytest.mark.parametrize("this_factor, first_round_factor, verdict, order", [
+    # the same code, its first round 10% slow for going first: SLOWER alone, not once both orders are judged
+    (1.0, 1.10, "SAME", ["this", "other", "other", "this", "this", "other"]),
+    # a real 10% slowdown reads SLOWER in both orders (one round more), with or without the first-round bias
+    (1.10, 1.0, "SLOWER", ["this", "other", "other", "this"]),
+    (1.10, 1.10, "SLOWER", ["this", "other", "other", "this"]),
+    # nothing to confirm: no round more
+    (1.0, 1.0, "SAME", ["this", "other"]),
+])
+def test_rounds_flip_order_before_a_regression_is_called(this_factor, first_round_factor, verdict, order):
+    from pytest_oink import against, report, verdicts
+    from pytest_oink.timing import median, relative_spread
+
+    log = []
+    this, other_timer = _rounds(this_factor, first_round_factor, log)
+    first, other = this(), other_timer()
+
+    def verdict_of(samples):
+        entry = report.BaselineEntry(median(other), relative_spread(other), samples=tuple(other))
+        return verdicts.judge(samples, median(samples), relative_spread(samples), entry, 0.05).name
+
+    assert verdict_of(first) == ("SAME" if this_factor * first_round_factor == 1 else "SLOWER")
+    samples, rounds = against.counterbalanced(first, verdict_of, this, lambda: other.extend(other_timer()))
+    assert verdict_of(samples) == verdict and log == order and rounds == len(order) // 2 - 1
