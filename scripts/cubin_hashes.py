@@ -4,7 +4,7 @@ code around the kernels (comments, docstrings, host-side settings) left every ke
 Every row kernel family the public ops launch (``oink.kernels.profile.ROW_FAMILIES``) at two widths and
 two dtypes, the staged and late-parameter forwards, the few-row softmax, FP4 and FP8 kernels, the split
 norm backward, the partials' sum and rowsumsq, cross-entropy kernels with the key's other fields (target
-dtype, lse, window, options, in place), for sm_90a and sm_100a (140 kernels, about 2 min on 2 cores).
+dtype, lse, window, options, in place), for sm_90a and sm_100a (146 kernels, about 2 min on 2 cores).
 Compare a tree before a change with the working tree:
 
     git archive HEAD oink pytest_oink | tar -x -C /tmp/before
@@ -81,9 +81,13 @@ def jobs(arch: str, only: str):
             for d in ("bfloat16", "float32"):
                 for N in (32000, 128256) if fam.startswith("ce_") else (7168, 65536):
                     yield f"{fam}/{d}/{N}", lambda f=f, d=d, N=N: f(d, N, arch)
-    every = cross_entropy.CEOptions(0.1, 1e-4, 30.0)
+    every, softcap = cross_entropy.CEOptions(0.1, 1e-4, 30.0), cross_entropy.CEOptions(softcap=30.0)
     flagged = {  # the cross-entropy key's other fields
         "ce_fwd/int32/no_lse/4096": lambda: ce("forward", "bfloat16", "int32", 4096, store_lse=False),
+        # the forward's options: a softcap alone (register-held and streamed rows: capped_sum), and all three
+        "ce_fwd/softcap/32000": lambda: ce("forward", "bfloat16", "int64", 32000, options=softcap),
+        "ce_fwd/softcap/262144": lambda: ce("forward", "bfloat16", "int64", 262144, options=softcap),
+        "ce_fwd/options/50257": lambda: ce("forward", "bfloat16", "int64", 50257, options=every),
         "ce_bwd/no_window/50257": lambda: ce("backward", "bfloat16", "int64", 50257, window=False),
         "ce_fwd_bwd/options/50257": lambda: ce("fwd_bwd", "bfloat16", "int64", 50257, options=every),
         "ce_bwd/in_place/128256": lambda: ce("backward", "float32", "int64", 128256, inplace=True),
