@@ -54,6 +54,17 @@ def _write(target, text: str) -> str:
     return str(target)
 
 
+def _gate_section(config) -> list[str]:
+    """The regression gate's lines of the Markdown summary ([] where no gate ran)."""
+    state = config.stash[STATE]
+    if state.get("comparison") is None:
+        return []
+    baseline = ("the other tree of --oink-against, timed in this run" if state.get("against")
+                else options.get(config, "--oink-baseline"))
+    return report.gate_markdown(state["comparison"], options.get(config, "--oink-max-regression"), baseline,
+                                state.get("nothing_compared", ""))
+
+
 def write_outputs(config, rows, notes=()) -> None:
     """Every output asked for; ``notes`` end the Markdown summary (why there are no rows, the
     baseline's machine and this one)."""
@@ -68,7 +79,8 @@ def write_outputs(config, rows, notes=()) -> None:
     summary = options.get(config, "--oink-summary")
     if summary:
         with open(summary, "w") as f:
-            f.write(report.summary_markdown(rows, roof) + "".join(f"\n{note}\n" for note in notes))
+            f.write(report.summary_markdown(rows, roof) + "\n".join(_gate_section(config))
+                    + "".join(f"\n{note}\n" for note in notes))
         state["written"].append(summary)
     svg_dir = options.get(config, "--oink-svg")
     if svg_dir:

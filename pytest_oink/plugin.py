@@ -343,8 +343,8 @@ def pytest_sessionfinish(session, exitstatus):
         notes += against.finish(config)
     if config.stash[STATE].get("clock_note"):  # NVML missing: the rows' clocks were not read (said once)
         notes.append(f"GPU {config.stash[STATE]['clock_note']}.")
+    regression.judge(session)  # first: the summary holds the gate's verdicts
     outputs.write_outputs(config, rows, notes)
-    regression.judge(session)
     if options.get(config, "--oink-history") and not config.option.collectonly:
         from . import history
 

@@ -411,6 +411,7 @@ class Comparison(NamedTuple):
     mismatched: list  # "name (why)" of rows whose baseline entry is of another suite or timing
     unsure: list  # "row: UNSURE, ..." of rows still unsure after their re-timing (they pass)
     verdicts: dict  # {row key: FASTER / SAME / SLOWER / UNSURE} of every compared row (--oink-history marks them)
+    table: list  # (row, Verdict, baseline median s, this median s, samples: baseline, this, re-timed) per compared row
 
 
 def row_title(r) -> str:
@@ -436,7 +437,7 @@ def regressions(rows, baseline: dict, max_regression: float, providers=("oink",)
     Each compared row gets a verdict (verdicts.judge): only SLOWER ones regressed. -> Comparison."""
     from .verdicts import held_down, judge
 
-    out = Comparison([], [], [], [], [], {})
+    out = Comparison([], [], [], [], [], {}, [])
     for r in sorted((r for r in rows if gated(r, providers, gate_cpu)), key=lambda r: r.key):
         name = f"{r.op}-{r.M}x{r.N}-{r.dtype}-{r.provider}"
         entries = baseline.get(r.key) or []
@@ -458,11 +459,49 @@ def regressions(rows, baseline: dict, max_regression: float, providers=("oink",)
         out.lines.append(f"{head} ({old_median * 1e3:.4f} ms -> {r.median_s * 1e3:.4f} ms, "
                          f"{len(entry.samples)} -> {len(r.samples)} samples{retimed})")
         out.verdicts[r.key] = verdict.name
+        out.table.append((r, verdict, old_median, r.median_s, len(entry.samples), len(r.samples), r.retimes))
         if verdict.name == "SLOWER":
             out.regressed.append(head)
         elif verdict.name == "UNSURE":
             out.unsure.append(head)
     return out
+
+
+def gate_markdown(comparison, threshold: str, baseline: str, nothing_compared: str = "") -> list[str]:
+    """The regression gate's section of the Markdown summary: each compared row's verdict, ratio
+    (this run's median over the baseline's) and interval, a geomean of the ratios per op, and the
+    rows not compared. ``baseline``: what the rows were compared with."""
+    from .verdicts import ratio_text
+
+    counts = {}
+    for _, verdict, *_ in comparison.table:
+        counts[verdict.name] = counts.get(verdict.name, 0) + 1
+    told = ", ".join(f"{counts[n]} {n}" for n in ("SLOWER", "UNSURE", "SAME", "FASTER") if n in counts)
+    lines = ["## Regression gate", "", f"Baseline: {baseline}. "
+             + f"Threshold {threshold}; {len(comparison.table)} rows compared" + (f": {told}." if told else ".")
+             + " Ratio: this run's median / the baseline's (< 1: faster); interval: its bootstrap 95% interval "
+               "(- where the baseline kept no samples).", ""]
+    if comparison.table:
+        lines += ["| row | verdict | ratio | interval | baseline ms | this ms | samples (baseline, this) | re-timed |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r, v, old, new, n_old, n_new, retimes in comparison.table:
+            interval = f"{ratio_text(v.interval[0], 3)}-{ratio_text(v.interval[1], 3)}" if v.interval else "-"
+            name = v.name + (f" ({v.note})" if v.note else "")
+            lines.append(f"| {row_title(r)} | {name} | {ratio_text(v.ratio, 3)} | {interval} | {old * 1e3:.4g} | "
+                         f"{new * 1e3:.4g} | {n_old}, {n_new} | {retimes} |")
+        by_op = {}
+        for r, v, *_ in comparison.table:
+            by_op.setdefault((r.op, r.provider), []).append(v.ratio)
+        per_op = [f"{op} {prov} {ratio_text(geomean(ratios), 3)} ({len(ratios)} rows)"
+                  for (op, prov), ratios in sorted(by_op.items())]
+        lines += ["", "Geomean ratio per op: " + "; ".join(per_op) + "."]
+    for label, names in (("no baseline entry", comparison.missing),
+                         ("the baseline's row is of another suite, timing or mode", comparison.mismatched)):
+        if names:
+            lines += ["", f"Not compared ({label}): " + ", ".join(names) + "."]
+    if nothing_compared:
+        lines += ["", f"The regression gate compared nothing: {nothing_compared}."]
+    return lines + [""]
 
 
 def benchmark_stats(row) -> dict:

@@ -25,16 +25,17 @@ class Verdict(NamedTuple):
 
     def describe(self, threshold: float) -> str:
         """'SLOWER, x1.12 [1.09, 1.15]' (or the spread rule's reason where there were no samples)."""
-        text = f"{self.name}, x{_ratio(self.ratio)}"
+        text = f"{self.name}, x{ratio_text(self.ratio)}"
         note = f" ({self.note})" if self.note else ""
         if self.interval is not None:
-            return text + f" [{_ratio(self.interval[0])}, {_ratio(self.interval[1])}]" + note
+            return text + f" [{ratio_text(self.interval[0])}, {ratio_text(self.interval[1])}]" + note
         floor = f", noise floor {self.floor * 100:.1f}%" if self.floor > threshold else ""
         return text + f" (spread rule: the baseline kept no samples{floor})" + note
 
 
-def _ratio(x: float) -> str:
-    return f"{x:.2f}" if 0.01 <= x < 100 else f"{x:.3g}"
+def ratio_text(x: float, digits: int = 2) -> str:
+    """A ratio as text: ``digits`` decimals between 0.01 and 100, three significant digits outside."""
+    return f"{x:.{digits}f}" if 0.01 <= x < 100 else f"{x:.3g}"
 
 
 def ratio_interval(new, old, confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int = 0):

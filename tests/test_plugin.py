@@ -186,9 +186,14 @@ def test_regression_gate(smoke_run, tmp_path):
     res.stdout.fnmatch_lines(["*oink regression gate*", "*: SLOWER, x*",
                               "*SLOWER beyond 5% (fails the session): *rmsnorm_forward 4x128 bfloat16 oink: SLOWER*"])
     assert "4 regressed" in res.stdout.lines[-1]  # pytest's final line counts them
+    summary = (out / "s.md").read_text()  # the summary holds the gate's verdicts, row by row
+    assert f"## Regression gate\n\nBaseline: {fast}. Threshold 5%; 4 rows compared: 4 SLOWER." in summary
+    assert "| rmsnorm_forward 4x128 bfloat16 oink | SLOWER | " in summary
+    assert "Geomean ratio per op: fused_add_rmsnorm_ oink " in summary
     res = run(*gate, f"--oink-baseline={slow}")
     assert res.ret == 0
     res.stdout.fnmatch_lines(["*: FASTER, x*"])
+    assert "4 rows compared: 4 FASTER." in (out / "s.md").read_text()
     ours = tmp_path / "ours.json"
     ours.write_text(json.dumps({"rows": [{"op": "rmsnorm_forward", "provider": "oink", "M": 4, "N": 128,
                                           "dtype": "bfloat16", "median_s": 1e-12}]}))
@@ -207,11 +212,14 @@ def test_regression_gate_refuses_to_compare_nothing(smoke_run, tmp_path):
     assert res.ret == pytest.ExitCode.TESTS_FAILED
     res.stdout.fnmatch_lines(["*not compared (no baseline entry): *rmsnorm_forward-4x128-bfloat16-oink*"])
     assert "2 not compared" in res.stdout.lines[-1]
+    assert "Not compared (no baseline entry): " in (out / "s.md").read_text()
     assert run(*gate, f"--oink-baseline={part}", "--oink-allow-missing").ret == 0
     # CPU rows without --oink-gate-cpu: nothing is compared, which fails and says why
     res = run("--oink-providers=oink", f"--oink-baseline={part}")
     assert res.ret == pytest.ExitCode.TESTS_FAILED
     res.stdout.fnmatch_lines(["*the regression gate compared nothing: CPU rows are gated only with --oink-gate-cpu*"])
+    assert "0 rows compared. " in (out / "s.md").read_text()
+    assert "The regression gate compared nothing: CPU rows are gated only with" in (out / "s.md").read_text()
     # another provider's rows are gated when asked (the torch rows have no baseline entry here)
     res = run("--oink-providers=oink,torch", "--oink-gate-cpu", "--oink-gate-providers=torch",
               f"--oink-baseline={_doctored(data, tmp_path / 'all.json', 1e6)}")

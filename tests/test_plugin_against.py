@@ -72,11 +72,14 @@ def test_a_slower_tree_is_slower_than_its_parent_commit(pytester, slow_repo, tmp
     assert not Path(exported).exists()  # the exported tree is removed at the end
 
 
-def test_the_same_code_is_not_slower(pytester, slow_repo):
-    res = pytester.runpytest_subprocess(*ROW, "--oink-against=HEAD", *PLUGIN)
+def test_the_same_code_is_not_slower(pytester, slow_repo, tmp_path):
+    res = pytester.runpytest_subprocess(*ROW, "--oink-against=HEAD", f"--oink-summary={tmp_path / 's.md'}", *PLUGIN)
     out = res.stdout.str()
     assert res.ret == 0 and "SLOWER" not in out, out[-3000:]
     res.stdout.fnmatch_lines(["softmax_forward 4x128 bfloat16 oink: * (* ms -> * ms, * -> * samples*)"])
+    summary = (tmp_path / "s.md").read_text()  # the A/B's ratio per row, in the summary too
+    assert "Baseline: the other tree of --oink-against, timed in this run. Threshold 5%; 1 rows compared" in summary
+    assert "| softmax_forward 4x128 bfloat16 oink | " in summary and "Geomean ratio per op: softmax_forward oink" in summary
 
 
 def test_a_directory_tree_and_rows_it_cannot_time(pytester, tmp_path):
