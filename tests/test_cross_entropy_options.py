@@ -268,7 +268,7 @@ def test_kernel_routes():
     """Options go to the kernels, except label smoothing with a class weight and a forward's target_logit
     with an option (the reference, with the reason); no option is the plain kernel's compile key."""
     pytest.importorskip("cutlass")
-    from oink.kernels.cross_entropy import PLAIN, CEOptions
+    from oink.kernels.cross_entropy_rules import PLAIN, CEOptions
     from oink.kernels.cross_entropy_ops import CHECKS, options_of
 
     x, t, w = torch.empty(4, 4096), torch.zeros(4, dtype=torch.long), torch.ones(4096)
@@ -284,7 +284,7 @@ def test_kernel_routes():
 
 
 def _option_sets():
-    from oink.kernels.cross_entropy import CEOptions
+    from oink.kernels.cross_entropy_rules import CEOptions
 
     return [CEOptions(0.1, 0.0, None), CEOptions(0.0, 1e-4, None), CEOptions(0.0, 0.0, 30.0),
             CEOptions(0.1, 1e-4, 30.0)]
@@ -311,7 +311,8 @@ def test_option_kernels_compile(monkeypatch, arch, mode):
     aligned windows or element accesses, fp32 and int32 targets) and streamed ones; the plain options
     are the plain kernel itself (one compile key)."""
     pytest.importorskip("cutlass")
-    from oink.kernels.cross_entropy import PLAIN, CrossEntropyKey, compiled_cross_entropy
+    from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy
+    from oink.kernels.cross_entropy_rules import PLAIN
 
     def compiled(dtype, target_dtype, N, **fields):
         return compiled_cross_entropy(CrossEntropyKey(mode, dtype, target_dtype, N, arch, **fields))
@@ -342,7 +343,8 @@ def test_option_kernels_do_not_spill(monkeypatch, arch, dtype):
     """Every option (with and without the softcap) at the sweep's vocabularies keeps its values in
     registers, as the plain kernels do (read from the cubins' notes)."""
     pytest.importorskip("cutlass")
-    from oink.kernels.cross_entropy import CEOptions, CrossEntropyKey, compiled_cross_entropy
+    from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy
+    from oink.kernels.cross_entropy_rules import CEOptions
     from oink.kernels.profile import compiled_resources
     from pytest_oink.suites import SWEEP_VOCABS
     from tests.helpers import set_knob
@@ -370,18 +372,19 @@ def test_softcap_dlogits_compile_without_spill(monkeypatch, arch, dtype):
     (``softcap_form``)."""
     pytest.importorskip("cutlass")
     from oink.kernels import cross_entropy as ce
+    from oink.kernels import cross_entropy_rules as rules
     from oink.kernels.profile import compiled_resources
     from tests.helpers import set_dev, set_knob
 
     set_knob(monkeypatch, "OINK_KEEP_CUBIN", "1")
-    cap, zcap = ce.CEOptions(softcap=30.0), ce.CEOptions(z_loss=1e-4, softcap=30.0)
-    assert ce.softcap_form("fwd_bwd", cap, False) == ce.softcap_form("fwd_bwd", zcap, False) == "held"
-    assert ce.softcap_form("backward", cap, False) == ce.softcap_form("fwd_bwd", cap, True) == "raw"
-    assert ce.softcap_form("backward", ce.CEOptions(0.1, 0.0, 80.0), True) == "raw"
-    assert ce.softcap_form("forward", cap, False) is ce.softcap_form("forward", cap, True) is None
-    assert ce.softcap_form("fwd_bwd", ce.CEOptions(0.1, 0.0, 30.0), False) is None  # label smoothing
-    assert ce.softcap_form("fwd_bwd", ce.CEOptions(softcap=ce.SOFTCAP_LEAN_MAX * 2), False) is None
-    assert ce.softcap_form("backward", ce.CEOptions(0.1, 1e-4, None), False) is None
+    cap, zcap = rules.CEOptions(softcap=30.0), rules.CEOptions(z_loss=1e-4, softcap=30.0)
+    assert rules.softcap_form("fwd_bwd", cap, False) == rules.softcap_form("fwd_bwd", zcap, False) == "held"
+    assert rules.softcap_form("backward", cap, False) == rules.softcap_form("fwd_bwd", cap, True) == "raw"
+    assert rules.softcap_form("backward", rules.CEOptions(0.1, 0.0, 80.0), True) == "raw"
+    assert rules.softcap_form("forward", cap, False) is rules.softcap_form("forward", cap, True) is None
+    assert rules.softcap_form("fwd_bwd", rules.CEOptions(0.1, 0.0, 30.0), False) is None  # label smoothing
+    assert rules.softcap_form("fwd_bwd", rules.CEOptions(softcap=rules.SOFTCAP_LEAN_MAX * 2), False) is None
+    assert rules.softcap_form("backward", rules.CEOptions(0.1, 1e-4, None), False) is None
     spilled = {}
 
     def check(mode, N, inplace=False, options=cap, window=True):
@@ -400,7 +403,7 @@ def test_softcap_dlogits_compile_without_spill(monkeypatch, arch, dtype):
         check("backward", N)
     check("fwd_bwd", 4097, options=zcap)
     check("fwd_bwd", 50257, options=zcap, window=False)
-    check("fwd_bwd", 1000, options=ce.CEOptions(0.1, 0.0, 30.0))
+    check("fwd_bwd", 1000, options=rules.CEOptions(0.1, 0.0, 30.0))
     set_dev(monkeypatch, ce_stream=True)
     for N in (1000, 50257, 200008):
         for mode in ("backward", "fwd_bwd"):

@@ -260,7 +260,7 @@ def test_cross_entropy_compiles(arch, dtype, mode):
 def test_cross_entropy_in_place_compiles(arch, dtype, mode):
     """dlogits over the logits (the rows' barrier before the stores, the fused mode's loss from the
     target's thread): one row a CTA, several, a cluster, a shifted window, with options; no spill."""
-    from oink.kernels.cross_entropy import CEOptions
+    from oink.kernels.cross_entropy_rules import CEOptions
     from oink.kernels.profile import compiled_resources
     from tests.helpers import set_knob
 
@@ -272,7 +272,8 @@ def test_cross_entropy_in_place_compiles(arch, dtype, mode):
                                                         inplace=True))
             assert compiled_resources(fn)["frame_bytes"] == 0, (N, o)
     with pytest.raises(ValueError, match="in place"):
-        from oink.kernels.cross_entropy import CrossEntropy, cross_entropy_launch
+        from oink.kernels.cross_entropy import CrossEntropy
+        from oink.kernels.cross_entropy_rules import cross_entropy_launch
         from oink.kernels.compile import cute_dtype
 
         CrossEntropy(cross_entropy_launch(4096, 16, arch), cute_dtype(dtype), cute_dtype("int64"), "forward",
@@ -286,44 +287,45 @@ def test_cross_entropy_streamed_rows_compile(monkeypatch, arch, dtype, mode):
     """Streamed rows forced at every width (one pass, several, a partial last one, clusters; odd
     widths through aligned windows, or element accesses where dlogits' rows lie elsewhere), and the
     register-held forward at widths that stream by default (the A/B switch's other side)."""
-    from oink.kernels import cross_entropy as ce
+    from oink.kernels import cross_entropy_rules as rules
 
     set_dev(monkeypatch, ce_stream=True)
     for N in [7, 1000, 32000, 50257, 200008, 262144]:
-        assert ce.stream_rows(N, 16, mode)
+        assert rules.stream_rows(N, 16, mode)
         assert callable(compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch)))
     assert callable(compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", 50257, arch, window=False)))
     if mode == "forward":
         set_dev(monkeypatch, ce_stream=False)
         for N in [65536, 262144]:
-            assert not ce.stream_rows(N, 16, mode)
+            assert not rules.stream_rows(N, 16, mode)
             assert callable(compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch)))
 
 
 def test_cross_entropy_streams_wide_rows(monkeypatch):
     from oink.kernels import cross_entropy as ce
+    from oink.kernels import cross_entropy_rules as rules
 
     set_dev(monkeypatch, ce_stream=None)
     # 16-bit rows past 64 threads x 18 accesses stream, fp32 rows past 4096 accesses
-    assert not ce.stream_rows(9216, 16) and ce.stream_rows(9224, 16) and ce.stream_rows(32000, 16)
-    assert not ce.stream_rows(16384, 32) and ce.stream_rows(16388, 32)
-    assert not ce.stream_rows(128256, 16, "backward") and not ce.stream_rows(128256, 16, "fwd_bwd")
-    assert [ce.stream_launch(N, 16).cluster_n for N in (32000, 128256, 256000)] == [1, 2, 4]
-    assert [ce.stream_launch(N, 16).threads_per_row for N in (9224, 32768, 32776, 128256)] == [128, 128, 256, 256]
+    assert not rules.stream_rows(9216, 16) and rules.stream_rows(9224, 16) and rules.stream_rows(32000, 16)
+    assert not rules.stream_rows(16384, 32) and rules.stream_rows(16388, 32)
+    assert not rules.stream_rows(128256, 16, "backward") and not rules.stream_rows(128256, 16, "fwd_bwd")
+    assert [rules.stream_launch(N, 16).cluster_n for N in (32000, 128256, 256000)] == [1, 2, 4]
+    assert [rules.stream_launch(N, 16).threads_per_row for N in (9224, 32768, 32776, 128256)] == [128, 128, 256, 256]
     # held forward rows of 257-1152 accesses: one CTA of 64 threads, aligned or a shifted window
     for N in (2056, 2512, 4008, 9216):
         for shifted in (False, True):
-            L = ce.cross_entropy_launch(N, 16, "sm_90a", "forward", shifted)
+            L = rules.cross_entropy_launch(N, 16, "sm_90a", "forward", shifted)
             assert (L.threads_per_row, L.num_threads, L.cluster_n) == (64, 64, 1), (N, L)
-    assert ce.cross_entropy_launch(2048, 16, "sm_90a").num_threads == 128  # 4 accesses a thread: 2 rows a CTA
-    assert ce.cross_entropy_launch(4008, 16, "sm_90a", "backward").threads_per_row != 64
+    assert rules.cross_entropy_launch(2048, 16, "sm_90a").num_threads == 128  # 4 accesses a thread: 2 rows a CTA
+    assert rules.cross_entropy_launch(4008, 16, "sm_90a", "backward").threads_per_row != 64
     two_rows = RowLaunch(N=4096, vec=8, threads_per_row=128, num_threads=256)
     with pytest.raises(ValueError, match="streamed row"):
         ce.CrossEntropy(two_rows, None, None, "forward", stream=True)
 
 
 def test_cross_entropy_launch_covers_clusters():
-    from oink.kernels.cross_entropy import cross_entropy_launch
+    from oink.kernels.cross_entropy_rules import cross_entropy_launch
 
     assert {cross_entropy_launch(N, 16, "sm_90a").cluster_n for N in CE_WIDTHS} >= {1, 2, 4, 8}
     assert cross_entropy_launch(262144, 32, "sm_90a").cluster_n == 8

@@ -159,7 +159,8 @@ STREAM_CASES = [("forward", 19298, 0), ("forward", 49207, 0), ("forward", 129280
 def test_cross_entropy_streamed_rows_do_not_spill(keep_cubin, monkeypatch, dtype, arch):
     """The streamed rows' kernels (tiles folded with no +inf branch; a thread whose max is +inf reads its tiles
     again to count them) keep their values in registers."""
-    from oink.kernels.cross_entropy import CEOptions, CrossEntropyKey, compiled_cross_entropy, shifted_window, stream_rows
+    from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy
+    from oink.kernels.cross_entropy_rules import CEOptions, shifted_window, stream_rows
     from oink.kernels.profile import compiled_resources
     from tests.helpers import set_dev
 
@@ -198,7 +199,8 @@ CE_WIDE_OPTIONS = ((0.0, 0.0, 30.0), (0.1, 1e-4, 30.0), (0.0, 0.0, 50.0), (0.1, 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_cross_entropy_wide_dlogits_rules_do_not_spill(keep_cubin, arch):
-    from oink.kernels.cross_entropy import CEOptions, CrossEntropyKey, compiled_cross_entropy
+    from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy
+    from oink.kernels.cross_entropy_rules import CEOptions
     from oink.kernels.profile import compiled_resources
 
     cases = [("backward", N, CEOptions()) for N in CE_BACKWARD_WIDTHS]
