@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import os
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -410,8 +411,12 @@ class Comparison(NamedTuple):
     missing: list  # names of the rows the baseline has no entry for
     mismatched: list  # "name (why)" of rows whose baseline entry is of another suite or timing
     unsure: list  # "row: UNSURE, ..." of rows still unsure after their re-timing (they pass)
-    verdicts: dict  # {row key: FASTER / SAME / SLOWER / UNSURE} of every compared row (--oink-history marks them)
     table: list  # (row, Verdict, baseline median s, this median s, samples: baseline, this, re-timed) per compared row
+
+    @property
+    def verdicts(self) -> dict:
+        """{row key: FASTER / SAME / SLOWER / UNSURE} of every compared row (--oink-history marks them)."""
+        return {r.key: v.name for r, v, *_ in self.table}
 
 
 def row_title(r) -> str:
@@ -437,7 +442,7 @@ def regressions(rows, baseline: dict, max_regression: float, providers=("oink",)
     Each compared row gets a verdict (verdicts.judge): only SLOWER ones regressed. -> Comparison."""
     from .verdicts import held_down, judge
 
-    out = Comparison([], [], [], [], [], {}, [])
+    out = Comparison([], [], [], [], [], [])
     for r in sorted((r for r in rows if gated(r, providers, gate_cpu)), key=lambda r: r.key):
         name = f"{r.op}-{r.M}x{r.N}-{r.dtype}-{r.provider}"
         entries = baseline.get(r.key) or []
@@ -458,7 +463,6 @@ def regressions(rows, baseline: dict, max_regression: float, providers=("oink",)
         old_median = r.median_s / verdict.ratio  # the baseline's median the verdict used (of its samples, if any)
         out.lines.append(f"{head} ({old_median * 1e3:.4f} ms -> {r.median_s * 1e3:.4f} ms, "
                          f"{len(entry.samples)} -> {len(r.samples)} samples{retimed})")
-        out.verdicts[r.key] = verdict.name
         out.table.append((r, verdict, old_median, r.median_s, len(entry.samples), len(r.samples), r.retimes))
         if verdict.name == "SLOWER":
             out.regressed.append(head)
@@ -473,9 +477,7 @@ def gate_markdown(comparison, threshold: str, baseline: str, nothing_compared: s
     rows not compared. ``baseline``: what the rows were compared with."""
     from .verdicts import ratio_text
 
-    counts = {}
-    for _, verdict, *_ in comparison.table:
-        counts[verdict.name] = counts.get(verdict.name, 0) + 1
+    counts = Counter(v.name for _, v, *_ in comparison.table)
     told = ", ".join(f"{counts[n]} {n}" for n in ("SLOWER", "UNSURE", "SAME", "FASTER") if n in counts)
     lines = ["## Regression gate", "", f"Baseline: {baseline}. "
              + f"Threshold {threshold}; {len(comparison.table)} rows compared" + (f": {told}." if told else ".")
