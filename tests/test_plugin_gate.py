@@ -35,7 +35,7 @@ def test_allow_missing_does_not_pass_a_gate_that_compared_nothing(pytester, tmp_
     res = pytester.runpytest_subprocess(*ONE_ROW[:3], "--oink-configs=4x128,2x128", *ONE_ROW[4:],
                                         f"--oink-baseline={two}", "--oink-allow-missing", *PLUGIN)
     assert res.ret == 0, res.stdout.str()[-2000:]
-    # compared (its verdict is CPU timing: FASTER, or SAME where a loaded machine spreads the samples)
+    # compared (CPU timing against a 1 s baseline without samples: the spread rule, FASTER)
     res.stdout.fnmatch_lines(["*softmax_forward 4x128 bfloat16 torch: *, x* (spread rule*",
                               "*not compared (no baseline entry): softmax_forward-2x128-bfloat16-torch*"])
 
@@ -131,7 +131,7 @@ def test_baseline_of_another_machine_is_refused_unless_accepted(pytester, tmp_pa
         "*--oink-accept-machine*"])
     res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={other}", "--oink-accept-machine", *PLUGIN)
     assert res.ret == 0, res.stdout.str()[-2000:]
-    # compared (its verdict is CPU timing: FASTER, or SAME where a loaded machine spreads the samples)
+    # compared (CPU timing against a 1 s baseline without samples: the spread rule, FASTER)
     res.stdout.fnmatch_lines(["*softmax_forward 4x128 bfloat16 torch: *, x* (spread rule*",
                               "Baseline machine: NVIDIA H100 80GB HBM3, driver 570.86, CUDA 12.8, torch 2.9.0, "
                               f"CuTeDSL 4.2.0; this machine: no GPU, torch {md.version('torch')}*",
