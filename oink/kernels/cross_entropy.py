@@ -89,6 +89,9 @@ class CrossEntropy(RowKernelBase):
             self.padded = passes * width * launch.cluster_n != launch.N or self.shifted
         else:
             self.padded = not launch.even_n or self.shifted  # registers holding columns outside the row
+        # the columns past the row (padding, -inf) are told apart from the row's only where an option needs it:
+        # the plain sums ignore -inf; a capped -inf and the smoothing sum do not (``inside``)
+        self.inside_tested = self.padded and (options.softcap is not None or bool(options.label_smoothing))
         if stream and launch.rows_per_cta != 1:
             raise ValueError(f"a streamed row: one row a CTA; got {launch}")
         if self.shifted and (launch.rows_per_cta != 1 or launch.N < self.n + launch.vec - 1):
@@ -278,27 +281,23 @@ class CrossEntropy(RowKernelBase):
         else:
             m, s, sx = Float32(-math.inf), Float32(0.0), Float32(0.0)
             if row < M:
-                for p in cutlass.range(passes, unroll=2):
-                    rX, tXcX = self.stream_tile(src, ident, thr, at, cy * passes + p, lo)
-                    inside = self.inside(rX, tXcX, lo)
-                    if const_expr(self.lean):  # sums at the one shift c, no max
-                        s_t, sx_t = self.capped_sum(rX.load().to(Float32), rX, inside)
-                        s, sx = s + s_t, sx + sx_t
+                # only a row's last tiles hold columns past it: the tiles before them take no mask, in a loop of
+                # their own (a branch a tile is if-converted, and every value pays the mask). The softcap's lean
+                # sums skip each CTA's own tiles inside the row; the others every CTA's first
+                # ``masked_tiles``-less tiles, a count known at compile time (fewer registers in the
+                # smoothing sum's kernels; the lean ones timed faster the other way: bench/RESULTS.md)
+                first = 0
+                if const_expr(self.inside_tested and not self.shifted):
+                    if const_expr(self.lean):
+                        first = cutlass.min(cutlass.max(Int32(self.n // width) - cy * passes, 0), passes)
                     else:
-                        x = self.capped(rX.load().to(Float32), rX, inside)
-                        if const_expr(self.options.label_smoothing):
-                            sx = sx + self.row_sum(x, inside)
-                        m_new = cute.arch.fmax(m, x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf),
-                                                           reduction_profile=0))
-                        shift = m_new
-                        if m_new == Float32(-math.inf):  # only -inf so far: sums stay 0, never NaN
-                            shift = Float32(0.0)
-                        # no +inf branch a tile (ptxas if-converts one, and every logit pays it): a tile holding
-                        # +inf makes s NaN, and such a thread counts its +inf logits after the loop
-                        s = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
-                            (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
-                                                                       reduction_profile=0)
-                        m = m_new
+                        first = passes - self.masked_tiles()
+                    for p in cutlass.range(first, unroll=2):
+                        rX, _ = self.stream_tile(src, ident, thr, at, cy * passes + p, lo)
+                        m, s, sx = self.stream_fold(rX, None, m, s, sx)
+                for p in cutlass.range(first, passes, unroll=2):
+                    rX, tXcX = self.stream_tile(src, ident, thr, at, cy * passes + p, lo)
+                    m, s, sx = self.stream_fold(rX, self.inside(rX, tXcX, lo), m, s, sx)
                 if const_expr(self.lean):
                     m = Float32(self.options.softcap)
                 if const_expr(self.posinf):
@@ -344,14 +343,37 @@ class CrossEntropy(RowKernelBase):
                                            lo)
         self.launch_dependents()
 
+    @cute.jit
+    def stream_fold(self, rX: cute.Tensor, inside, m: Float32, s: Float32, sx: Float32):
+        """A streamed forward's running (max, sum of exp, sum of logits) with one tile's values ``rX`` folded
+        in (``inside``: which are the row's columns, as ``inside``; None where all are)."""
+        if const_expr(self.lean):  # sums at the one shift c, no max
+            s_t, sx_t = self.capped_sum(rX.load().to(Float32), rX, inside)
+            s, sx = s + s_t, sx + sx_t
+        else:
+            x = self.capped(rX.load().to(Float32), rX, inside)
+            if const_expr(self.options.label_smoothing):
+                sx = sx + self.row_sum(x, inside)
+            m_new = cute.arch.fmax(m, x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf),
+                                               reduction_profile=0))
+            shift = m_new
+            if m_new == Float32(-math.inf):  # only -inf so far: sums stay 0, never NaN
+                shift = Float32(0.0)
+            # no +inf branch a tile (ptxas if-converts one, and every logit pays it): a tile holding
+            # +inf makes s NaN, and such a thread counts its +inf logits after the loop
+            s = s * cute.math.exp2((m - shift) * LOG2E, fastmath=True) + cute.math.exp2(
+                (x - shift) * LOG2E, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0),
+                                                           reduction_profile=0)
+            m = m_new
+        return m, s, sx
+
     # ---- the options and the +inf limit, in registers
     @cute.jit
     def inside(self, rX: cute.Tensor, tXcX: cute.Tensor, lo):
         """Which of the thread's values are the row's columns (``lo``: the row's first column in the
         coordinates), as booleans; None where every one is, or no option needs it (padding is -inf,
         which the plain sums ignore; a capped -inf and the smoothing sum do not)."""
-        O = self.options
-        if const_expr(not self.padded or (O.softcap is None and not O.label_smoothing)):
+        if const_expr(not self.inside_tested):
             return None
         L = self.launch
         keep = cute.make_rmem_tensor_like(rX, cutlass.Boolean)
@@ -420,7 +442,9 @@ class CrossEntropy(RowKernelBase):
         that exp on the FMA pipe (``exp2_fma``): the forward (``capped_sum``) takes every ``FMA_EXP_EVERY``-th
         so, as two special-function ops a logit bound it where the plain forward takes one."""
         c = self.options.softcap
-        exp2 = exp2_fma if const_expr(fma) else functools.partial(cute.math.exp2, fastmath=True)
+        # with the FMA's exp the shift is c, so its argument lies in [-2 c log2(e), 0]: no clamp needed (c <= 40)
+        exp2 = functools.partial(exp2_fma, degree=EXP2_DEGREE, clamp=False) if const_expr(fma) else functools.partial(
+            cute.math.exp2, fastmath=True)
         e, f, t = Float32(0.0), Float32(0.0), Float32(0.0)
         if const_expr(self.x_dtype.width == 16):
             u = cute.math.tanh(x * Float32(1.0 / c), approx=True)
@@ -649,6 +673,12 @@ class CrossEntropy(RowKernelBase):
                     k = k + v
         return k
 
+    def masked_tiles(self) -> int:
+        """Of an unshifted streamed CTA's tiles, how many (its last) may hold columns past the row in any CTA
+        of the cluster: as many as the padding past the row's last column spans."""
+        width, passes = self.stream_tiling()
+        return min(passes, -(-(passes * width * self.launch.cluster_n - self.n) // width))
+
     def stream_tiling(self) -> tuple[int, int]:
         """(columns a streamed tile covers, tiles a CTA passes over)."""
         L = self.launch
@@ -738,6 +768,9 @@ class CrossEntropy(RowKernelBase):
 # every this many exps of a softcap forward's capped logits, one is ``exp2_fma``'s (``CrossEntropy.capped_sum``):
 # more, and the instructions it adds bind it instead (bench/RESULTS.md); the dlogits kernels take none
 FMA_EXP_EVERY = 3
+# the degree of that exp's polynomial (``exp2_fma``): 4 is two instructions fewer than 5, at a relative error
+# (2.7e-6) far below the loss's tolerance
+EXP2_DEGREE = 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -585,21 +585,26 @@ def pure_asm(res_type, ptx: str, constraints: str, args, loc=None, ip=None):
                            loc=loc, ip=ip)
 
 
-# 2^f on [-1/2, 1/2], degree 5, fitted for relative error (2.4e-7 in fp32 Horner: the special-function unit's
-# ex2.approx is ~2 ulp); float32 bit patterns, highest degree first
-_EXP2_POLY = ("0f3AAE062E", "0f3C1E862E", "0f3D635B6E", "0f3E75FC8C", "0f3F317214", "0f3F800001")
+# 2^f on [-1/2, 1/2] by degree, fitted for minimax relative error (fp32 Horner: degree 5 2.4e-7, about the
+# special-function unit's ex2.approx; degree 4 2.7e-6); float32 bit patterns, highest degree first
+_EXP2_POLY = {
+    4: ("0f3C1CCBEB", "0f3D650A20", "0f3E76036D", "0f3F31706E", "0f3F7FFFF4"),
+    5: ("0f3AAE062E", "0f3C1E862E", "0f3D635B6E", "0f3E75FC8C", "0f3F317214", "0f3F800001"),
+}
 
 
 @dsl_user_op
-def exp2_fma(z: Float32, *, loc=None, ip=None) -> Float32:
+def exp2_fma(z: Float32, *, degree: int = 5, clamp: bool = True, loc=None, ip=None) -> Float32:
     """2^z on the FMA and integer pipes, where ``cute.math.exp2`` takes the special-function unit (16 a
     clock a SM on sm_90): a kernel bound by that unit computes part of its exps here. z rounds to an
-    integer j (a magic-number add), 2^(z - j) is a polynomial and 2^j a float built from j's bits that
-    multiplies it, so a NaN stays NaN. z below -126.5 (-inf included) gives 0; z must be below 127.5."""
-    c = _EXP2_POLY
+    integer j (a magic-number add), 2^(z - j) is a polynomial of ``degree`` (4 or 5) and 2^j a float built
+    from j's bits that multiplies it, so a NaN stays NaN. With ``clamp``, z below -126.5 (-inf included)
+    gives 0; without, z must be at least -126.5 (one instruction fewer, for callers whose z is bounded).
+    z must be below 127.5."""
+    c = _EXP2_POLY[degree]
     horner = "".join(f"fma.rn.f32 p, p, f, {k}; " for k in c[2:])
-    ptx = ("{ .reg .f32 t, j, f, p; .reg .b32 b; "
-           "max.NaN.f32 f, $1, 0fC2FE0000; "  # -127: 2^j's bits then 0; NaN passes
+    lower = "max.NaN.f32 f, $1, 0fC2FE0000; " if clamp else "mov.f32 f, $1; "  # -127: 2^j's bits then 0
+    ptx = ("{ .reg .f32 t, j, f, p; .reg .b32 b; " + lower +
            "add.rn.f32 t, f, 0f4B400000; sub.rn.f32 j, t, 0f4B400000; sub.rn.f32 f, f, j; "  # j, z - j
            f"fma.rn.f32 p, f, {c[0]}, {c[1]}; {horner}"
            "mov.b32 b, t; shl.b32 b, b, 23; add.s32 b, b, 0x3F800000; mov.b32 t, b; "  # 2^j: t's low bits hold j
