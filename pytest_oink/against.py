@@ -23,7 +23,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from . import options, regression, report
+from . import clocks, options, regression, report
 from .state import STATE
 
 
@@ -102,6 +102,7 @@ class OtherTree:
         code = f"import sys; sys.path.insert(0, {harness!r}); from pytest_oink.against import worker_main; worker_main()"
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, text=True)
+        clocks.own_pid(self.proc.pid)  # its rounds on the GPU do not make this session's rows shared
 
     def ask(self, message: dict) -> dict:
         if self.proc is None:
@@ -236,6 +237,8 @@ def worker_main() -> None:
     os.dup2(2, 1)  # kernels' and libraries' prints must not break the protocol
     from .providers import specs
 
+    clocks.own_pid(os.getppid())  # the session times on the same GPU: its work does not make a row shared
+
     # this session's specs: its Oink's bench entries (oink.reference), imported from this session's tree
     # before the other tree's Oink takes the name (the entries find oink and oink.reference when they call them)
     sys.path.insert(0, os.environ["OINK_AGAINST_THIS"])
@@ -280,7 +283,6 @@ def _worker_row(msg):
     compared), then its first round timed, re-timed once if the clocks say the card was held down."""
     import torch
 
-    from . import clocks
     from .bench_runner import gate, row_timer
     from .providers import SPECS, Unavailable, build
     from .suites import Case

@@ -1,14 +1,16 @@
-"""GPU clocks around each timed row (issue #34 item 4): the SM clock and the clock-event
-("throttle") reasons, read through NVML by ctypes on libnvidia-ml.so.1 (no dependency; where the
-library is absent the feature is off and the session says so once). A row timed while the GPU was
-held down (power cap, thermal or hardware slowdown, or an SM clock under MIN_CLOCK_FRACTION of its
-applications clock, else its max clock) is re-timed once, then marked ``throttled``: the regression
-gate never calls such a row SLOWER, since its time measures the card's state, not the code.
+"""GPU clocks around each timed row (issue #34 item 4): the SM clock, the clock-event ("throttle")
+reasons and the compute processes on the GPU, read through NVML by ctypes on libnvidia-ml.so.1 (no
+dependency; where the library is absent the feature is off and the session says so once). A row timed
+while the GPU was held down (power cap, thermal or hardware slowdown, or an SM clock under
+MIN_CLOCK_FRACTION of its applications clock, else its max clock) or shared (another process computing
+on it: ``own_pid`` names this session's workers) is re-timed once, then marked ``throttled``: the
+regression gate never calls such a row SLOWER, since its time measures the card's state, not the code.
 
 Tests inject a reader (``install_reader``) instead of NVML."""
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Callable, NamedTuple
 
 # NVML's clock-event reason bits (nvmlClocksEventReason*, formerly nvmlClocksThrottleReason*)
@@ -29,23 +31,52 @@ THROTTLING = 0x4 | 0x8 | 0x20 | 0x40 | 0x80  # power, thermal and hardware slowd
 MIN_CLOCK_FRACTION = 0.75
 NVML_CLOCK_SM = 1
 NVML_SUCCESS = 0
+NVML_ERROR_INSUFFICIENT_SIZE = 7
 
 
 class Reading(NamedTuple):
     sm_mhz: int | None  # the SM clock now
     reference_mhz: int | None  # what the SM clock is held against: the applications clock, else the max
     reasons: int  # REASONS bits set now
+    others: int = 0  # compute processes on the GPU other than this session's (0 where NVML does not say)
 
 
 def causes(reading: Reading) -> list[str]:
-    """Why a reading says the GPU was held down ([] where it was not): the throttling reasons set,
-    and an SM clock under MIN_CLOCK_FRACTION of its reference (not while idle: an idle GPU clocks
-    down, which says nothing of the rounds timed)."""
+    """Why a reading says the GPU was held down or shared ([] where it was neither): the throttling
+    reasons set, an SM clock under MIN_CLOCK_FRACTION of its reference (not while idle: an idle GPU
+    clocks down, which says nothing of the rounds timed), and other processes computing on it."""
     out = [name for bit, name in REASONS.items() if bit & THROTTLING & reading.reasons]
     sm, ref = reading.sm_mhz, reading.reference_mhz
     if not reading.reasons & IDLE and sm and ref and sm < MIN_CLOCK_FRACTION * ref:
         out.append(f"SM clock {sm} MHz under {MIN_CLOCK_FRACTION:.0%} of {ref} MHz")
+    if reading.others:
+        out.append(f"shared with {reading.others} other process{'es' if reading.others > 1 else ''}")
     return out
+
+
+class _ProcessInfo(ctypes.Structure):
+    """nvmlProcessInfo_t as the _v2 and _v3 process queries fill it."""
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong), ("gpuInstanceId", ctypes.c_uint),
+                ("computeInstanceId", ctypes.c_uint)]
+
+
+_OWN_PIDS: set[int] = set()  # this session's other processes on the GPU (an --oink-against worker, its session)
+
+
+def own_pid(pid: int) -> None:
+    """Count process ``pid`` as this session's: its work on the GPU does not make a row shared."""
+    _OWN_PIDS.add(pid)
+
+
+def others(pids: list[int] | None) -> int:
+    """How many of the processes NVML lists on the GPU are not this session's. NVML may name them in
+    another PID namespace (a container) than ours: where it names none of ours, this session's own
+    count is taken off instead."""
+    if not pids:
+        return 0
+    own = _OWN_PIDS | {os.getpid()}
+    mine = sum(1 for p in pids if p in own)
+    return len(pids) - mine if mine else max(0, len(pids) - len(own))
 
 
 class Nvml:
@@ -57,6 +88,11 @@ class Nvml:
         for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
             self._reasons = getattr(lib, name, None)
             if self._reasons is not None:
+                break
+        # the compute processes (v2 and v3 fill the same record; the first version a shorter one, not read)
+        for name in ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"):
+            self._processes = getattr(lib, name, None)
+            if self._processes is not None:
                 break
 
     @classmethod
@@ -98,7 +134,23 @@ class Nvml:
                      or self._clock(self.lib.nvmlDeviceGetMaxClockInfo, handle))
         bits = ctypes.c_ulonglong()
         ok = self._reasons is not None and self._reasons(handle, ctypes.byref(bits)) == NVML_SUCCESS
-        return Reading(sm, reference, bits.value if ok else 0)
+        return Reading(sm, reference, bits.value if ok else 0, others(self.processes(handle)))
+
+    def processes(self, handle) -> list[int] | None:
+        """The PIDs of the compute processes on the GPU; None where NVML does not say."""
+        if self._processes is None:
+            return None
+        count = ctypes.c_uint(0)
+        rc = self._processes(handle, ctypes.byref(count), None)
+        if rc == NVML_SUCCESS:
+            return []
+        if rc != NVML_ERROR_INSUFFICIENT_SIZE:
+            return None
+        count = ctypes.c_uint(count.value + 4)  # room for processes started since
+        infos = (_ProcessInfo * count.value)()
+        if self._processes(handle, ctypes.byref(count), infos) != NVML_SUCCESS:
+            return None
+        return [infos[i].pid for i in range(count.value)]
 
 
 _INJECTED: Callable | None = None  # tests: device -> (() -> Reading) or None
@@ -200,8 +252,8 @@ def summary(rows) -> str | None:
         return None
     held = [r for r in watched if r.throttled]
     retimed = sum(1 for r in watched if r.clocks.get("retimed"))
-    text = (f"{len(held)} of {len(watched)} rows throttled (timed while the GPU was held down, after one re-timing: "
-            f"the regression gate never calls them SLOWER); {retimed} re-timed once for it")
+    text = (f"{len(held)} of {len(watched)} rows throttled (timed while the GPU was held down or shared, after one "
+            f"re-timing: the regression gate never calls them SLOWER); {retimed} re-timed once for it")
     if held:
         named = [f"{row_title(r)} ({', '.join(r.clocks.get('throttled_by') or ['throttled'])})" for r in held[:10]]
         text += ": " + "; ".join(named) + (f"; and {len(held) - 10} more" if len(held) > 10 else "")

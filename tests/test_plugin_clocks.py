@@ -27,14 +27,16 @@ def test_causes_name_slowdowns_and_low_clocks_but_not_idle():
     assert clocks.causes(Reading(345, 1755, IDLE)) == []  # an idle card clocks down: no verdict on the rounds
     assert clocks.causes(Reading(1980, 1980, APP_SETTING)) == []  # a setting, not a slowdown
     assert clocks.causes(Reading(None, None, 0)) == []
+    assert clocks.causes(Reading(1980, 1980, 0, others=2)) == ["shared with 2 other processes"]
+    assert clocks.causes(Reading(1980, 1980, POWER_CAP, 1)) == ["software power cap", "shared with 1 other process"]
 
 
 class FakeNvml:
     """The NVML calls clocks.Nvml makes, answering through the ctypes byref arguments as the library
     would; an older driver: clock-event reasons under their former name, no applications clock."""
 
-    def __init__(self, sm=1980, max_mhz=1980, reasons=0, bus="00000000:19:00.0"):
-        self.sm, self.max, self.reasons, self.bus = sm, max_mhz, reasons, bus
+    def __init__(self, sm=1980, max_mhz=1980, reasons=0, bus="00000000:19:00.0", pids=None):
+        self.sm, self.max, self.reasons, self.bus, self.pids = sm, max_mhz, reasons, bus, pids
 
     def nvmlDeviceGetHandleByPciBusId_v2(self, bus, ref):
         if bus.decode() != self.bus:
@@ -58,6 +60,8 @@ class FakeNvml:
         calls = {"nvmlDeviceGetClockInfo": self._clock(self.sm), "nvmlDeviceGetMaxClockInfo": self._clock(self.max),
                  "nvmlDeviceGetApplicationsClock": self._clock(None),
                  "nvmlDeviceGetCurrentClocksThrottleReasons": self._throttle}
+        if self.pids is not None:
+            calls["nvmlDeviceGetComputeRunningProcesses_v3"] = self._processes
         if name not in calls:
             raise AttributeError(name)
         return calls[name]
@@ -65,6 +69,17 @@ class FakeNvml:
     def _throttle(self, handle, ref):
         ref._obj.value = self.reasons
         return 0
+
+    def _processes(self, handle, count_ref, infos):
+        """As NVML answers: the count alone (INSUFFICIENT_SIZE) where the array is missing or short."""
+        count = count_ref._obj
+        if infos is None or count.value < len(self.pids):
+            count.value = len(self.pids)
+            return clocks.NVML_SUCCESS if not self.pids else clocks.NVML_ERROR_INSUFFICIENT_SIZE
+        for i, pid in enumerate(self.pids):
+            infos[i].pid = pid
+        count.value = len(self.pids)
+        return clocks.NVML_SUCCESS
 
 
 def test_nvml_answers_are_decoded():
@@ -75,6 +90,28 @@ def test_nvml_answers_are_decoded():
     # no applications clock on this card: the max is the reference; the former reasons call is used
     assert reading == Reading(1100, 1980, POWER_CAP | IDLE)
     assert clocks.causes(reading) == ["software power cap"]  # idle: the low clock is no cause
+
+
+def test_other_processes_on_the_gpu_make_a_reading_shared(monkeypatch):
+    """NVML's compute processes, less this session's (its own PID, an --oink-against worker's); where NVML
+    names PIDs of another namespace (none of ours), this session's count is taken off instead."""
+    import os
+
+    monkeypatch.setattr(clocks, "_OWN_PIDS", set())
+    me = os.getpid()
+    handle = ctypes.c_void_p(1234)
+    assert clocks.Nvml(FakeNvml(pids=[])).read(handle).others == 0
+    assert clocks.Nvml(FakeNvml(pids=[me])).read(handle).others == 0
+    assert clocks.Nvml(FakeNvml(pids=[me, 777])).read(handle) == Reading(1980, 1980, 0, 1)
+    clocks.own_pid(777)  # the worker: ours
+    assert clocks.Nvml(FakeNvml(pids=[me, 777])).read(handle).others == 0
+    assert clocks.Nvml(FakeNvml(pids=[me, 777, 778, 779])).read(handle).others == 2
+    # another PID namespace: none of ours named; this session holds 2 (itself, the worker)
+    assert clocks.Nvml(FakeNvml(pids=[51001, 51002])).read(handle).others == 0
+    assert clocks.Nvml(FakeNvml(pids=[51001, 51002, 51003])).read(handle).others == 1
+    # a driver without the v2/v3 process query: nothing said, nothing flagged
+    assert clocks.Nvml(FakeNvml()).processes(handle) is None
+    assert clocks.causes(clocks.Nvml(FakeNvml(pids=[me, 51003])).read(handle)) == ["shared with 1 other process"]
 
 
 def test_without_nvml_the_clocks_are_off_and_say_why(monkeypatch):
