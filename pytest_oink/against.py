@@ -3,8 +3,8 @@ Oink in the same pytest run, on the same device, rounds alternating between the 
 needs no stored baseline. The other tree is a directory holding ``oink/``, or a git ref of the
 repository this Oink was imported from, exported (``git archive``) into a temporary directory.
 
-A worker process imports Oink from the other tree, with its own OINK_CACHE_DIR (its compiles are its
-own), and this tree's harness and bench entries (pytest_oink and this Oink's oink.reference.BENCH: the
+A worker process imports Oink from the other tree, with a kernel cache of its own (``tree_cache``: its
+compiles are its own, and kept for a later run against the same code), and this tree's harness and bench entries (pytest_oink and this Oink's oink.reference.BENCH: the
 same gate, inputs and timers on both sides). For each gated row this session times its first round,
 the worker gates and times the same row, and while the verdict from both sides' samples
 (verdicts.judge) is UNSURE, or SLOWER after the first round, one more round is timed on each side,
@@ -13,6 +13,7 @@ become the row's baseline entry, so the regression gate, its lines and its faili
 same as against a stored baseline."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -79,6 +80,25 @@ def resolve(spec: str, repo: Path) -> tuple[Path, str, Path | None]:
     return tree, f"{spec} (commit {commit[:12]} of {repo}, exported to {tree})", tree
 
 
+def tree_digest(root: Path) -> str:
+    """A digest of the Oink package under ``root`` (its Python sources and data files)."""
+    h = hashlib.sha256()
+    package = root / "oink"
+    for path in sorted(p for p in package.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        h.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def tree_cache(root: Path) -> Path | None:
+    """Where the other tree's worker keeps its compiled kernels: a directory of its own under this
+    session's kernel cache (``oink.config``'s), named by the tree's digest, so that a later run against
+    the same code loads what this one compiled; None where the cache is off."""
+    from oink import config
+
+    cache_dir = config.get().cache_dir
+    return Path(cache_dir) / "against" / tree_digest(root) if cache_dir else None
+
+
 class OtherTree:
     """The other tree and its worker process (started at the first gated row)."""
 
@@ -96,8 +116,9 @@ class OtherTree:
 
     def _start(self) -> None:
         env = dict(os.environ, OINK_AGAINST_TREE=str(self.root), OINK_AGAINST_THIS=str(self.repo))
-        if env.get("OINK_CACHE_DIR", "") != "0":  # its compiles are its own (the cache off stays off)
-            env["OINK_CACHE_DIR"] = str(Path(self.tmp or tempfile.mkdtemp(prefix="oink-against-")) / ".oink-cache")
+        cache = tree_cache(self.root)
+        if cache is not None:  # its compiles are its own (the cache off stays off)
+            env["OINK_CACHE_DIR"] = str(cache)
         harness = str(Path(__file__).resolve().parents[1])
         code = f"import sys; sys.path.insert(0, {harness!r}); from pytest_oink.against import worker_main; worker_main()"
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -167,3 +167,31 @@ def test_rounds_flip_order_before_a_regression_is_called(this_factor, first_roun
     assert verdict_of(first) == ("SAME" if this_factor * first_round_factor == 1 else "SLOWER")
     samples, rounds = against.counterbalanced(first, verdict_of, this, lambda: other.extend(other_timer()))
     assert verdict_of(samples) == verdict and log == order and rounds == len(order) // 2 - 1
+
+
+def test_the_other_tree_keeps_its_compiles_in_a_cache_of_its_own(tmp_path, monkeypatch):
+    """Under this session's kernel cache, one directory a tree's content: the same code at another path
+    shares it (a later run loads what an earlier one compiled), changed code does not, the cache off is off."""
+    from oink import config
+    from pytest_oink.against import tree_cache
+
+    def tree(name, text):
+        (tmp_path / name / "oink" / "kernels").mkdir(parents=True)
+        (tmp_path / name / "oink" / "__init__.py").write_text("")
+        (tmp_path / name / "oink" / "kernels" / "k.py").write_text(text)
+        (tmp_path / name / "oink" / "kernels" / "__pycache__").mkdir()  # not part of the tree's code
+        (tmp_path / name / "oink" / "kernels" / "__pycache__" / "k.pyc").write_bytes(os.urandom(8))
+        return tmp_path / name
+
+    monkeypatch.setenv("OINK_CACHE_DIR", str(tmp_path / "cache"))
+    config.reload()
+    try:
+        a, same, changed = tree("a", "x = 1\n"), tree("b", "x = 1\n"), tree("c", "x = 2\n")
+        assert tree_cache(a).parent == tmp_path / "cache" / "against"
+        assert tree_cache(a) == tree_cache(same) != tree_cache(changed)
+        monkeypatch.setenv("OINK_CACHE_DIR", "0")
+        config.reload()
+        assert tree_cache(a) is None
+    finally:
+        monkeypatch.undo()
+        config.reload()
