@@ -36,43 +36,49 @@ PUBLIC: dict[str, "Op"] = {}  # name -> op, for every public oink.<name>
 OPS: dict[str, "Op"] = {}  # torch.ops.oink.<op_name> -> its declaration
 
 _PARAMETER = torch.nn.Parameter
-_KEY_SCALARS = (bool, int, float, str, torch.dtype, type(None))
+# torch's own calls, bound once: every eager call makes them
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_transforms = torch._C._are_functorch_transforms_active
+_increment_version = torch._C._increment_version  # what torch.autograd.graph.increment_version calls
+# a set: one hash lookup per value (a tuple compares a value's type with each in turn: with all six for
+# a tensor or None)
+_KEY_SCALARS = frozenset((bool, int, float, str, torch.dtype, type(None)))
 
 
 def _layout_key(values, grad: bool = False):
     """What the metadata checks and the route read of the arguments: each tensor's dtype, shape,
     strides, device and 16-byte alignment, each scalar's value; None if an argument is neither (or
     has no strides). False where an eager call must take the custom op instead: a tensor subclass,
-    or with ``grad`` a tensor that requires grad. One pass: this runs on every call."""
+    or with ``grad`` a tensor that requires grad. One pass: this runs on every call, so a value that
+    leaves no key only clears ``keyed`` (the pass goes on, looking for a reason to return False)."""
     key = []
     add = key.append
+    keyed = True
     for v in values:
         t = type(v)
         if t in _KEY_SCALARS:  # before isinstance, which costs more
-            if key is not None:
-                add(v)
+            add(v)
         elif t is Tensor or t is _PARAMETER:
             if grad and v.requires_grad:
                 return False
-            if key is not None:
-                try:
-                    add((v.dtype, v.shape, v.stride(), v.device, v.data_ptr() & 15))
-                except RuntimeError:  # no strides or storage (sparse, nested): checked on every call
-                    key = None
+            try:
+                add((v.dtype, v.shape, v.stride(), v.device, v.data_ptr() & 15))
+            except RuntimeError:  # no strides or storage (sparse, nested): checked on every call
+                keyed = False
         elif isinstance(v, Tensor):
             return False
         else:
-            key = None
-    return None if key is None else tuple(key)
+            keyed = False
+    return tuple(key) if keyed else None
 
 
 def _eager_key(values, differentiable: bool = False):
     """The layout key of a call that may skip the dispatcher (plain tensors, no compile, dispatch
     mode or functorch transform, and for a differentiable op no autograd graph to record), or
     False where it must take the custom op."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    if torch.compiler.is_compiling() or _dispatch_modes():
         return False
-    if torch._C._are_functorch_transforms_active():
+    if _functorch_transforms():
         return False
     return _layout_key(values, differentiable and torch.is_grad_enabled())
 
@@ -183,7 +189,17 @@ class Op:
         """Every argument the op writes, before any is written (an op that refuses changes nothing).
         -> those whose version an eager call bumps once written."""
         grad = torch.is_grad_enabled()
-        return [a[n] for n in self.mutated if writable(n, a[n], grad)]
+        written = []
+        for n in self.mutated:
+            t = a[n]
+            # ``writable`` for the only tensors it may refuse or leave untracked (inference ones, or in grad
+            # mode ones that require grad); any other is tracked in grad mode, as ``writable`` returns
+            if t.is_inference() or (grad and t.requires_grad):
+                if writable(n, t, grad):
+                    written.append(t)
+            elif grad:
+                written.append(t)
+        return written
 
     def _fake(self, fake: Callable) -> Callable:
         def checked_fake(*args):
@@ -201,10 +217,11 @@ class Op:
             else:
                 args = {**a, **self.fixed} if self.fixed else a
             r = self._checked_route(a, args, key)
-            written = self._check_writable(a) if self.mutated else ()
-            out = dispatch.run(r, args)
-            for t in written:  # as the op's ADInplaceOrView would
-                torch.autograd.graph.increment_version(t)
+            written = self._check_writable(a) if self.mutated else None
+            plan = r.plan  # the prepared launch called here, as ``dispatch.run`` would (one call less)
+            out = plan(args) if plan is not None else dispatch.run(r, args)
+            if written:  # as the op's ADInplaceOrView would
+                _increment_version(written)
             if self.eager_unfixed:
                 return out  # the launch's outputs for the public arguments are the public ones
         else:
