@@ -43,6 +43,8 @@ _increment_version = torch._C._increment_version  # what torch.autograd.graph.in
 # a set: one hash lookup per value (a tuple compares a value's type with each in turn: with all six for
 # a tensor or None)
 _KEY_SCALARS = frozenset((bool, int, float, str, torch.dtype, type(None)))
+# a bool's key: True == 1 == 1.0 (and hashes alike), but the checks take a bool and a number apart
+_BOOL_KEYS = {True: object(), False: object()}
 
 
 def _layout_key(values, grad: bool = False):
@@ -57,7 +59,7 @@ def _layout_key(values, grad: bool = False):
     for v in values:
         t = type(v)
         if t in _KEY_SCALARS:  # before isinstance, which costs more
-            add(v)
+            add(_BOOL_KEYS[v] if t is bool else v)
         elif t is Tensor or t is _PARAMETER:
             if grad and v.requires_grad:
                 return False

@@ -300,3 +300,14 @@ def test_inplace_op_writes_where_torch_allows_it(name):
     for n in written:
         assert torch.equal(args[n].detach(), expect[n]), n
         assert torch.equal(inf_args[n], expect[n]), n
+
+
+@pytest.mark.parametrize("arg,number,flag", [("label_smoothing", 0.0, False), ("softcap", 1.0, True),
+                                             ("z_loss", 0.0, False)])
+def test_a_bool_is_refused_after_the_equal_number_was_taken(arg, number, flag):
+    """True == 1.0 and False == 0.0: a call with the number must not leave a cached route that a bool
+    then takes without its check (a bool and a float are checked apart, whatever was called before)."""
+    logits, target = torch.randn(4, 100), torch.randint(0, 100, (4,))
+    oink.cross_entropy_forward(logits, target, **{arg: number})
+    with pytest.raises(TypeError, match=f"{arg}: expected a float, got bool"):
+        oink.cross_entropy_forward(logits, target, **{arg: flag})
