@@ -4,8 +4,8 @@ needs no stored baseline. The other tree is a directory holding ``oink/``, or a 
 repository this Oink was imported from, exported (``git archive``) into a temporary directory.
 
 A worker process imports Oink from the other tree, with a kernel cache of its own (``tree_cache``: its
-compiles are its own, and kept for a later run against the same code), and this tree's harness and bench entries (pytest_oink and this Oink's oink.reference.BENCH: the
-same gate, inputs and timers on both sides). For each gated row this session times its first round,
+compiles are its own, and kept for a later run against the same code), and this tree's harness and bench
+entries (pytest_oink and this Oink's oink.reference.BENCH: the same gate, inputs and timers on both sides). For each gated row this session times its first round,
 the worker gates and times the same row, and while the verdict from both sides' samples
 (verdicts.judge) is UNSURE, or SLOWER after the first round, one more round is timed on each side,
 the trees' order flipping every round (the other tree first in the second round). The other tree's samples

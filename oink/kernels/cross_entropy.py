@@ -281,11 +281,11 @@ class CrossEntropy(RowKernelBase):
         else:
             m, s, sx = Float32(-math.inf), Float32(0.0), Float32(0.0)
             if row < M:
-                # only a row's last tiles hold columns past it: the tiles before them take no mask, in a loop of
-                # their own (a branch a tile is if-converted, and every value pays the mask). The softcap's lean
-                # sums skip each CTA's own tiles inside the row; the others every CTA's first
-                # ``masked_tiles``-less tiles, a count known at compile time (fewer registers in the
-                # smoothing sum's kernels; the lean ones timed faster the other way: bench/RESULTS.md)
+                # only a row's last tiles hold columns past it, so the tiles before them run a loop without the
+                # mask (a branch a tile is if-converted: every value would pay it). Those tiles: for the softcap's
+                # lean sums, each CTA's tiles wholly inside the row (a run-time count); for the others, all but
+                # each CTA's last ``masked_tiles`` (a compile-time count: fewer registers for the smoothing sum).
+                # Each way timed the faster for its kernels on an H200.
                 first = 0
                 if const_expr(self.inside_tested and not self.shifted):
                     if const_expr(self.lean):
@@ -443,8 +443,9 @@ class CrossEntropy(RowKernelBase):
         so, as two special-function ops a logit bound it where the plain forward takes one."""
         c = self.options.softcap
         # with the FMA's exp the shift is c, so its argument lies in [-2 c log2(e), 0]: no clamp needed (c <= 40)
-        exp2 = functools.partial(exp2_fma, degree=EXP2_DEGREE, clamp=False) if const_expr(fma) else functools.partial(
-            cute.math.exp2, fastmath=True)
+        exp2 = functools.partial(cute.math.exp2, fastmath=True)
+        if const_expr(fma):
+            exp2 = functools.partial(exp2_fma, degree=EXP2_DEGREE, clamp=False)
         e, f, t = Float32(0.0), Float32(0.0), Float32(0.0)
         if const_expr(self.x_dtype.width == 16):
             u = cute.math.tanh(x * Float32(1.0 / c), approx=True)
