@@ -5,11 +5,11 @@ repository this Oink was imported from, exported (``git archive``) into a tempor
 
 A worker process imports Oink from the other tree, with a kernel cache of its own (``tree_cache``: its
 compiles are its own, and kept for a later run against the same code), and this tree's harness and bench
-entries (pytest_oink and this Oink's oink.reference.BENCH: the same gate, inputs and timers on both sides). For each gated row this session times its first round,
-the worker gates and times the same row, and while the verdict from both sides' samples
-(verdicts.judge) is UNSURE, or SLOWER after the first round, one more round is timed on each side,
-the trees' order flipping every round (the other tree first in the second round). The other tree's samples
-become the row's baseline entry, so the regression gate, its lines and its failing on SLOWER are the
+entries (pytest_oink and this Oink's oink.reference.BENCH: the same gate, inputs and timers on both
+sides). For each gated row this session times its first round, the worker gates and times the same row,
+and while the verdict from both sides' samples (verdicts.judge) is UNSURE, or SLOWER after the first
+round, one more round is timed on each side, the trees' order flipping every round (the other tree first
+in the second round). The other tree's samples become the row's baseline entry, so the regression gate, its lines and its failing on SLOWER are the
 same as against a stored baseline."""
 from __future__ import annotations
 
