@@ -9,8 +9,8 @@ entries (pytest_oink and this Oink's oink.reference.BENCH: the same gate, inputs
 sides). For each gated row this session times its first round, the worker gates and times the same row,
 and while the verdict from both sides' samples (verdicts.judge) is UNSURE, or SLOWER after the first
 round, one more round is timed on each side, the trees' order flipping every round (the other tree first
-in the second round). The other tree's samples become the row's baseline entry, so the regression gate, its lines and its failing on SLOWER are the
-same as against a stored baseline."""
+in the second round). The other tree's samples become the row's baseline entry, so the regression gate,
+its lines and its failing on SLOWER are the same as against a stored baseline."""
 from __future__ import annotations
 
 import hashlib
