@@ -3,8 +3,12 @@
 two ways ``oink.dispatch.run`` launches a kernel route: with the route's prepared launch (``cached``: what
 an eager ``oink.<op>`` or ``torch.ops.oink`` call takes once its layout is known) and without one
 (``per call``: the route not cached, e.g. under DEBUG logging). Interleaved rounds, min us per call.
+``--public``: the whole public call instead, ``oink.<op>(...)`` as a user makes it (argument checks, the
+layout key, the route and its prepared launch), CPU tensors routed to the kernel path as on an sm_90a GPU.
+Ops a tree does not declare are skipped, so the same script compares an older tree (``PYTHONPATH=TREE``),
+one process a tree, taking turns.
 
-    python3 scripts/host_launch_cpu.py [--tvm-ffi 0|1] [filter]
+    python3 scripts/host_launch_cpu.py [--tvm-ffi 0|1] [--public] [filter]
 """
 from __future__ import annotations
 
@@ -74,9 +78,43 @@ def cases():
     }
 
 
+def public_cases() -> dict:
+    """Public calls (the ops whose checks or keys a change touched, and two others to compare with)."""
+    import torch
+
+    import oink
+
+    bf = torch.bfloat16
+    M, N = 8, 1024
+    x, w, r = torch.randn(M, N, dtype=bf), torch.randn(N, dtype=bf), torch.randn(M, N, dtype=bf)
+    logits, target = torch.randn(M, 4096, dtype=bf), torch.randint(0, 4096, (M,))
+    dloss, lse, scale = torch.randn(M), torch.randn(M), torch.tensor([2.0])
+    return {
+        "rmsnorm_forward": lambda: oink.rmsnorm_forward(x, w),
+        "softmax_forward": lambda: oink.softmax_forward(x),
+        "fused_add_rmsnorm_": lambda: oink.fused_add_rmsnorm_(x, r, w),
+        "add_rmsnorm_fp4quant": lambda: oink.add_rmsnorm_fp4quant(x, r, w, scale),
+        "cross_entropy_forward": lambda: oink.cross_entropy_forward(logits, target),
+        "cross_entropy_backward": lambda: oink.cross_entropy_backward(dloss, logits, target, lse),
+        "cross_entropy_fwd_bwd": lambda: oink.cross_entropy_fwd_bwd(dloss, logits, target),
+    }
+
+
+def route_cpu_to_kernels(dispatch) -> None:
+    """CPU tensors take the kernel route an sm_90a GPU would (its checks decide), for ``--public``."""
+    def route(op, device, args):
+        module = dispatch._kernel_module(op)
+        if module is None:
+            return dispatch.Route(op, "reference", "no kernel")
+        why = module.CHECKS[op](args, "sm_90a")
+        return dispatch.Route(op, "reference", why, "sm_90a") if why else dispatch.Route(op, "kernel", "cpu", "sm_90a")
+    dispatch._route_device = route
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tvm-ffi", default=None, help="OINK_TVM_FFI for this run")
+    p.add_argument("--public", action="store_true", help="time the public oink.<op> calls")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("filter", nargs="?", default="")
@@ -92,10 +130,17 @@ def main():
 
     print(f"tvm_ffi={config.get().tvm_ffi}", file=sys.stderr)
     calls = {}
-    for name, a in cases().items():
-        if args.filter not in name:
-            continue
+    if args.public:
+        import oink
+
+        route_cpu_to_kernels(dispatch)
+        for name, f in public_cases().items():
+            if args.filter in name and hasattr(oink, name):
+                calls[(name, "public")] = f
+    for name, a in {} if args.public else cases().items():
         op = name.split("/")[0].split("+")[0]
+        if args.filter not in name or op not in dispatch.KERNEL_MODULES:  # (an op an older tree lacks)
+            continue
         route = dispatch.Route(op, "kernel", "cpu", "sm_90a")
         planned = dispatch.with_plan(route, a)
         calls[(name, "cached")] = (lambda r=planned, a=a: dispatch.run(r, a)) if planned.plan is not None else None
@@ -104,6 +149,10 @@ def main():
     for f in live.values():
         for _ in range(50):
             f()
+    for name, mode in live if args.public else ():  # the kernel's prepared launch, not the reference, was timed
+        routes = getattr(getattr(getattr(oink, name), "op", None), "_routes", None)
+        if routes is not None and not all(r.backend == "kernel" and r.plan is not None for r in routes.values()):
+            raise SystemExit(f"{name}: not on the kernel route ({[r.why for r in routes.values()]})")
     times = {k: [] for k in live}
     for _ in range(args.rounds):
         for k, f in live.items():
@@ -111,9 +160,10 @@ def main():
             for _ in range(args.calls):
                 f()
             times[k].append((time.perf_counter() - t0) / args.calls * 1e6)
-    print(f"{'op':32s} {'cached':>9s} {'per call':>9s}  (us, min of {args.rounds} rounds of {args.calls})")
+    modes = ("public",) if args.public else ("cached", "per call")
+    print(f"{'op':32s} " + " ".join(f"{m:>9s}" for m in modes) + f"  (us, min of {args.rounds} rounds of {args.calls})")
     for name in dict.fromkeys(k[0] for k in calls):
-        cells = [f"{min(times[(name, m)]):9.2f}" if (name, m) in times else f"{'-':>9s}" for m in ("cached", "per call")]
+        cells = [f"{min(times[(name, m)]):9.2f}" if (name, m) in times else f"{'-':>9s}" for m in modes]
         print(f"{name:32s} {' '.join(cells)}")
 
 
