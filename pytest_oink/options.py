@@ -10,7 +10,7 @@ OPTIONS = [
     ("--oink-configs", "oink_configs", "benchmark these shapes instead of the suite's: MxN,MxN,...", None, False),
     ("--oink-dtype", "oink_dtype", "benchmark dtype (bfloat16, float16, float32)", "bfloat16", False),
     ("--oink-ops", "oink_ops", "comma-separated ops to benchmark (default: the suite's)", None, False),
-    ("--oink-providers", "oink_providers", "comma-separated providers (oink, oink-unfused, quack, liger, flashinfer, torch, torch.compile)", None, False),
+    ("--oink-providers", "oink_providers", "comma-separated providers (oink, oink-unfused, quack, liger, flashinfer, flashinfer-cuda, torch, torch.compile)", None, False),
     ("--oink-timing", "oink_timing", "how rows are timed: cold (CUDA-graph replays, inputs cycled past L2), hot (graph replays on one input set, L2-warm) or eager (wall time per eager call, host cost included); a CPU times every mode by the host timer; baseline rows compare only within one mode", "cold", False),
     ("--oink-csv", "oink_csv", "write one CSV row per benchmark to PATH", None, False),
     ("--oink-svg", "oink_svg", "write per-suite SVG plots (TB/s per shape per provider, roofline drawn) into DIR", None, False),

@@ -173,7 +173,7 @@ def _needs_cuda(device):
         raise Unavailable("GPU-only provider; no CUDA device")
 
 
-_PARAMS = ("weight", "bias")  # per-column inputs: their first dim is N, never the rows
+_PARAMS = ("weight", "bias", "scale")  # inputs whose first dim is never the rows (N; a static scale's 1)
 
 
 def _compiled(fn, *first):
@@ -418,6 +418,209 @@ def _fi_fused(device):
     return run
 
 
+# ---- FlashInfer's FP8 ops (flashinfer-python 0.7.x; flashinfer/norm/__init__.py, flashinfer/activation.py and
+# flashinfer/quantization/fp8_quantization.py of flashinfer-ai/flashinfer). Its conventions against Oink's:
+# - a static ``scale`` divides, as Oink's does: q = e4m3(sat(v * (1 / scale))) (CUDA: 1.0f / scale[0]; CuTe-DSL:
+#   rcp.approx), written to a caller-allocated float8_e4m3fn ``out``; FlashInfer normalizes the fp32 sum and does
+#   not round v to x's dtype first (within the gate's one code step of Oink's rule);
+# - per_token_group_quant_8bit(x, G): s = fmax(amax, 1e-10) / 448 and q = x * (1 / s), fp32 scales [M, N / G]
+#   row-major by default (column_major_scales=True: strides (1, M), Oink's column_major_scales; adding
+#   scale_tma_aligned=True: strides (1, round_up(M, 4)), which Oink has no option for);
+# - fused_add_rmsnorm_fp8_block_quant: residual <- x + residual in place (Oink's semantics), y rounded to x's dtype
+#   and written to ``normed_out`` too, s = fmax(amax, 1e-4) / 448 per 1 x 128 block into a caller-allocated
+#   [N / 128, round_up(M, 4)] buffer: the [M, N / 128] scales are its transposed view (DeepGEMM's TMA-aligned
+#   column-major layout); N <= 16384, a multiple of 256 (512 above 8192).
+# Their builders look for FlashInfer before the GPU, so a run without it says it is not installed. Outputs are
+# allocated in the call, as Oink's ops and FlashInfer's own allocating functions do.
+def _fi_half(x):
+    import torch
+
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise Unavailable(f"FlashInfer's norms and silu_and_mul take float16 and bfloat16 only, not {x.dtype}")
+
+
+def _fi_fp8_out(x):
+    import torch
+
+    return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+
+
+def _fi_norm_path(m, device) -> str:
+    """Which of FlashInfer's norm paths its public functions take on ``device``: the CuTe-DSL kernels unless
+    FLASHINFER_USE_CUDA_NORM=1 was set before flashinfer.norm was imported (read once, then) or the installed
+    CuTe DSL can't target the GPU."""
+    chooser = getattr(m, "_use_cuda_norm", None)
+    try:
+        cuda = None if chooser is None else bool(chooser(device))
+    except Exception:  # noqa: BLE001  (a label only)
+        cuda = None
+    if cuda is None:
+        return "FlashInfer's public call (CuTe-DSL path unless FLASHINFER_USE_CUDA_NORM=1)"
+    return ("CUDA JIT path (FLASHINFER_USE_CUDA_NORM=1, or no CuTe DSL for this GPU)" if cuda
+            else "CuTe-DSL path (the flashinfer-cuda rows: the CUDA JIT path)")
+
+
+def _fi_cuda_norms(m, device):
+    """(FlashInfer's CUDA JIT norm module, its enable_pdl default on ``device``): what flashinfer.norm calls in
+    place of the CuTe-DSL kernels where FLASHINFER_USE_CUDA_NORM=1. That variable is read once, when
+    flashinfer.norm is imported, so both paths in one process call the module directly, with the arguments
+    the public function passes it."""
+    get = getattr(m, "get_norm_module", None)
+    if get is None:
+        raise Unavailable("this flashinfer-python has no flashinfer.norm.get_norm_module (its CUDA JIT norms)")
+    try:
+        module = get()
+    except Exception as e:  # noqa: BLE001  (a JIT build that fails here: the rows are unavailable, with why)
+        raise Unavailable(f"FlashInfer's CUDA JIT norms did not build here: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+    pdl = getattr(_peer("flashinfer.utils", "flashinfer-python"), "device_support_pdl", None)
+    return module, bool(pdl(device)) if pdl else False
+
+
+def _fi_group_quant(q):
+    """per_token_group_quant_8bit at 1 x 128 (fp8 e4m3, fp32 row-major scales, eps 1e-10: Oink's group rule);
+    its cuTile backend missing is a refusal, not a wrong answer."""
+    quant = q.per_token_group_quant_8bit
+
+    def run(v):
+        try:
+            return quant(v, 128)
+        except ImportError as e:
+            raise Unavailable(f"per_token_group_quant_8bit needs its cuTile backend (cuda-tile): {e}") from None
+
+    return run
+
+
+def _refuses(reason: str):
+    """A builder for an op FlashInfer has no equivalent of: the row is skipped with ``reason``."""
+    def build(device):
+        raise Unavailable(reason)
+
+    return build
+
+
+provider("fp8_quantize", "flashinfer")(_refuses(
+    "FlashInfer has no per-token dynamic FP8 quantizer (per_token_group_quant_8bit with group_size=N would hold "
+    "a whole row in one tile, with another scale floor)"))
+provider("rmsnorm_fp8quant", "flashinfer")(_refuses(
+    "FlashInfer's rmsnorm_quant takes a static scale only, not per-token scales: see rmsnorm_fp8quant_static"))
+
+
+@provider("fp8_quantize_group", "flashinfer", label="per_token_group_quant_8bit (cuTile)")
+def _fi_group(device):
+    q = _peer("flashinfer.quantization", "flashinfer-python")
+    _needs_cuda(device)
+    quant = _fi_group_quant(q)
+    return lambda a: quant(a["x"])
+
+
+@provider("silu_mul_fp8quant", "flashinfer",
+          label="unfused: silu_and_mul, then per_token_group_quant_8bit (the product rounded to x's dtype between)")
+def _fi_silu_group(device):
+    act = _peer("flashinfer.activation", "flashinfer-python")
+    q = _peer("flashinfer.quantization", "flashinfer-python")
+    _needs_cuda(device)
+    quant = _fi_group_quant(q)
+
+    def run(a):
+        _fi_half(a["x"])
+        return quant(act.silu_and_mul(a["x"]))
+
+    return run
+
+
+@provider("add_rmsnorm_fp8quant", "flashinfer",
+          label="fused_add_rmsnorm_fp8_block_quant: also writes y (x's dtype; no option to skip it); scales "
+                "column-major, M padded to 4 (DeepGEMM's TMA layout), compared as their [M, N/128] view")
+def _fi_add_block(device):
+    m = _peer("flashinfer.norm", "flashinfer-python")
+    _needs_cuda(device)
+    if not hasattr(m, "fused_add_rmsnorm_fp8_block_quant"):
+        raise Unavailable("this flashinfer-python has no fused_add_rmsnorm_fp8_block_quant "
+                          "(flashinfer-ai/flashinfer#4480, after 0.6.18)")
+
+    def run(a):
+        import torch
+
+        x = a["x"]
+        _fi_half(x)
+        M, N = x.shape
+        out, normed = _fi_fp8_out(x), torch.empty_like(x)
+        scales = torch.empty((N // 128, -(-M // 4) * 4), dtype=torch.float32, device=x.device)
+        try:
+            m.fused_add_rmsnorm_fp8_block_quant(out, scales, normed, x, a["residual"], a["weight"], EPS)
+        except RuntimeError as e:  # its width contract (one row a CTA, single wave): a refusal, not a wrong answer
+            said = [line.strip() for line in str(e).splitlines() if "hidden_size" in line]
+            if not said:
+                raise
+            raise Unavailable(f"fused_add_rmsnorm_fp8_block_quant refuses N={N}: {said[0][:200]}") from None
+        return out, scales.t()[:M]
+
+    return run
+
+
+@provider("rmsnorm_fp8quant_static", "flashinfer")
+def _fi_rms_static(device):
+    m = _peer("flashinfer.norm", "flashinfer-python")
+    _needs_cuda(device)
+
+    def run(a):
+        _fi_half(a["x"])
+        out = _fi_fp8_out(a["x"])
+        m.rmsnorm_quant(out, a["x"], a["weight"], a["scale"], EPS)
+        return out, a["scale"]
+
+    run.label = "rmsnorm_quant, " + _fi_norm_path(m, device)
+    return run
+
+
+@provider("add_rmsnorm_fp8quant_static", "flashinfer")
+def _fi_add_static(device):
+    m = _peer("flashinfer.norm", "flashinfer-python")
+    _needs_cuda(device)
+
+    def run(a):
+        _fi_half(a["x"])
+        out = _fi_fp8_out(a["x"])
+        m.fused_add_rmsnorm_quant(out, a["x"], a["residual"], a["weight"], a["scale"], EPS)
+        return out, a["scale"]
+
+    run.label = "fused_add_rmsnorm_quant, " + _fi_norm_path(m, device)
+    return run
+
+
+@provider("rmsnorm_fp8quant_static", "flashinfer-cuda",
+          label="rmsnorm_quant's CUDA JIT kernel (FLASHINFER_USE_CUDA_NORM=1's path)")
+def _fi_cuda_rms_static(device):
+    m = _peer("flashinfer.norm", "flashinfer-python")
+    _needs_cuda(device)
+    module, pdl = _fi_cuda_norms(m, device)
+
+    def run(a):
+        _fi_half(a["x"])
+        out = _fi_fp8_out(a["x"])
+        module.rmsnorm_quant(out, a["x"], a["weight"], a["scale"], EPS, pdl)
+        return out, a["scale"]
+
+    return run
+
+
+@provider("add_rmsnorm_fp8quant_static", "flashinfer-cuda",
+          label="fused_add_rmsnorm_quant's CUDA JIT kernel (FLASHINFER_USE_CUDA_NORM=1's path)")
+def _fi_cuda_add_static(device):
+    m = _peer("flashinfer.norm", "flashinfer-python")
+    _needs_cuda(device)
+    module, pdl = _fi_cuda_norms(m, device)
+
+    def run(a):
+        _fi_half(a["x"])
+        out = _fi_fp8_out(a["x"])
+        module.fused_add_rmsnorm_quant(out, a["x"], a["residual"], a["weight"], a["scale"], EPS, pdl)
+        return out, a["scale"]
+
+    return run
+
+
 def _quantizer(name: str):
     """(v, args) -> codes and scales by Oink's plain quantizer ``name``."""
     import oink
@@ -465,8 +668,11 @@ def _oink_unfused_fp8(op: str):
         import oink
 
         def run(a):
-            if op == "rmsnorm_fp8quant":
-                return oink.fp8_quantize(oink.rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0])
+            if op.startswith("rmsnorm_fp8quant"):
+                return oink.fp8_quantize(oink.rmsnorm_forward(a["x"], a["weight"], eps=EPS)[0], a.get("scale"))
+            if op == "add_rmsnorm_fp8quant_static":
+                oink.fused_add_rmsnorm_(a["x"], a["residual"], a["weight"], EPS)
+                return oink.fp8_quantize(a["x"], a["scale"])
             if op == "add_rmsnorm_fp8quant":
                 oink.fused_add_rmsnorm_(a["x"], a["residual"], a["weight"], EPS)
                 return oink.fp8_quantize(a["x"], group_size=128)
@@ -479,7 +685,9 @@ def _oink_unfused_fp8(op: str):
 
 
 for _op, _label in (("rmsnorm_fp8quant", "oink rmsnorm_forward then oink fp8_quantize"),
+                    ("rmsnorm_fp8quant_static", "oink rmsnorm_forward then oink fp8_quantize"),
                     ("add_rmsnorm_fp8quant", "oink fused_add_rmsnorm_ then oink fp8_quantize"),
+                    ("add_rmsnorm_fp8quant_static", "oink fused_add_rmsnorm_ then oink fp8_quantize"),
                     ("silu_mul_fp8quant", "torch silu * up then oink fp8_quantize")):
     provider(_op, "oink-unfused", label=_label)(_oink_unfused_fp8(_op))
 
@@ -489,7 +697,7 @@ for _fmt, _q in (("fp4quant", "nvfp4_quantize"), ("mxfp4quant", "mxfp4_quantize"
     provider(f"silu_mul_{_fmt}", "oink-unfused", label=f"torch silu * up then oink {_q}")(_oink_unfused_silu(_q))
 
 
-ALL_PROVIDERS = ("oink", "oink-unfused", "quack", "liger", "flashinfer", "torch", "torch.compile")
+ALL_PROVIDERS = ("oink", "oink-unfused", "quack", "liger", "flashinfer", "flashinfer-cuda", "torch", "torch.compile")
 
 
 def providers_for(op: str, wanted=None) -> list[str]:

@@ -181,9 +181,25 @@ def _silu_inputs(M, N, dtype, device, gen):
     return dict(x=rand((M, 2 * N), dtype, device, gen) * 2)  # N is the quantized width K
 
 
-def _fp8(inputs, nbytes, call, block=1):
+# The static entries' scale (a calibrated per-tensor scale, as vLLM's and FlashInfer's static FP8 take one):
+# rmsnorm(x) * weight of the entries' normal inputs (x and weight) reaches about 18 at the suite's sizes, codes
+# of about 350 at this scale: they span e4m3's range without saturating
+STATIC_SCALE = 0.05
+STATIC_SUITES = ("fp8", "random")  # the static entries' suites: the fp8 suite (FlashInfer's peers) and random
+
+
+def _with_static_scale(inputs):
+    """The entry's inputs plus ``scale``: a 1-element fp32 tensor on the device (the same every seed)."""
+    def make(M, N, dtype, device, gen):
+        return dict(inputs(M, N, dtype, device, gen),
+                    scale=torch.full((1,), STATIC_SCALE, dtype=torch.float32, device=device))
+
+    return make
+
+
+def _fp8(inputs, nbytes, call, block=1, only_in=FP8_SUITES):
     return Bench(("fp8_code_step", "fp8_scale"), inputs, nbytes, call, gate_view="fp8_code_steps", block=block,
-                 only_in=FP8_SUITES)
+                 only_in=only_in)
 
 
 BENCH = {
@@ -202,4 +218,14 @@ BENCH = {
     # read x [M, 2N]; write codes and 1 x 128 group scales of the N-wide product
     "silu_mul_fp8quant": _fp8(_silu_inputs, lambda M, N, e: 2 * M * N * e + M * N + M * N // 32,
                               lambda o, a: o.silu_mul_fp8quant(a["x"], group_size=128), 128),
+    # the fused norms with a static scale (the mode FlashInfer's rmsnorm_quant and fused_add_rmsnorm_quant
+    # have): read x (and residual, written back) and weight, write the codes
+    "rmsnorm_fp8quant_static": _fp8(_with_static_scale(x_weight), lambda M, N, e: M * N * e + M * N + N * e,
+                                    lambda o, a: o.rmsnorm_fp8quant(a["x"], a["weight"], EPS, scale=a["scale"]),
+                                    only_in=STATIC_SUITES),
+    "add_rmsnorm_fp8quant_static": _fp8(_with_static_scale(x_residual_weight),
+                                        lambda M, N, e: 3 * M * N * e + M * N + N * e,
+                                        lambda o, a: o.add_rmsnorm_fp8quant(a["x"], a["residual"], a["weight"], EPS,
+                                                                            scale=a["scale"]),
+                                        only_in=STATIC_SUITES),
 }
