@@ -559,66 +559,37 @@ def _fi_add_block(device):
     return run
 
 
-@provider("rmsnorm_fp8quant_static", "flashinfer")
-def _fi_rms_static(device):
-    m = _peer("flashinfer.norm", "flashinfer-python")
-    _needs_cuda(device)
+def _fi_static(fn: str, residual: bool, cuda: bool):
+    """A builder for FlashInfer's static-scale norm ``fn`` (rmsnorm_quant, fused_add_rmsnorm_quant): its public
+    function, or with ``cuda`` the CUDA JIT kernel that FLASHINFER_USE_CUDA_NORM=1 selects (``_fi_cuda_norms``)."""
+    def build(device):
+        m = _peer("flashinfer.norm", "flashinfer-python")
+        _needs_cuda(device)
+        if cuda:
+            module, pdl = _fi_cuda_norms(m, device)
+            call, tail = getattr(module, fn), (EPS, pdl)
+        else:
+            call, tail = getattr(m, fn), (EPS,)
 
-    def run(a):
-        _fi_half(a["x"])
-        out = _fi_fp8_out(a["x"])
-        m.rmsnorm_quant(out, a["x"], a["weight"], a["scale"], EPS)
-        return out, a["scale"]
+        def run(a):
+            _fi_half(a["x"])
+            out = _fi_fp8_out(a["x"])
+            inputs = (a["x"], a["residual"]) if residual else (a["x"],)
+            call(out, *inputs, a["weight"], a["scale"], *tail)
+            return out, a["scale"]
 
-    run.label = "rmsnorm_quant, " + _fi_norm_path(m, device)
-    return run
+        if not cuda:
+            run.label = f"{fn}, " + _fi_norm_path(m, device)
+        return run
 
-
-@provider("add_rmsnorm_fp8quant_static", "flashinfer")
-def _fi_add_static(device):
-    m = _peer("flashinfer.norm", "flashinfer-python")
-    _needs_cuda(device)
-
-    def run(a):
-        _fi_half(a["x"])
-        out = _fi_fp8_out(a["x"])
-        m.fused_add_rmsnorm_quant(out, a["x"], a["residual"], a["weight"], a["scale"], EPS)
-        return out, a["scale"]
-
-    run.label = "fused_add_rmsnorm_quant, " + _fi_norm_path(m, device)
-    return run
+    return build
 
 
-@provider("rmsnorm_fp8quant_static", "flashinfer-cuda",
-          label="rmsnorm_quant's CUDA JIT kernel (FLASHINFER_USE_CUDA_NORM=1's path)")
-def _fi_cuda_rms_static(device):
-    m = _peer("flashinfer.norm", "flashinfer-python")
-    _needs_cuda(device)
-    module, pdl = _fi_cuda_norms(m, device)
-
-    def run(a):
-        _fi_half(a["x"])
-        out = _fi_fp8_out(a["x"])
-        module.rmsnorm_quant(out, a["x"], a["weight"], a["scale"], EPS, pdl)
-        return out, a["scale"]
-
-    return run
-
-
-@provider("add_rmsnorm_fp8quant_static", "flashinfer-cuda",
-          label="fused_add_rmsnorm_quant's CUDA JIT kernel (FLASHINFER_USE_CUDA_NORM=1's path)")
-def _fi_cuda_add_static(device):
-    m = _peer("flashinfer.norm", "flashinfer-python")
-    _needs_cuda(device)
-    module, pdl = _fi_cuda_norms(m, device)
-
-    def run(a):
-        _fi_half(a["x"])
-        out = _fi_fp8_out(a["x"])
-        module.fused_add_rmsnorm_quant(out, a["x"], a["residual"], a["weight"], a["scale"], EPS, pdl)
-        return out, a["scale"]
-
-    return run
+for _op, _fn, _residual in (("rmsnorm_fp8quant_static", "rmsnorm_quant", False),
+                            ("add_rmsnorm_fp8quant_static", "fused_add_rmsnorm_quant", True)):
+    provider(_op, "flashinfer")(_fi_static(_fn, _residual, cuda=False))
+    provider(_op, "flashinfer-cuda", label=f"{_fn}'s CUDA JIT kernel (FLASHINFER_USE_CUDA_NORM=1's path)")(
+        _fi_static(_fn, _residual, cuda=True))
 
 
 def _quantizer(name: str):
