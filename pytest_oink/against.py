@@ -109,6 +109,9 @@ class OtherTree:
             raise ValueError(f"--oink-against={spec}: that is this session's own Oink ({repo})")
         self.this = describe_tree(repo)
         self.proc = None
+        self.pending = False  # a request sent whose reply is not read yet
+        self.prepared = None  # the row whose gate the worker was asked for (``prepare``)
+        self.gated = None  # and the worker's answer (``settle``)
         self.notes: list[str] = []  # rows the other tree did not time, and why
 
     def summary_line(self) -> str:
@@ -125,16 +128,28 @@ class OtherTree:
                                      env=env, text=True)
         clocks.own_pid(self.proc.pid)  # its rounds on the GPU do not make this session's rows shared
 
-    def ask(self, message: dict) -> dict:
+    def send(self, message: dict) -> None:
+        """A request to the worker, its reply read later by ``receive`` (a reply not read by the next
+        send is dropped: the row it answered ended here first)."""
         if self.proc is None:
             self._start()
+        if self.pending:
+            self.receive()
         self.proc.stdin.write(json.dumps(message) + "\n")
         self.proc.stdin.flush()
+        self.pending = True
+
+    def receive(self) -> dict:
         line = self.proc.stdout.readline()
+        self.pending = False
         if not line:
             raise RuntimeError(f"--oink-against: the worker for {self.name} ended (exit {self.proc.wait()}); "
                                "its stderr is above")
         return json.loads(line)
+
+    def ask(self, message: dict) -> dict:
+        self.send(message)
+        return self.receive()
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -149,18 +164,37 @@ class OtherTree:
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
+    def prepare(self, config, row, case, device) -> None:
+        """Before this session gates a row the regression gate may judge, the worker is asked to gate
+        it too: the two trees' gates (and first compiles) run at once, nothing is timed while they do
+        (``interleave`` reads the worker's answer before either tree times the row)."""
+        threshold, providers, gate_cpu = regression.gate_settings(config)
+        self.prepared = self.gated = None
+        if row.provider not in providers or (row.device == "cpu" and not gate_cpu):
+            return
+        self.send({"cmd": "row", "suite": case.suite, "op": case.op, "provider": row.provider, "M": case.M,
+                   "N": case.N, "dtype": case.dtype, "seed": case.seed, "mode": row.mode, "device": str(device)})
+        self.prepared = (case, row.provider, row.mode)
+
+    def settle(self) -> None:
+        """This session's gate is done: the worker's answer waited for, so nothing of the other tree
+        runs while this session times the row."""
+        if self.prepared is not None and self.pending:
+            self.gated = self.receive()
+
     def interleave(self, config, row, case, samples, time_once, device):
         """(this tree's samples, rounds re-timed) of a gated row, with the other tree's samples of
-        the same row recorded as its baseline entry; ungated rows untouched."""
+        the same row recorded as its baseline entry; ungated rows untouched. This session's first
+        round is timed first, the worker's gate (``prepare``) done before it."""
         from .timing import median, relative_spread
         from .verdicts import judge
 
         threshold, providers, gate_cpu = regression.gate_settings(config)
-        if not report.gated(row, providers, gate_cpu):
+        prepared, reply, self.prepared, self.gated = self.prepared, self.gated, None, None
+        if not report.gated(row, providers, gate_cpu) or prepared != (case, row.provider, row.mode) or not reply:
             return samples, 0
-        reply = self.ask({"cmd": "row", "suite": case.suite, "op": case.op, "provider": row.provider, "M": case.M,
-                          "N": case.N, "dtype": case.dtype, "seed": case.seed, "mode": row.mode,
-                          "device": str(device)})
+        if reply["status"] == "ok":
+            reply = self.ask({"cmd": "time"})
         if reply["status"] != "ok":
             self.notes.append(f"{report.row_title(row)}: the other tree's row {reply['status']} ({reply['why']})")
             return samples, 0
@@ -180,7 +214,7 @@ class OtherTree:
             return judge(samples, median(samples), relative_spread(samples), entry(), threshold).name
 
         samples, rounds = counterbalanced(samples, verdict_of, time_once, other_round)
-        self.ask({"cmd": "done"})  # the worker frees the row's tensors before this session's next row
+        self.send({"cmd": "done"})  # the worker frees the row's tensors while this session goes on
         config.stash[STATE]["baseline"].setdefault(row.key, []).insert(0, entry())
         return samples, rounds
 
@@ -252,8 +286,8 @@ def finish(config) -> list[str]:
 
 def worker_main() -> None:
     """Answers one JSON line per request on stdout (whatever else is printed goes to stderr):
-    {"cmd": "row", ...} gates and times a row's first round; {"cmd": "round"} times it once more;
-    {"cmd": "done"} frees the row; {"cmd": "quit"} ends."""
+    {"cmd": "row", ...} gates a row; {"cmd": "time"} times its first round; {"cmd": "round"} once
+    more; {"cmd": "done"} frees the row; {"cmd": "quit"} ends."""
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # kernels' and libraries' prints must not break the protocol
     from .providers import specs
@@ -272,7 +306,7 @@ def worker_main() -> None:
 
     tree = Path(os.environ["OINK_AGAINST_TREE"]).resolve()
     imported = Path(oink.__file__).resolve()
-    current = None
+    current = None  # the row: what its gate built, then its timer
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["cmd"] == "quit":
@@ -280,9 +314,12 @@ def worker_main() -> None:
         if tree not in imported.parents:
             reply = {"status": "not run", "why": f"the worker imported Oink from {imported}, not from {tree}"}
         elif msg["cmd"] in ("row", "done"):
-            current = None  # the last row's tensors go (and its cached blocks: the GPU is shared)
-            _free_memory()
-            reply, current = _worker_row(msg) if msg["cmd"] == "row" else ({}, None)
+            if current is not None:  # the last row's tensors go (and its cached blocks: the GPU is shared)
+                current = None
+                _free_memory()
+            reply, current = _worker_gate(msg) if msg["cmd"] == "row" else ({}, None)
+        elif msg["cmd"] == "time":
+            reply, current = _worker_time(*current) if current else ({"status": "not run", "why": "not gated"}, None)
         else:  # one more round of the current row
             time_once, watch = current
             reply = {"samples": list(time_once()), "throttled": watch.record(False)[1] if watch else False}
@@ -291,20 +328,24 @@ def worker_main() -> None:
 
 
 def _free_memory() -> None:
-    import gc
-
-    gc.collect()
+    """The cached blocks back to the device; the cycle collector only where the row's tensors outlived
+    their references (a full collection costs ~0.1 s in a process holding torch and CuTeDSL)."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    if torch.cuda.memory_allocated() > 64 << 20:
+        import gc
+
+        gc.collect()
+    torch.cuda.empty_cache()
 
 
-def _worker_row(msg):
-    """(reply, time_once) for one row of the other tree: gated first (a row that fails there is not
-    compared), then its first round timed, re-timed once if the clocks say the card was held down."""
+def _worker_gate(msg):
+    """(reply, the row's state for ``_worker_time``) for one row of the other tree: gated (a row that
+    fails there is not compared)."""
     import torch
 
-    from .bench_runner import gate, row_timer
+    from .bench_runner import gate
     from .providers import SPECS, Unavailable, build
     from .suites import Case
 
@@ -324,6 +365,14 @@ def _worker_row(msg):
         return {"status": "failed its gate", "why": checked.get("report", "")[:300]}, None
     row = report.Row(suite=case.suite, op=case.op, provider=msg["provider"], M=case.M, N=case.N, dtype=case.dtype,
                      device=str(device), status="ok", mode=msg["mode"], bytes=spec.nbytes(case.M, case.N, dtype.itemsize))
+    return {"status": "ok"}, (case, run, spec, dtype, device, row)
+
+
+def _worker_time(case, run, spec, dtype, device, row):
+    """(reply, (time_once, clock watch)): the gated row's first round, re-timed once if the clocks say
+    the card was held down."""
+    from .bench_runner import row_timer
+
     read, _ = clocks.reader(device)
     watch = clocks.Watch(read) if read else None
     try:

@@ -209,6 +209,7 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
     row = Row(suite=case.suite, op=case.op, provider=provider, M=case.M, N=case.N, dtype=case.dtype,
               device=str(roofline.device), status="ok", label=label, bytes=spec.nbytes(case.M, case.N, dtype.itemsize),
               roofline_tbs=roofline.copy_tbs, test=request.node.nodeid, seed=case.seed)
+    row.mode = modes.for_suite(modes.parse(options.get(request.config, "--oink-timing")), case.suite)
     request.config.stash[STATE]["roofline"] = roofline
     if device.type == "cuda":
         torch.cuda.empty_cache()  # previous rows' tensors must not crowd out this one
@@ -217,6 +218,9 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
         import oink.profiling
 
         oink.profiling.start()
+    against = request.config.stash[STATE].get("against")
+    if against is not None:  # the other tree gates the row while this session does
+        against.prepare(request.config, row, case, device)
     try:
         row.gate = gate(spec, run, case, dtype, device)
     except Unavailable as e:
@@ -225,6 +229,8 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
     if not row.gate["passed"]:
         row.status = "failed"
         return row
+    if against is not None:  # the other tree's gate done too: nothing of it runs while this one times
+        against.settle()
     watch = _clock_watch(request.config, device)
     try:
         row.peak_mem_bytes = peak_memory(run, _inputs(spec, case, dtype, device, 100), device)
@@ -243,7 +249,6 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
         watch.drop_last()  # timed while the card was held down: once more, the first round's samples dropped
         samples, retimed = time_once(), True
     row.median_s = median(samples)
-    against = request.config.stash[STATE].get("against")
     if against is not None:  # the other tree times this row too, rounds alternating while the gate is unsure
         samples, row.retimes = against.interleave(request.config, row, case, samples, time_once, device)
     else:
@@ -281,7 +286,6 @@ def _time_row(request, case, provider, run, spec, dtype, device, row, wrap=None)
     """(samples, time_once): the row's first samples, by its suite's and device's timer (its method
     set on ``row``), and a callable timing one more round the same way (None: not re-timed). ``wrap``
     wraps that callable before its first round (clocks.Watch.wrap reads the clocks around each)."""
-    row.mode = modes.for_suite(modes.parse(options.get(request.config, "--oink-timing")), case.suite)
     if row.mode != "eager" and device.type == "cuda":
         capped = _eager_cap(request, case, provider, run, spec, dtype, device)
         if capped is not None:

@@ -479,7 +479,7 @@ def _fi_cuda_norms(m, device):
 
 def _fi_group_quant(q):
     """per_token_group_quant_8bit at 1 x 128 (fp8 e4m3, fp32 row-major scales, eps 1e-10: Oink's group rule);
-    its cuTile backend missing is a refusal, not a wrong answer."""
+    its cuTile backend or that backend's compiler (tileiras) missing is a refusal, not a wrong answer."""
     quant = q.per_token_group_quant_8bit
 
     def run(v):
@@ -487,6 +487,8 @@ def _fi_group_quant(q):
             return quant(v, 128)
         except ImportError as e:
             raise Unavailable(f"per_token_group_quant_8bit needs its cuTile backend (cuda-tile): {e}") from None
+        except FileNotFoundError as e:  # cuda-tile without its compiler (the cuda-tile[tileiras] extra)
+            raise Unavailable(f"per_token_group_quant_8bit's cuTile backend found no compiler: {e}") from None
 
     return run
 

@@ -195,3 +195,70 @@ def test_the_other_tree_keeps_its_compiles_in_a_cache_of_its_own(tmp_path, monke
     finally:
         monkeypatch.undo()
         config.reload()
+
+
+class _FakeWorker:
+    """A worker process stand-in: records each request, answers from a script, and notes what was
+    going on when: ``events`` interleaves its requests with the session's own steps."""
+
+    def __init__(self, events, answers):
+        import json
+
+        self.events, self.answers, self.json = events, dict(answers), json
+        self.stdin = self.stdout = self
+        self.lines = []
+
+    def write(self, text):
+        cmd = self.json.loads(text)["cmd"]
+        self.events.append(f"worker {cmd}")
+        self.lines.append(self.json.dumps(self.answers.get(cmd, {})) + "\n")
+
+    def flush(self):
+        pass
+
+    def readline(self):
+        return self.lines.pop(0) if self.lines else ""
+
+    def poll(self):
+        return None
+
+
+def test_the_other_tree_gates_while_this_one_does_and_never_while_it_times(monkeypatch, tmp_path):
+    """The worker is asked for its gate before this session gates (the two run at once: compiles and
+    correctness checks, nothing timed), its answer is read before this session times its first round,
+    and its rounds come after; a row this session's gate failed leaves an answer the next row drops."""
+    from types import SimpleNamespace
+
+    from pytest_oink import against, report
+    from pytest_oink.state import STATE
+    from pytest_oink.suites import Case
+
+    events = []
+    other = against.OtherTree.__new__(against.OtherTree)
+    other.name, other.notes, other.pending, other.prepared, other.gated = "other", [], False, None, None
+    sample = [1e-3] * 10
+    other.proc = _FakeWorker(events, {"row": {"status": "ok"}, "round": {"samples": sample, "throttled": False},
+                                      "time": {"status": "ok", "samples": sample, "method": "cuda-graph",
+                                               "throttled": False}})
+    config = SimpleNamespace(stash={STATE: {"baseline": {}}})
+    monkeypatch.setattr(against.regression, "gate_settings", lambda config: (0.05, ("oink",), False))
+    case = Case("smoke", "softmax_forward", 4, 128, "bfloat16", None)
+
+    def row_of():
+        return report.Row(suite="smoke", op="softmax_forward", provider="oink", M=4, N=128, dtype="bfloat16",
+                          device="NVIDIA H200", status="ok", mode="cold", median_s=1e-3, method="cuda-graph")
+
+    # a row whose gate fails here: the worker's answer is never read by it
+    other.prepare(config, row_of(), case, "cuda:0")
+    events.append("session gate (failed)")
+    # the next row, all the way
+    row = row_of()
+    other.prepare(config, row, case, "cuda:0")
+    events.append("session gate")
+    other.settle()
+    events.append("session times its first round")
+    samples, rounds = other.interleave(config, row, case, list(sample), lambda: sample, "cuda:0")
+    assert events == ["worker row", "session gate (failed)", "worker row", "session gate",
+                      "session times its first round", "worker time", "worker done"]
+    assert rounds == 0 and config.stash[STATE]["baseline"][row.key][0].samples == tuple(sample)
+    assert not other.pending or other.proc.lines  # the done's answer is read by the next request

@@ -121,7 +121,11 @@ from ._fp8 import by_amax
 
 def per_token_group_quant_8bit(x, group_size, eps=1e-10, dst_dtype=None, column_major_scales=False,
                                scale_tma_aligned=False, scale_ue8m0=False, backend="cutile"):
+    import os
+
     assert not (column_major_scales or scale_tma_aligned or scale_ue8m0)
+    if os.environ.get("FAKE_FLASHINFER") == "no_tileiras":  # cuda-tile installed without its compiler
+        raise FileNotFoundError("'tileiras' compiler not found, make sure it is available")
     M, N = x.shape
     g = x.float().view(M, N // group_size, group_size)
     q, s = by_amax(g, g.abs().amax(-1, keepdim=True).clamp_min(eps))
@@ -185,12 +189,18 @@ def test_block_scales_read_in_another_layout_fail_the_gate(fake_flashinfer, monk
     assert not result["passed"] and "output 1" in result["report"], result  # the codes pass, the scales don't
 
 
-def test_flashinfer_refusals_are_unavailable_rows(fake_flashinfer):
+def test_flashinfer_refusals_are_unavailable_rows(fake_flashinfer, monkeypatch):
     # the fused block quant's width contract (N <= 16384): FlashInfer's own error, as a refusal
     with pytest.raises(Unavailable, match="refuses N=18432.*hidden_size 18432"):
         _gate("add_rmsnorm_fp8quant", "flashinfer", M=2, N=18432)
     with pytest.raises(Unavailable, match="float16 and bfloat16 only"):
         _gate("rmsnorm_fp8quant_static", "flashinfer", dtype="float32")
+    # cuTile's compiler missing (as on a machine with cuda-tile but not its tileiras extra): both rows refused
+    monkeypatch.setenv("FAKE_FLASHINFER", "no_tileiras")
+    for op in ("fp8_quantize_group", "silu_mul_fp8quant"):
+        with pytest.raises(Unavailable, match="found no compiler.*tileiras"):
+            _gate(op, "flashinfer")
+    monkeypatch.delenv("FAKE_FLASHINFER")
     # the modes FlashInfer has no function for: refused before FlashInfer is looked for
     for op in ("fp8_quantize", "rmsnorm_fp8quant"):
         with pytest.raises(Unavailable, match="FlashInfer"):
