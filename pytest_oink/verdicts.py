@@ -4,6 +4,7 @@ threshold. A baseline without samples falls back to the spread rule (a change be
 threshold and beyond NOISE_SIGMAS spreads). Pure Python: no torch, no scipy."""
 from __future__ import annotations
 
+import functools
 import random
 from typing import NamedTuple
 
@@ -40,7 +41,13 @@ def ratio_text(x: float, digits: int = 2) -> str:
 
 def ratio_interval(new, old, confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int = 0):
     """(median(new) / median(old), low, high): a percentile bootstrap interval of the ratio of
-    medians, both sides resampled with replacement. Seeded: the same samples give the same verdict."""
+    medians, both sides resampled with replacement. Seeded: the same samples give the same verdict
+    (and are resampled once a session: a row's verdict is asked again when the session ends)."""
+    return _interval(tuple(new), tuple(old), confidence, resamples, seed)
+
+
+@functools.lru_cache(maxsize=4096)
+def _interval(new: tuple, old: tuple, confidence: float, resamples: int, seed: int):
     rng = random.Random(seed)
     ratios = sorted(median(rng.choices(new, k=len(new))) / median(rng.choices(old, k=len(old)))
                     for _ in range(resamples))

@@ -135,9 +135,12 @@ class CrossEntropy(RowKernelBase):
         rX = cute.make_rmem_tensor_like(tXgX)
         rX.fill(-math.inf)
         target = Int32(0)
+        lse = Float32(0.0)  # the backward's, loaded with the row: its +inf test must not hold the row's loads back
         if row < M:
             self.copy_row(tXgX, rX, tXcX, self.x_dtype)
             target = Int32(mTarget[row])
+            if const_expr(self.mode == "backward"):
+                lse = mLseIn[row]
             if const_expr(self.shifted):  # the window's columns outside the row: the rows beside it
                 for i in cutlass.range_constexpr(cute.size(rX)):
                     col = tXcX[i][1]
@@ -176,9 +179,6 @@ class CrossEntropy(RowKernelBase):
         k = Float32(0.0)  # the row's count of +inf logits, where its lse is +inf
 
         if const_expr(self.mode == "backward"):
-            lse = Float32(0.0)
-            if row < M:
-                lse = mLseIn[row]
             if const_expr(self.posinf):
                 k = self.count_posinf(mX, row, M, lse)
                 self.reads_done(lse)
