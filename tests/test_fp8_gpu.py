@@ -108,7 +108,7 @@ def _assert_fused(q, s, q_ref, s_ref, args):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("residual", [False, True], ids=["rmsnorm", "add_rmsnorm"])
-@pytest.mark.parametrize("N", [256, 4096, 7168, 131072])
+@pytest.mark.parametrize("N", [256, 4096, 7168, 17408, 40960, 131072])  # 17408, 40960: fp8_rule's clusters
 @pytest.mark.parametrize("mode", [MODES[0], MODES[1], MODES[2], MODES[3], MODES[7]],
                          ids=["token", "token-ub", "static", "g128", "g64-colmajor-ue8m0"])
 def test_fused_rmsnorm_within_a_step(dtype, residual, N, mode, seed):

@@ -214,3 +214,25 @@ def test_cross_entropy_wide_dlogits_rules_do_not_spill(keep_cubin, arch):
         if res["frame_bytes"]:
             spilled[(mode, N, options)] = res
     assert not spilled, f"cross-entropy dlogits rows, {arch}, spill: {spilled}"
+
+
+FP8_RULE_WIDTHS = (17408, 18432, 24576, 36864, 65536)  # past 16384: the rule splits a row over a cluster
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("mode,group", [("static", 0), ("token", 0), ("group", 128)])
+def test_fp8_rule_splits_wide_rows_and_does_not_spill(keep_cubin, mode, group, arch):
+    """``fp8.fp8_rule``: a row wider than 512 whole-warp threads at two accesses takes a cluster of CTAs
+    of at most 512 threads and two accesses (a CTA of 576 threads of ~64 registers left a SM one CTA),
+    and the fused RMSNorm kernels it gives keep their values in registers, with a SM holding two CTAs."""
+    from oink.kernels.fp8 import CTA_THREADS, UNIT, RMSNormFp8Key, compiled_rmsnorm_fp8, fp8_launch
+    from oink.kernels.profile import compiled_resources
+
+    for N in FP8_RULE_WIDTHS:
+        L = fp8_launch(N, arch, "rmsnorm", group, op="rmsnorm")
+        assert L.cluster_n > 1 and L.threads_per_row <= CTA_THREADS, (N, L)
+        assert L.threads_per_row * L.cluster_n * 2 * UNIT >= N, (N, L)  # two accesses a thread hold the row
+        fn = compiled_rmsnorm_fp8(RMSNormFp8Key("bfloat16", N, arch, w_dtype="bfloat16", mode=mode, group_size=group))
+        res = compiled_resources(fn)
+        assert res["registers"] > 0 and not res["frame_bytes"], (N, L, res)
+        assert 2 * L.num_threads * res["registers"] <= 65536, (N, L, res)
