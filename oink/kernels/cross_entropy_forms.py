@@ -31,22 +31,12 @@ class CrossEntropyForms:
         which the plain sums ignore; a capped -inf and the smoothing sum do not)."""
         if const_expr(not self.inside_tested):
             return None
-        L = self.launch
+        if const_expr(not self.shifted):
+            return self.inside_vectors(rX, tXcX, every=self.stream)
         keep = cute.make_rmem_tensor_like(rX, cutlass.Boolean)
-        if const_expr(self.shifted):
-            for i in cutlass.range_constexpr(cute.size(keep)):
-                col = tXcX[i][1]
-                keep[i] = col >= lo and col < lo + self.n
-        else:  # vec divides N: a vector is in or out; only those that can pass N are tested
-            for i in cutlass.range_constexpr(cute.size(keep, mode=[2])):
-                vec_i = keep[None, None, i]
-                if const_expr(not self.stream and L.cluster_n == 1 and (i + 1) * L.threads_per_row * L.vec <= L.N):
-                    for j in cutlass.range_constexpr(cute.size(vec_i)):
-                        vec_i[j] = cutlass.Boolean(True)
-                else:
-                    vec_in = cute.elem_less(tXcX[(0, 0), 0, i][1], L.N)
-                    for j in cutlass.range_constexpr(cute.size(vec_i)):
-                        vec_i[j] = vec_in
+        for i in cutlass.range_constexpr(cute.size(keep)):
+            col = tXcX[i][1]
+            keep[i] = col >= lo and col < lo + self.n
         return keep.load()
 
     @cute.jit

@@ -265,18 +265,25 @@ class RowKernelBase:
     def zero_padding(self, vals, like: cute.Tensor, tXcX: cute.Tensor):
         """``vals`` (fp32, shaped like the register tensor ``like``) with the vectors past N set to 0,
         by selects (no branch, no register copy); only vectors that can pass N are tested."""
+        return cute.where(self.inside_vectors(like, tXcX), vals, cute.full_like(vals, 0.0))
+
+    @cute.jit
+    def inside_vectors(self, like: cute.Tensor, tXcX: cute.Tensor, every: cutlass.Constexpr = False):
+        """Booleans shaped like the register tensor ``like``: whether each value's vector lies before N
+        (a vector is in or out: vec divides N). Only vectors that can pass N are tested, unless ``every``
+        (a streamed tile's columns move with the tile)."""
         L = self.launch
         keep = cute.make_rmem_tensor_like(like, cutlass.Boolean)
         for i in cutlass.range_constexpr(cute.size(keep, mode=[2])):
             vec_i = keep[None, None, i]
-            if const_expr(L.cluster_n == 1 and (i + 1) * L.threads_per_row * L.vec <= L.N):
+            if const_expr(not every and L.cluster_n == 1 and (i + 1) * L.threads_per_row * L.vec <= L.N):
                 for j in cutlass.range_constexpr(cute.size(vec_i)):
                     vec_i[j] = cutlass.Boolean(True)
             else:
                 inside = cute.elem_less(tXcX[(0, 0), 0, i][1], L.N)
                 for j in cutlass.range_constexpr(cute.size(vec_i)):
                     vec_i[j] = inside
-        return cute.where(keep.load(), vals, cute.full_like(vals, 0.0))
+        return keep.load()
 
     def cta_setup(self, tc):
         """Per-CTA prologue, traced inline into each kernel: the block index (row tile) and the
