@@ -328,8 +328,8 @@ def worker_main() -> None:
 
 
 def _free_memory() -> None:
-    """The cached blocks back to the device (no full collection: it cost ~0.1 s a row in a process
-    holding torch and CuTeDSL, and this session frees its rows the same way)."""
+    """The cached blocks back to the device (no full collection: in a process holding torch and CuTeDSL
+    it took longer than timing a row, and this session frees its rows the same way)."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

@@ -141,8 +141,8 @@ class CrossEntropy(CrossEntropyForms, RowKernelBase):
         target = Int32(0)
         # the backward's lse (where it is tested for +inf) and the fused mode's dloss load with the row: the
         # lse's +inf test would hold the row's loads back, and the fused mode's loss store would keep a later
-        # dloss load behind it (the backward's dloss stays late: loaded early it timed 1-2% slower at 4096
-        # columns; so does a softcap backward's lse: early, it spilled at 256000 fp32 with every option)
+        # dloss load behind it. The backward's dloss stays late (early, it timed slower on narrow rows), and so
+        # does a softcap backward's lse (early, one more live register spilled the widest fp32 rows)
         lse, dloss = Float32(0.0), Float32(0.0)
         if row < M:
             self.copy_row(tXgX, rX, tXcX, self.x_dtype)

@@ -63,8 +63,8 @@ def whole_warp_launch(N: int, vec: int, max_iters: int = 4, iters: int = 2, max_
                      cluster_n=cluster)
 
 
-# A CTA of the FP8 kernels at 2 accesses a thread holds ~64 registers a thread, so one of more than 512 threads
-# leaves a SM one CTA (576 threads at 18432: 0.53-0.60 of copy on an H200); wider rows split over a cluster.
+# A thread of the FP8 kernels at 2 accesses holds about 64 registers, so a CTA of more than 512 threads leaves
+# a SM one CTA, too few loads in flight (bench/RESULTS.md); wider rows split over a cluster instead.
 CTA_THREADS = 512
 
 
