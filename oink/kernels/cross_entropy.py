@@ -189,12 +189,12 @@ class CrossEntropy(CrossEntropyForms, RowKernelBase):
         k = Float32(0.0)  # the row's count of +inf logits, where its lse is +inf
 
         if const_expr(self.mode == "backward"):
-            if const_expr(not self.posinf):
-                if row < M:
-                    lse = mLseIn[row]
-            if const_expr(self.posinf):
+            if const_expr(self.posinf):  # (its lse loaded with the row)
                 k = self.count_posinf(mX, row, M, lse)
                 self.reads_done(lse)
+            else:
+                if row < M:
+                    lse = mLseIn[row]
         else:
             sx = Float32(0.0)
             if const_expr(self.lean):  # sums at the one shift c, no max
