@@ -168,9 +168,9 @@ class OtherTree:
         """Before this session gates a row the regression gate may judge, the worker is asked to gate
         it too: the two trees' gates (and first compiles) run at once, nothing is timed while they do
         (``interleave`` reads the worker's answer before either tree times the row)."""
-        threshold, providers, gate_cpu = regression.gate_settings(config)
+        _, providers, gate_cpu = regression.gate_settings(config)
         self.prepared = self.gated = None
-        if row.provider not in providers or (row.device == "cpu" and not gate_cpu):
+        if not report.may_gate(row, providers, gate_cpu):
             return
         self.send({"cmd": "row", "suite": case.suite, "op": case.op, "provider": row.provider, "M": case.M,
                    "N": case.N, "dtype": case.dtype, "seed": case.seed, "mode": row.mode, "device": str(device)})

@@ -425,7 +425,12 @@ def row_title(r) -> str:
 
 def gated(r, providers=("oink",), gate_cpu: bool = False) -> bool:
     """Whether the regression gate judges this row: a timed row of ``providers``, on a GPU unless ``gate_cpu``."""
-    return r.provider in providers and r.status == "ok" and bool(r.median_s) and (gate_cpu or r.device != "cpu")
+    return r.status == "ok" and bool(r.median_s) and may_gate(r, providers, gate_cpu)
+
+
+def may_gate(r, providers=("oink",), gate_cpu: bool = False) -> bool:
+    """Whether the gate would judge the row once timed: a row of ``providers``, on a GPU unless ``gate_cpu``."""
+    return r.provider in providers and (gate_cpu or r.device != "cpu")
 
 
 def match_entry(r, entries):
