@@ -205,6 +205,7 @@ def test_streamed_forward_limits(monkeypatch, mode, N, dtype, opts, seed):
     +inf, ignored targets (loss 0), against the reference on the same logits. Each tile folds with no +inf
     branch; a thread whose max is +inf counts its +inf logits by reading its tiles again."""
     from oink.kernels import cross_entropy_rules as rules
+    from oink.kernels.reduction import shifted_window
     from tests.helpers import set_dev
 
     o = {"plain": {}, "smooth": dict(label_smoothing=0.1), "zloss": dict(z_loss=1e-4)}[opts]
@@ -212,7 +213,7 @@ def test_streamed_forward_limits(monkeypatch, mode, N, dtype, opts, seed):
         pytest.skip("a z-loss's gradient at +inf logits is undefined (the kernels leave it as it falls)")
     set_dev(monkeypatch, ce_stream=True if mode == "fwd_bwd" else None)
     bits = 16 if dtype == torch.bfloat16 else 32
-    assert rules.stream_rows(rules.shifted_window(N, bits) or N, bits, mode)
+    assert rules.stream_rows(shifted_window(N, bits) or N, bits, mode)
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits, target = _limit_rows(N, dtype, g)
     dloss = torch.rand(len(target), device="cuda", generator=g) + 0.5

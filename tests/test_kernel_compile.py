@@ -213,6 +213,22 @@ def test_softmax_compiles(arch, dtype, mode):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_softmax_forward_windows_compile(arch, dtype):
+    """Rows off 16-byte boundaries, read through aligned windows: several rows a CTA, one, and a cluster;
+    the window's launch is an aligned row's of its width (vec 8 for 16 bits)."""
+    from oink.kernels.reduction import shifted_window
+
+    for N in (7, 455, 5135, 94558):
+        fn = compiled_softmax(SoftmaxKey("forward", dtype, N, arch, window=True))
+        assert callable(fn) and fn is not compiled_softmax(SoftmaxKey("forward", dtype, N, arch))
+        bits = 32 if dtype == "float32" else 16
+        assert shifted_window(N, bits) >= N + 128 // bits - 1
+    assert compiled_softmax(SoftmaxKey("forward", dtype, 4096, arch, window=True)) is compiled_softmax(
+        SoftmaxKey("forward", dtype, 4096, arch))  # aligned rows: no window
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("online", ["1", "0"])
 def test_softmax_reduction_rounds_both_ways_compile(monkeypatch, arch, online):
     """The A/B switch's sides the defaults do not take: one round in forwards within a CTA and over a

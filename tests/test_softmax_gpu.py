@@ -36,6 +36,30 @@ def test_softmax_kernels(mode, dtype, N, M, seed):
         torch.testing.assert_close(out.float().sum(-1), torch.ones(M, device="cuda"), atol=sum_tol, rtol=0)
 
 
+# rows off 16-byte boundaries: vectors of 1, 2 and 4 elements, rows of one warp's accesses to clusters of CTAs
+ODD_NS = (7, 455, 1817, 5135, 25630, 94558)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", ODD_NS)
+@pytest.mark.parametrize("M", (1, 9, 1000))
+@pytest.mark.parametrize("layout", ["dense", "strided"])
+def test_softmax_forward_rows_off_boundaries(layout, M, N, dtype, seed):
+    """Dense rows move through aligned windows (each row's neighbours in its edge vectors); strided rows
+    (another row stride than the output's) take the narrow kernel. NaN lies past the tensor's end and in the
+    strided rows' gaps: a value outside the row that reached a sum or an output would show."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    wide = N + (3 if layout == "strided" else 0)
+    buf = torch.full((M * wide + 64,), float("nan"), device="cuda", dtype=dtype)
+    x = buf[: M * wide].view(M, wide)[:, :N]
+    x.copy_((torch.randn(M, N, device="cuda", generator=g) * 3).to(dtype))
+    poison_allocator(M * N * x.element_size())
+    out = kernel("softmax_forward", x=x)
+    assert not torch.isnan(out).any()
+    atol, rtol = tolerance("softmax", dtype)
+    torch.testing.assert_close(out.float(), R.softmax_forward(x).float(), atol=atol, rtol=rtol)
+
+
 def test_public_api_routes_to_kernel(seed):
     import oink
 

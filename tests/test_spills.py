@@ -160,7 +160,8 @@ def test_cross_entropy_streamed_rows_do_not_spill(keep_cubin, monkeypatch, dtype
     """The streamed rows' kernels (tiles folded with no +inf branch; a thread whose max is +inf reads its tiles
     again to count them) keep their values in registers."""
     from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy
-    from oink.kernels.cross_entropy_rules import CEOptions, shifted_window, stream_rows
+    from oink.kernels.cross_entropy_rules import CEOptions, stream_rows
+    from oink.kernels.reduction import shifted_window
     from oink.kernels.profile import compiled_resources
     from tests.helpers import set_dev
 

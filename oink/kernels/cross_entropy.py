@@ -35,8 +35,8 @@ from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, m
 from .launch_table import pick
 from .cross_entropy_forms import CrossEntropyForms
 from .cross_entropy_rules import (PLAIN, SOFTCAP_LEAN_MAX, CEOptions, cross_entropy_launch, option_launch,
-                                  shifted_window, softcap_form, stream_launch, stream_rows)
-from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, add
+                                  softcap_form, stream_launch, stream_rows)
+from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, add, shifted_window
 
 MODES = ("forward", "backward", "fwd_bwd")
 
@@ -145,17 +145,15 @@ class CrossEntropy(CrossEntropyForms, RowKernelBase):
         # does a softcap backward's lse (early, one more live register spilled the widest fp32 rows)
         lse, dloss = Float32(0.0), Float32(0.0)
         if row < M:
-            self.copy_row(tXgX, rX, tXcX, self.x_dtype)
+            if const_expr(self.shifted):  # the window's columns outside the row: -inf
+                self.load_window(tXgX, rX, tXcX, shift, -math.inf)
+            else:
+                self.copy_row(tXgX, rX, tXcX, self.x_dtype)
             target = Int32(mTarget[row])
             if const_expr(self.mode == "backward" and self.posinf):
                 lse = mLseIn[row]
             if const_expr(self.mode == "fwd_bwd"):
                 dloss = mDloss[row]
-            if const_expr(self.shifted):  # the window's columns outside the row: the rows beside it
-                for i in cutlass.range_constexpr(cute.size(rX)):
-                    col = tXcX[i][1]
-                    if col < shift or col >= shift + self.n:
-                        rX[i] = rX.element_type(-math.inf)
         valid = target != ignore_index
         bad = valid and (target < 0 or target >= self.n)
         self.wait_cluster()
@@ -416,11 +414,14 @@ class CrossEntropy(CrossEntropyForms, RowKernelBase):
         rX = cute.make_rmem_tensor_like(tXgX)
         if const_expr(not even):
             rX.fill(-math.inf)
+        end = L.N  # past it no vector is read: the padding's, and a window's vectors past the row
+        if const_expr(self.shifted):
+            end = lo + self.n
         for i in cutlass.range_constexpr(STREAM_UNITS):
             first = tXcX[(0, 0), 0, i][1]
             if const_expr(even):
                 cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
-            elif first < L.N:
+            elif first < end:
                 cute.copy(atom, tXgX[None, None, i], rX[None, None, i])
                 if const_expr(self.shifted):  # an edge vector: its columns of the rows beside
                     if first < lo or first + L.vec > lo + self.n:
@@ -442,45 +443,6 @@ class CrossEntropy(CrossEntropyForms, RowKernelBase):
             for i in cutlass.range_constexpr(STREAM_UNITS):
                 if tXcX[(0, 0), 0, i][1] < L.N:
                     cute.copy(atom, src[None, None, i], dst[None, None, i])
-
-    @cute.jit
-    def window(self, mX: cute.Tensor, row, M):
-        """A shifted row's aligned window: (the window as a (1, launch.N) tensor, the row's first
-        column in it). The window starts at the 16-byte boundary at or before the row (the base is
-        16-byte aligned) and every one of its vectors holds a column of the row, so no read leaves
-        the memory the tensor's rows lie in."""
-        L = self.launch
-        start = Int64(0)
-        if row < M:
-            start = cute.crd2idx((row, 0), mX.layout)
-        shift = Int32(start % L.vec)
-        base = cute.make_ptr(self.x_dtype, (mX.iterator + (start - shift)).toint(), cute.AddressSpace.gmem,
-                             assumed_align=16)
-        return cute.make_tensor(base, cute.make_layout((1, L.N), stride=(L.N, 1))), shift
-
-    @cute.jit
-    def row_window(self, mX: cute.Tensor, row, M, part):
-        """``window`` as (column coordinates in the window, this thread's slice of it, the row's
-        first column in it)."""
-        window, shift = self.window(mX, row, M)
-        return part(cute.make_identity_tensor(window.shape), 0), part(window, 0), shift
-
-    @cute.jit
-    def store_window(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, shift):
-        """Store a shifted row through its aligned window: whole vectors inside the row, the row's
-        columns of its two edge vectors one at a time (their other columns are the rows beside it,
-        which other CTAs write), nothing past the window."""
-        L = self.launch
-        atom = self.atom(self.x_dtype)
-        for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
-            first = tXcX[(0, 0), 0, i][1]
-            if first >= shift and first + L.vec <= shift + self.n:
-                cute.copy(atom, src[None, None, i], dst[None, None, i])
-            elif first < L.N:
-                s_i, d_i, c_i = src[None, None, i], dst[None, None, i], tXcX[None, None, i]
-                for j in cutlass.range_constexpr(cute.size(s_i)):
-                    if c_i[j][1] >= shift and c_i[j][1] < shift + self.n:
-                        d_i[j] = s_i[j]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

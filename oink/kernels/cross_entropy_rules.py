@@ -1,8 +1,7 @@
 """The cross-entropy kernels' rules, in one place: which rows stream (``stream_rows``), the launch of a
 streamed row (``stream_launch``), of a register-held one (``cross_entropy_launch``, ``wide_rows``), with
-options (``CEOptions``, ``option_launch``), the softcap's dlogits form (``softcap_form``), and the window of
-rows off 16-byte boundaries (``shifted_window``). A table entry measured on a card overrides a launch rule
-(``launch_table.pick``, where ``compiled_cross_entropy`` asks)."""
+options (``CEOptions``, ``option_launch``), and the softcap's dlogits form (``softcap_form``). A table entry
+measured on a card overrides a launch rule (``launch_table.pick``, where ``compiled_cross_entropy`` asks)."""
 from __future__ import annotations
 
 import dataclasses
@@ -121,13 +120,6 @@ def wide_rows(N: int, x_bits: int, arch: str, mode: str, shifted: bool) -> bool:
     measured; on sm_100a its options' kernels spilled at 7-8 accesses a thread)."""
     fits = mode == "fwd_bwd" or (mode == "backward" and arch == "sm_90a")
     return fits and x_bits == 16 and not shifted and N % 8 == 0 and N >= 8192
-
-
-def shifted_window(N: int, x_bits: int) -> int | None:
-    """The window width of a shifted-rows forward at width N (N plus up to a vector less one of
-    lead, whole vectors), or None where rows start aligned."""
-    vec = 128 // x_bits
-    return None if N % vec == 0 else -(-(N + vec - 1) // vec) * vec
 
 
 def option_launch(N: int, x_bits: int, arch: str, mode: str, shifted: bool = False) -> RowLaunch:

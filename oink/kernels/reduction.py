@@ -114,6 +114,14 @@ def narrow_rows(N: int, x_bits: int, units_per_thread: int = 4) -> RowLaunch | N
                            max_units_per_thread=units_per_thread * scale)
 
 
+def shifted_window(N: int, x_bits: int) -> int | None:
+    """The width of the aligned window a row of N columns is read through where rows start off 16-byte
+    boundaries (``RowKernelBase.window``): N plus up to a vector less one of lead, in whole vectors; None
+    where N is a multiple of the 128-bit vector (every row starts aligned)."""
+    vec = 128 // x_bits
+    return None if N % vec == 0 else -(-(N + vec - 1) // vec) * vec
+
+
 def cluster_rows(N: int, vec: int, max_cluster: int, cta_threads: int = 128, max_iters: int = 8,
                  min_iters: int = 3, max_threads: int = 1024, exact: bool = True) -> RowLaunch:
     """The launch rule for rows wider than one CTA holds well: many small CTAs over a cluster. The
@@ -210,6 +218,7 @@ class RowKernelBase:
 
     def __init__(self, launch: RowLaunch, num_reductions: int = 1):
         self.launch = launch
+        self.n = launch.N  # the row's width; a shifted row's (``window``) is less than its window's, launch.N
         self.num_reductions = num_reductions  # independent reduction slots (e.g. mean, var)
         self.pdl = config.get().pdl  # programmatic dependent launch (the compile cache keys on it)
 
@@ -260,6 +269,64 @@ class RowKernelBase:
             else:
                 if tXcX[(0, 0), 0, i][1] < L.N:
                     cute.copy(atom, src[None, None, i], dst[None, None, i])
+
+    @cute.jit
+    def window(self, mX: cute.Tensor, row, M):
+        """A shifted row's aligned window (a row of ``self.n`` columns that starts off a 16-byte boundary):
+        (a (rows_per_cta, launch.N) tensor each of whose rows is this thread's row ``row`` from the 16-byte
+        boundary at or before it (the base is 16-byte aligned), the row's first column in it). Only its
+        vectors that hold columns of the row are read (``load_window``) or written (``store_window``), so
+        no access leaves the memory the rows lie in."""
+        L = self.launch
+        start = Int64(0)
+        if row < M:
+            start = cute.crd2idx((row, 0), mX.layout)
+        shift = Int32(start % L.vec)
+        base = cute.make_ptr(mX.element_type, (mX.iterator + (start - shift)).toint(), cute.AddressSpace.gmem,
+                             assumed_align=16)
+        return cute.make_tensor(base, cute.make_layout((L.rows_per_cta, L.N), stride=(0, 1))), shift
+
+    @cute.jit
+    def row_window(self, mX: cute.Tensor, row, M, part):
+        """``window`` as (column coordinates in the window, this thread's slice of it, the row's first
+        column in it)."""
+        window, shift = self.window(mX, row, M)
+        return part(cute.make_identity_tensor(window.shape), 0), part(window, 0), shift
+
+    @cute.jit
+    def load_window(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, shift, fill: cutlass.Constexpr):
+        """Load this thread's slice of a shifted row from its window (``row_window``): the vectors holding
+        columns of the row whole, the columns outside the row (of the rows beside it, or never read) as
+        ``fill``."""
+        L = self.launch
+        atom = self.atom(self.x_dtype)
+        for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
+            first = tXcX[(0, 0), 0, i][1]
+            d_i = dst[None, None, i]
+            if first < shift + self.n:
+                cute.copy(atom, src[None, None, i], d_i)
+            if first < shift or first + L.vec > shift + self.n:  # an edge vector, or one past the row
+                c_i = tXcX[None, None, i]
+                for j in cutlass.range_constexpr(cute.size(d_i)):
+                    if c_i[j][1] < shift or c_i[j][1] >= shift + self.n:
+                        d_i[j] = d_i.element_type(fill)
+
+    @cute.jit
+    def store_window(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, shift):
+        """Store a shifted row through its aligned window: whole vectors inside the row, the row's
+        columns of its two edge vectors one at a time (their other columns are the rows beside it,
+        which other CTAs write), nothing past the row."""
+        L = self.launch
+        atom = self.atom(self.x_dtype)
+        for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
+            first = tXcX[(0, 0), 0, i][1]
+            if first >= shift and first + L.vec <= shift + self.n:
+                cute.copy(atom, src[None, None, i], dst[None, None, i])
+            elif first < shift + self.n:
+                s_i, d_i, c_i = src[None, None, i], dst[None, None, i], tXcX[None, None, i]
+                for j in cutlass.range_constexpr(cute.size(s_i)):
+                    if c_i[j][1] >= shift and c_i[j][1] < shift + self.n:
+                        d_i[j] = s_i[j]
 
     @cute.jit
     def zero_padding(self, vals, like: cute.Tensor, tXcX: cute.Tensor):

@@ -5,7 +5,9 @@ One pass over memory each: a row stays in registers between its load and its sto
   reduction rounds, or one where they merge online: ``online_reduction``)
 - backward: dx = y * (dy - sum(dy * y))
 - fused forward+backward: dx from x and dy with y kept in fp32 registers, never written.
-Columns past N (uneven widths) load as -inf for x (exp gives 0) and 0 for dy and y.
+Columns past N (uneven widths) load as -inf for x (exp gives 0) and 0 for dy and y. A forward's rows that
+start off 16-byte boundaries (N not a multiple of the 128-bit vector) move through aligned windows
+(``RowKernelBase.window``), 16 bytes an access, where their width alone would allow only narrower ones.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick
 from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, WIDE_CLUSTER, RowKernelBase, RowLaunch, add,
-                        cluster_rows, narrow_rows, pick_row_launch)
+                        cluster_rows, narrow_rows, pick_row_launch, shifted_window)
 
 MODES = ("forward", "backward", "fwd_bwd")
 
@@ -63,37 +65,59 @@ def online_reduction(launch: RowLaunch, mode: str) -> bool:
 class Softmax(RowKernelBase):
     """Softmax forward, backward, and the backward from x (the forward recomputed)."""
 
-    def __init__(self, launch: RowLaunch, dtype, mode: str, online: bool = True):
-        """``online``: the row's max and sum of exp in one reduction round (``row_max_sum``), not two."""
+    def __init__(self, launch: RowLaunch, dtype, mode: str, online: bool = True, n: int | None = None):
+        """``online``: the row's max and sum of exp in one reduction round (``row_max_sum``), not two;
+        ``n``: the row's width where ``launch.N`` is its window's (a forward of rows off 16-byte boundaries,
+        read and written through aligned windows: ``RowKernelBase.window``)."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
         super().__init__(launch, num_reductions={"forward": 2, "backward": 1, "fwd_bwd": 3}[mode])
         self.x_dtype = dtype
         self.mode = mode
         self.online = online
+        self.n = launch.N if n is None else n
+        self.shifted = self.n != launch.N
+        if self.shifted and (mode != "forward" or launch.N < self.n + launch.vec - 1):
+            raise ValueError(f"shifted rows: the forward, a window of >= n + vec - 1; got {mode}, {launch}")
 
     @cute.jit
     def __call__(self, pa: cute.Pointer, pb: cute.Pointer, pout: cute.Pointer, M: Int32, lda: Int64, ldb: Int64,
                  ldout: Int64, stream: cuda.CUstream):
-        """forward: a = x (b unused); backward: a = y, b = dy; fwd_bwd: a = x, b = dy."""
-        mA = self.matrix(pa, M, lda)
-        mB = self.matrix(pb, M, ldb)
-        mO = self.matrix(pout, M, ldout)
+        """forward: a = x (b unused); backward: a = y, b = dy; fwd_bwd: a = x, b = dy. Shifted rows: x's and
+        the output's rows at the same offsets (the host's condition)."""
+        if const_expr(self.shifted):  # rows start anywhere: accessed only through their windows
+            mA = cute.make_tensor(pa, cute.make_layout((M, self.n), stride=(lda, 1)))
+            mO = cute.make_tensor(pout, cute.make_layout((M, self.n), stride=(ldout, 1)))
+            mB = mA
+        else:
+            mA = self.matrix(pa, M, lda)
+            mB = self.matrix(pb, M, ldb)
+            mO = self.matrix(pout, M, ldout)
         self.launch_rows(self.kernel(mA, mB, mO, self.tiled_copy(self.x_dtype)), M, stream)
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mO: cute.Tensor, tc: cute.TiledCopy):
+        L = self.launch
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
         M = cute.size(mA, mode=[0])
-        tXcX = part(cute.make_identity_tensor(mA.shape), bidx)
-        row = tXcX[0][0]
-        tXgA, tXgO = part(mA, bidx), part(mO, bidx)
+        shift = Int32(0)
+        if const_expr(self.shifted):  # each thread's row through its window
+            row = bidx * L.rows_per_cta + cute.arch.thread_idx()[0] // L.threads_per_row
+            tXcX, tXgA, shift = self.row_window(mA, row, M, part)
+            tXgO = self.row_window(mO, row, M, part)[1]
+        else:
+            tXcX = part(cute.make_identity_tensor(mA.shape), bidx)
+            row = tXcX[0][0]
+            tXgA, tXgO = part(mA, bidx), part(mO, bidx)
         rA = cute.make_rmem_tensor_like(tXgA)
         rA.fill(-math.inf if const_expr(self.mode != "backward") else 0.0)
         rB = cute.make_rmem_tensor_like(tXgA)
         rB.fill(0.0)
         if row < M:
-            self.copy_row(tXgA, rA, tXcX, self.x_dtype)
+            if const_expr(self.shifted):
+                self.load_window(tXgA, rA, tXcX, shift, -math.inf)
+            else:
+                self.copy_row(tXgA, rA, tXcX, self.x_dtype)
             if const_expr(self.mode != "forward"):
                 self.copy_row(part(mB, bidx), rB, tXcX, self.x_dtype)
         self.wait_cluster()
@@ -116,7 +140,10 @@ class Softmax(RowKernelBase):
         rO = cute.make_rmem_tensor_like(rA, self.x_dtype)
         rO.store(out.to(self.x_dtype))
         if row < M:
-            self.copy_row(rO, tXgO, tXcX, self.x_dtype)
+            if const_expr(self.shifted):
+                self.store_window(rO, tXgO, tXcX, shift)
+            else:
+                self.copy_row(rO, tXgO, tXcX, self.x_dtype)
         self.launch_dependents()
 
 
@@ -130,6 +157,10 @@ class SoftmaxKey:
     arch: str
     _: KW_ONLY
     few: bool = False  # for calls of ``launch_table.few_rows`` rows (their own launch where the table has one)
+    # a forward whose rows start off 16-byte boundaries (N not a multiple of the 128-bit vector), its output's
+    # rows at x's offsets: read and written through aligned windows (``RowKernelBase.window``) of 16-byte
+    # accesses, launched as an aligned row of the window's width
+    window: bool = False
 
 
 @memo
@@ -139,7 +170,12 @@ def compiled_softmax(k: SoftmaxKey):
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the softmax kernels handle 1 <= N <= {MAX_N}")
     dt = cute_dtype(dtype)
-    launch = pick(f"softmax/{mode}/x{dt.width}", arch, softmax_launch(N, dt.width, arch, mode), None, few)
+    width = shifted_window(N, dt.width) if k.window and mode == "forward" else None
+    if width:
+        launch = pick(f"softmax/{mode}_window/x{dt.width}", arch, softmax_launch(width, dt.width, arch, mode), None,
+                      few)
+    else:
+        launch = pick(f"softmax/{mode}/x{dt.width}", arch, softmax_launch(N, dt.width, arch, mode), None, few)
     online = config.get().softmax_online
     if online is None:
         online = online_reduction(launch, mode)
@@ -147,7 +183,7 @@ def compiled_softmax(k: SoftmaxKey):
 
     def build():
         one = Int64(launch.vec)
-        return compile_kernel(Softmax(launch, dt, mode, online), gmem_ptr(dt), gmem_ptr(dt), gmem_ptr(dt), Int32(1),
-                              one, one, one, fake_stream(), arch=arch)
+        return compile_kernel(Softmax(launch, dt, mode, online, n=N), gmem_ptr(dt), gmem_ptr(dt), gmem_ptr(dt),
+                              Int32(1), one, one, one, fake_stream(), arch=arch)
 
     return CACHE.get(("softmax", mode, dtype, N, arch, launch, online), build)

@@ -35,7 +35,9 @@ def _plan(mode: str, first: str, second: str | None):
         (copy_x, lda), (copy_o, ldb) = row_layout(x, vec), row_layout(other, vec)
         if not second:
             ldb = lda
-        fn = compiled_softmax(SoftmaxKey(mode, dtype_name(x), N, arch, few=few_rows(M)))
+        # rows off 16-byte boundaries through aligned windows where the output's rows lie at x's offsets
+        window = mode == "forward" and lda == N
+        fn = compiled_softmax(SoftmaxKey(mode, dtype_name(x), N, arch, few=few_rows(M), window=window))
         stream = stream_of(x.device)
 
         def run(a):
