@@ -84,6 +84,30 @@ def test_fused_add_variant_compiles(arch, dtype):
                                                     res_out_dtype=dtype)))
 
 
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("w", [None, "same", "float32"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rmsnorm_forward_windows_compile(arch, dtype, w, residual):
+    """Rows off 16-byte boundaries through aligned windows (several rows a CTA, one, a cluster), with and
+    without parameters gathered at the window's offset, bias with the weight. A residual, a weight wider
+    than x, LayerNorm and per-head parameters keep the narrow kernel (the same compile as without a window)."""
+    from oink.kernels.rmsnorm import forward_window
+
+    wd = None if w is None else (dtype if w == "same" else w)
+    narrow = residual or (wd == "float32" and dtype != "float32")
+    for N in (7, 455, 5135, 94558):
+        flags = dict(w_dtype=wd, b_dtype=wd, res_dtype=dtype if residual else None,
+                     res_out_dtype=dtype if residual else None, store_rstd=True)
+        key = ForwardKey(dtype, N, arch, **flags, window=True)
+        assert (forward_window(key) is None) == narrow
+        fn = compiled_forward(key)
+        assert callable(fn) and (fn is compiled_forward(ForwardKey(dtype, N, arch, **flags))) == narrow
+    lay = dict(w_dtype=dtype, b_dtype=dtype, layernorm=True)
+    assert compiled_forward(ForwardKey(dtype, 455, arch, **lay, window=True)) is compiled_forward(
+        ForwardKey(dtype, 455, arch, **lay))
+
+
 def test_rmsnorm_width_limit():
     with pytest.raises(ValueError, match="262144"):
         compiled_forward(ForwardKey("bfloat16", 262144 * 2, "sm_90a"))

@@ -376,3 +376,54 @@ def test_few_rows_take_the_few_rows_launch(recorder, op, M, few):
     launch(args)
     assert expected <= prepared, prepared
     assert CACHE.used_launches() == set()
+
+
+def _launch_widths() -> set:
+    """The launches' N (a row's width, or its window's) in the compile keys looked up since ``clear_used``."""
+    from oink.kernels.compile import CACHE
+
+    found, todo = set(), list(CACHE.used)
+    while todo:
+        part = todo.pop()
+        if isinstance(part, tuple):
+            todo.extend(part)
+        elif hasattr(part, "threads_per_row"):
+            found.add(part.N)
+    return found
+
+
+@pytest.mark.parametrize("case", ["rmsnorm", "softmax", "strided", "residual", "fp32_weight", "aligned"])
+def test_rows_off_boundaries_take_windows_where_measured_faster(recorder, case):
+    """Dense rows off 16-byte boundaries launch as their aligned windows (455 columns: a window of 464) for
+    the softmax forward and an RMSNorm of x's weight dtype; rows at another stride than the output's, a
+    residual and an fp32 weight (measured slower through windows) keep the narrow launch, as aligned rows do
+    theirs."""
+    from oink.kernels.compile import CACHE
+
+    N = 4096 if case == "aligned" else 455
+    x = _x(600, N, stride=N + 3 if case == "strided" else None)
+    w = torch.randn(N, dtype=torch.float32 if case == "fp32_weight" else torch.bfloat16)
+    op, args = "rmsnorm_forward", dict(x=x, weight=w, eps=1e-6)
+    if case == "softmax":
+        op, args = "softmax_forward", dict(x=x)
+    elif case == "residual":
+        args.update(residual=_x(600, N))
+    CACHE.clear_used()
+    dispatch.prepare(op, "sm_90a", args)
+    assert _launch_widths() == ({464} if case in ("rmsnorm", "softmax") else {N})
+
+
+def test_a_window_packing_rows_must_still_fill_the_sms(monkeypatch):
+    """A window's launch that packs more rows a CTA than the narrow one is taken only where its CTAs still
+    give every SM one (``host.window_pays``); one packing no more rows always; off a GPU, always."""
+    from oink.kernels import host
+    from oink.kernels.reduction import RowLaunch
+
+    monkeypatch.setattr(host, "sm_count", lambda index: 132)
+    packed = RowLaunch(N=392, vec=8, threads_per_row=16, num_threads=128, cluster_n=1)
+    one = RowLaunch(N=391, vec=1, threads_per_row=128, num_threads=128, cluster_n=1)
+    gpu = torch.device("cuda", 0)
+    assert packed.rows_per_cta == 8 and one.rows_per_cta == 1
+    assert not host.window_pays(180, packed, one, gpu)
+    assert host.window_pays(8 * 132, packed, one, gpu)
+    assert host.window_pays(5, one, one, gpu) and host.window_pays(180, packed, one, torch.device("cpu"))

@@ -65,6 +65,49 @@ def test_forward_flags(dtype, w, bias, residual, store_rstd, M, N, seed):
         assert torch.equal(res_out, res_ref)
 
 
+# rows off 16-byte boundaries: vectors of 1, 2 and 4 elements, rows of one warp's accesses to clusters of CTAs
+ODD_NS = (7, 455, 1817, 5135, 25630, 94558)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", ODD_NS)
+@pytest.mark.parametrize("M", (1, 9, 300))
+@pytest.mark.parametrize("flags", ["w", "w_fp32+bias", "residual", "residual+w_fp32+bias"])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_forward_rows_off_boundaries(dtype, N, M, flags, padded, seed):
+    """Dense rows move through aligned windows, their parameters gathered at each window's offset (rows of
+    every shift in one launch); padded rows (another row stride than the outputs') take the narrow kernel."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    wd = torch.float32 if "w_fp32" in flags else dtype
+    x = random_rows(M, N, dtype, padded, g)
+    w = torch.randn(N, device="cuda", generator=g).to(wd)
+    b = torch.randn(N, device="cuda", generator=g).to(wd) if "bias" in flags else None
+    res = random_rows(M, N, dtype, padded, g) if "residual" in flags else None
+    out, rstd, res_out = run_poisoned(x, w, b, res, 1e-6, True)
+    y_ref, rstd_ref, res_ref = R.rmsnorm_forward(x, w, b, res, 1e-6, True)
+    assert_close_poisoned(out, y_ref, dtype, "y")
+    assert_close_poisoned(rstd, rstd_ref, torch.float32, "rstd")
+    if res is not None:
+        assert torch.equal(res_out, res_ref), "residual_out must be exactly round(x + residual)"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", ODD_NS)
+@pytest.mark.parametrize("M", (1, 9, 300))
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_fused_add_in_place_rows_off_boundaries(dtype, N, M, padded, seed):
+    """x and the residual at the same offsets (dense): through windows, each row's edge vectors shared with
+    the rows beside it, which other threads update in place; a padded residual: the narrow kernel."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x, res = random_rows(M, N, dtype, False, g), random_rows(M, N, dtype, padded, g)
+    w = torch.randn(N, device="cuda", generator=g).to(dtype)
+    xr, rr = x.clone(), res.clone()
+    oink.fused_add_rmsnorm_(x, res, w, 1e-6)
+    R.fused_add_rmsnorm_(xr, rr, w, 1e-6)
+    assert torch.equal(res, rr), "residual must be exactly round(x + residual)"
+    assert_close_poisoned(x, xr, dtype, "x")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", NS)
 @pytest.mark.parametrize("M", MS)

@@ -294,12 +294,13 @@ class RowKernelBase:
         return part(cute.make_identity_tensor(window.shape), 0), part(window, 0), shift
 
     @cute.jit
-    def load_window(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, shift, fill: cutlass.Constexpr):
+    def load_window(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, shift, fill: cutlass.Constexpr,
+                    dtype: cutlass.Constexpr = None):
         """Load this thread's slice of a shifted row from its window (``row_window``): the vectors holding
         columns of the row whole, the columns outside the row (of the rows beside it, or never read) as
-        ``fill``."""
+        ``fill``. ``dtype``: the tensor's, if not x's."""
         L = self.launch
-        atom = self.atom(self.x_dtype)
+        atom = self.atom(self.x_dtype) if const_expr(dtype is None) else self.atom(dtype)
         for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
             first = tXcX[(0, 0), 0, i][1]
             d_i = dst[None, None, i]
@@ -312,12 +313,13 @@ class RowKernelBase:
                         d_i[j] = d_i.element_type(fill)
 
     @cute.jit
-    def store_window(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, shift):
+    def store_window(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, shift,
+                     dtype: cutlass.Constexpr = None):
         """Store a shifted row through its aligned window: whole vectors inside the row, the row's
         columns of its two edge vectors one at a time (their other columns are the rows beside it,
-        which other CTAs write), nothing past the row."""
+        which other CTAs write), nothing past the row. ``dtype``: the tensor's, if not x's."""
         L = self.launch
-        atom = self.atom(self.x_dtype)
+        atom = self.atom(self.x_dtype) if const_expr(dtype is None) else self.atom(dtype)
         for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
             first = tXcX[(0, 0), 0, i][1]
             if first >= shift and first + L.vec <= shift + self.n:

@@ -23,7 +23,7 @@ from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick, staged
 from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, WIDE_CLUSTER, RowKernelBase, RowLaunch, add,
-                        cluster_rows, narrow_rows, pick_row_launch, whole_warp_rows)
+                        cluster_rows, narrow_rows, pick_row_launch, shifted_window, whole_warp_rows)
 
 
 # The forward's thread holds its units of x (and residual) live between the reduction and the
@@ -117,7 +117,10 @@ class RMSNormForward(RowKernelBase):
 
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, b_dtype, res_dtype, out_dtype, res_out_dtype,
                  store_rstd: bool, layernorm: bool = False, weight_offset: float = 0.0, heads: int = 1,
-                 late_params: bool = False, stage: bool = False):
+                 late_params: bool = False, stage: bool = False, n: int | None = None):
+        """``n``: the row's width where ``launch.N`` is its window's (RMSNorm rows off 16-byte boundaries, x,
+        residual and outputs at the same offsets, read and written through aligned windows:
+        ``RowKernelBase.window``; the parameters gathered a value at a time, ``load_shifted``)."""
         super().__init__(launch, num_reductions=3 if layernorm else 1)
         self.x_dtype, self.w_dtype, self.b_dtype = x_dtype, w_dtype, b_dtype
         self.res_dtype, self.out_dtype, self.res_out_dtype = res_dtype, out_dtype, res_out_dtype
@@ -132,6 +135,10 @@ class RMSNormForward(RowKernelBase):
         # reduction, so that no register holds them across its barriers (``stage_rows``)
         self.stage = stage
         assert not stage or launch.even_n, launch
+        self.n = launch.N if n is None else n
+        self.shifted = self.n != launch.N
+        if self.shifted and (layernorm or heads > 1 or stage or launch.N < self.n + launch.vec - 1):
+            raise ValueError(f"shifted rows: RMSNorm, one head, unstaged, a window of >= n + vec - 1; got {launch}")
 
     @cute.jit
     def weight_values(self, rW: cute.Tensor):
@@ -160,10 +167,13 @@ class RMSNormForward(RowKernelBase):
                  pres: Optional[cute.Pointer], pout: cute.Pointer, pres_out: Optional[cute.Pointer],
                  prstd: Optional[cute.Pointer], pmean: Optional[cute.Pointer], M: Int32, ldx: Int64,
                  ldres: Int64, ldout: Int64, ldres_out: Int64, eps: Float32, stream: cuda.CUstream):
-        mX = self.matrix(px, M, ldx)
-        mO = self.matrix(pout, M, ldout)
-        mRes = self.matrix(pres, M, ldres) if const_expr(pres is not None) else None
-        mResO = self.matrix(pres_out, M, ldres_out) if const_expr(pres_out is not None) else None
+        matrix = self.matrix
+        if const_expr(self.shifted):  # rows start anywhere: accessed only through their windows
+            matrix = lambda p, M, ld: cute.make_tensor(p, cute.make_layout((M, self.n), stride=(ld, 1)))  # noqa: E731
+        mX = matrix(px, M, ldx)
+        mO = matrix(pout, M, ldout)
+        mRes = matrix(pres, M, ldres) if const_expr(pres is not None) else None
+        mResO = matrix(pres_out, M, ldres_out) if const_expr(pres_out is not None) else None
         mW = self.broadcast_rows(pw) if const_expr(pw is not None) else None
         mB = self.broadcast_rows(pb) if const_expr(pb is not None) else None
         mRstd = cute.make_tensor(prstd, cute.make_layout((M,))) if const_expr(prstd is not None) else None
@@ -178,13 +188,20 @@ class RMSNormForward(RowKernelBase):
         L = self.launch
         bidx, cy, buf, mbar, part = self.cta_setup(tc)
         M = cute.size(mX, mode=[0])
-        tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
-        row = tXcX[0][0]
-        y, rX, rstd, mean = self.normalize(mX, mW, mB, mRes, mResO, eps, bidx, buf, mbar, part, tXcX, row, M)
+        shift = None
+        if const_expr(self.shifted):  # each thread's row through its window
+            row = bidx * L.rows_per_cta + cute.arch.thread_idx()[0] // L.threads_per_row
+            tXcX, _, shift = self.row_window(mX, row, M, part)
+            view = lambda m: self.row_window(m, row, M, part)[1]  # noqa: E731
+        else:
+            tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
+            row = tXcX[0][0]
+            view = lambda m: part(m, bidx)  # noqa: E731
+        y, rX, rstd, mean = self.normalize(mX, mW, mB, mRes, mResO, eps, view, buf, mbar, part, tXcX, row, M, shift)
         rO = cute.make_rmem_tensor_like(rX, self.out_dtype)
         rO.store(y.to(self.out_dtype))
         if row < M:
-            self.copy_row(rO, part(mO, bidx), tXcX, self.out_dtype)
+            self.store_slice(rO, view(mO), tXcX, self.out_dtype, shift)
         if const_expr(mRstd is not None or mMean is not None):
             # one thread per row (column 0, first CTA of the cluster) writes the row statistics
             leader = tXcX[0][1] == 0
@@ -199,18 +216,20 @@ class RMSNormForward(RowKernelBase):
 
     @cute.jit
     def normalize(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mB: Optional[cute.Tensor],
-                  mRes: Optional[cute.Tensor], mResO: Optional[cute.Tensor], eps: Float32, bidx: Int32, buf, mbar,
-                  part, tXcX: cute.Tensor, row: Int32, M: Int32):
+                  mRes: Optional[cute.Tensor], mResO: Optional[cute.Tensor], eps: Float32, view, buf, mbar,
+                  part, tXcX: cute.Tensor, row: Int32, M: Int32, shift):
         """Load this thread's slice of its row (and residual, weight, bias), store the residual
-        sum, reduce, and return (y in fp32, the x registers, rstd, mean); traced into the kernel."""
+        sum, reduce, and return (y in fp32, the x registers, rstd, mean); traced into the kernel.
+        ``view(m)``: this thread's slice of a row tensor; ``shift``: a shifted row's first column in its
+        window (None for aligned rows)."""
         L = self.launch
-        tXgX = part(mX, bidx)
+        tXgX = view(mX)
 
         # Loads: rows past M load nothing (their values stay 0, or staged, undefined; never stored).
         rX = cute.make_rmem_tensor_like(tXgX)
         rRes, tXgRes = None, None
         if const_expr(mRes is not None):
-            tXgRes = part(mRes, bidx)
+            tXgRes = view(mRes)
             rRes = cute.make_rmem_tensor_like(tXgRes)
         smem_rows = None
         if const_expr(self.stage):
@@ -220,20 +239,20 @@ class RMSNormForward(RowKernelBase):
             if const_expr(mRes is not None):
                 rRes.fill(0)
             if row < M:
-                self.copy_row(tXgX, rX, tXcX, self.x_dtype)
+                self.load_slice(tXgX, rX, tXcX, self.x_dtype, shift)
                 if const_expr(mRes is not None):
-                    self.copy_row(tXgRes, rRes, tXcX, self.res_dtype)
+                    self.load_slice(tXgRes, rRes, tXcX, self.res_dtype, shift)
         if const_expr(not self.late_params):
-            rW, rB = self.load_params(mW, mB, part, tXcX, row)
+            rW, rB = self.load_params(mW, mB, part, tXcX, row, shift)
 
         rResO = None
         if const_expr(mRes is not None):
             rResO = cute.make_rmem_tensor_like(rRes, self.res_out_dtype)
         h = self.row_values(rX, rRes, rResO, smem_rows)
         if const_expr(mResO is not None):
-            tXgResO = part(mResO, bidx)
+            tXgResO = view(mResO)
             if row < M:
-                self.copy_row(rResO, tXgResO, tXcX, self.res_out_dtype)
+                self.store_slice(rResO, tXgResO, tXcX, self.res_out_dtype, shift)
         # what the values are computed from again after a reduction round (``reload``)
         src = rX if const_expr(mRes is None) else rResO
         if const_expr(self.stage):
@@ -266,11 +285,11 @@ class RMSNormForward(RowKernelBase):
             var = cute.arch.fmax(ss / L.N - corr * corr, Float32(0.0), nan=True)
         else:
             ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-            var = self.row_allreduce(ss, add, Float32(0.0), buf, mbar, 0) / L.N
+            var = self.row_allreduce(ss, add, Float32(0.0), buf, mbar, 0) / self.n
         rstd = cute.math.rsqrt(var + eps, fastmath=False)
 
         if const_expr(self.late_params):
-            rW, rB = self.load_params(mW, mB, part, tXcX, row)
+            rW, rB = self.load_params(mW, mB, part, tXcX, row, shift)
         if const_expr((self.late_params or self.stage) and not self.layernorm):
             h = self.reload(src, rX, rRes, rResO, smem_rows)
         y = h * rstd
@@ -323,18 +342,59 @@ class RMSNormForward(RowKernelBase):
         return src.load().to(Float32)
 
     @cute.jit
-    def load_params(self, mW: Optional[cute.Tensor], mB: Optional[cute.Tensor], part, tXcX: cute.Tensor, row):
-        """This thread's slice of the weight and bias (row's head) in registers (None where absent)."""
+    def load_params(self, mW: Optional[cute.Tensor], mB: Optional[cute.Tensor], part, tXcX: cute.Tensor, row,
+                    shift=None):
+        """This thread's slice of the weight and bias (row's head) in registers (None where absent); for a
+        shifted row (``shift``: its first column in its window) at its window's columns (``load_shifted``)."""
         rW, rB = None, None
         if const_expr(mW is not None):
-            tXgW = part(self.head_rows(mW, row), 0)
-            rW = cute.make_rmem_tensor_like(tXgW)
-            self.copy_row(tXgW, rW, tXcX, self.w_dtype)
+            if const_expr(self.shifted):
+                rW = self.load_shifted(mW, part, tXcX, shift, self.w_dtype)
+            else:
+                tXgW = part(self.head_rows(mW, row), 0)
+                rW = cute.make_rmem_tensor_like(tXgW)
+                self.copy_row(tXgW, rW, tXcX, self.w_dtype)
         if const_expr(mB is not None):
-            tXgB = part(self.head_rows(mB, row), 0)
-            rB = cute.make_rmem_tensor_like(tXgB)
-            self.copy_row(tXgB, rB, tXcX, self.b_dtype)
+            if const_expr(self.shifted):
+                rB = self.load_shifted(mB, part, tXcX, shift, self.b_dtype)
+            else:
+                tXgB = part(self.head_rows(mB, row), 0)
+                rB = cute.make_rmem_tensor_like(tXgB)
+                self.copy_row(tXgB, rB, tXcX, self.b_dtype)
         return rW, rB
+
+    @cute.jit
+    def load_shifted(self, mP: cute.Tensor, part, tXcX: cute.Tensor, shift, dtype: cutlass.Constexpr):
+        """A per-column parameter at a shifted row's window columns: column j of the window is the
+        parameter's j - shift, gathered a value at a time (the parameter is read by every row: from cache);
+        0 outside the row."""
+        L = self.launch
+        base = cute.make_ptr(dtype, (mP.iterator - shift).toint(), cute.AddressSpace.gmem,
+                             assumed_align=dtype.width // 8)
+        tXgP = part(cute.make_tensor(base, cute.make_layout((L.rows_per_cta, L.N), stride=(0, 1))), 0)
+        rP = cute.make_rmem_tensor_like(tXgP)
+        rP.fill(0)
+        for i in cutlass.range_constexpr(cute.size(rP)):
+            if tXcX[i][1] >= shift and tXcX[i][1] < shift + self.n:
+                rP[i] = tXgP[i]
+        return rP
+
+    @cute.jit
+    def load_slice(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, dtype: cutlass.Constexpr, shift):
+        """Load this thread's slice of a row: ``copy_row``, or a shifted row's through its window (columns
+        outside the row 0)."""
+        if const_expr(self.shifted):
+            self.load_window(src, dst, tXcX, shift, 0.0, dtype)
+        else:
+            self.copy_row(src, dst, tXcX, dtype)
+
+    @cute.jit
+    def store_slice(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, dtype: cutlass.Constexpr, shift):
+        """Store this thread's slice of a row: ``copy_row``, or a shifted row's through its window."""
+        if const_expr(self.shifted):
+            self.store_window(src, dst, tXcX, shift, dtype)
+        else:
+            self.copy_row(src, dst, tXcX, dtype)
 
 
 def _cute(name):
@@ -361,6 +421,35 @@ class ForwardKey:
     weight_offset: float = 0.0  # compiled in: y = x_hat * (w + offset)
     heads: int = 1  # per-head parameters [H, D]
     few: bool = False  # for calls of ``launch_table.few_rows`` rows (their own launch where the table has one)
+    # RMSNorm rows off 16-byte boundaries (N not a multiple of the 128-bit vector), one head, x, residual and
+    # outputs at the same offsets: read and written through aligned windows (``RowKernelBase.window``) of
+    # 16-byte accesses, launched as an aligned row of the window's width
+    window: bool = False
+
+
+def forward_window(k: ForwardKey) -> int | None:
+    """The width of the aligned windows the forward for ``k`` reads its rows through, or None (aligned rows,
+    or no window asked): RMSNorm of one head, without a residual, its parameters of x's width. Measured on an
+    H200 against the narrow kernel, such windows ran 0.35-0.8 of its time at most widths; with a residual
+    (its window held 60% more registers a thread) or an fp32 weight (each value gathered in a 4-byte load) they
+    ran 1.1-1.5x its time at many."""
+    wide = max([cute_dtype(d).width for d in (k.w_dtype, k.b_dtype) if d is not None], default=0)
+    bits = cute_dtype(k.x_dtype).width
+    if not k.window or k.layernorm or k.heads != 1 or k.res_dtype or wide > bits:
+        return None
+    return shifted_window(k.N, bits)
+
+
+@memo
+def forward_launch_of(k: ForwardKey) -> tuple[str, RowLaunch]:
+    """(the launch table's key, the launch) of the forward for ``k``: a table entry's, or the rule's
+    (``forward_launch``) for its rows or their windows (``forward_window``)."""
+    xd = cute_dtype(k.x_dtype)
+    wide = max([cute_dtype(d).width for d in (k.w_dtype, k.res_dtype, k.res_out_dtype) if d is not None], default=0)
+    width = forward_window(k)
+    table_key = f"{'layernorm' if k.layernorm else 'rmsnorm'}_fwd{'_window' if width else ''}/x{xd.width}w{wide}"
+    default = forward_launch(width or k.N, xd.width, k.arch, wide, k.layernorm)
+    return table_key, pick(table_key, k.arch, default, config.get().fwd_upt, k.few)
 
 
 @memo
@@ -374,11 +463,10 @@ def compiled_forward(k: ForwardKey):
     xd = cute_dtype(x_dtype)
     out_dtype = out_dtype or x_dtype
     wide = max([cute_dtype(d).width for d in (w_dtype, res_dtype, res_out_dtype) if d is not None], default=0)
-    table_key = f"{'layernorm' if layernorm else 'rmsnorm'}_fwd/x{xd.width}w{wide}"
-    knob = config.get().fwd_upt
-    launch = pick(table_key, arch, forward_launch(N, xd.width, arch, wide, layernorm), knob, few)
-    tuned = staged(table_key, arch, N, knob, few)  # None, or where a staged launch loads its parameters
-    stage = stage_rows(launch, xd.width, cute_dtype(res_dtype).width if res_dtype else 0, tuned is not None)
+    table_key, launch = forward_launch_of(k)
+    tuned = staged(table_key, arch, launch.N, config.get().fwd_upt, few)  # None, or where a staged launch loads
+    stage = stage_rows(launch, xd.width, cute_dtype(res_dtype).width if res_dtype else 0,
+                       tuned is not None) and launch.N == N  # (never through windows)
     late = config.get().fwd_late
     if late is None:
         late = tuned == "late" if stage and tuned else late_params(launch, layernorm, wide > xd.width, few)
@@ -388,7 +476,7 @@ def compiled_forward(k: ForwardKey):
     def build():
         dts = [_cute(d) for d in (w_dtype, b_dtype, res_dtype, res_out_dtype, out_dtype)]
         kernel = RMSNormForward(launch, xd, *dts[:3], dts[4], dts[3], store_rstd, layernorm, float(weight_offset),
-                                heads, late, stage)
+                                heads, late, stage, n=N)
         ptr = lambda dt: None if dt is None else gmem_ptr(dt)  # noqa: E731
         one = Int64(launch.vec)
         return compile_kernel(

@@ -164,18 +164,23 @@ class SoftmaxKey:
 
 
 @memo
+def softmax_launch_of(k: SoftmaxKey) -> RowLaunch:
+    """The launch of the softmax kernel for ``k``: a table entry's, or the rule's (``softmax_launch``) for its
+    rows or their windows."""
+    bits = cute_dtype(k.dtype).width
+    width = shifted_window(k.N, bits) if k.window and k.mode == "forward" else None
+    key = f"softmax/{k.mode}{'_window' if width else ''}/x{bits}"
+    return pick(key, k.arch, softmax_launch(width or k.N, bits, k.arch, k.mode), None, k.few)
+
+
+@memo
 def compiled_softmax(k: SoftmaxKey):
     """Compile (or fetch) the softmax kernel for ``k``."""
-    mode, dtype, N, arch, few = k.mode, k.dtype, k.N, k.arch, k.few
+    mode, dtype, N, arch = k.mode, k.dtype, k.N, k.arch
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the softmax kernels handle 1 <= N <= {MAX_N}")
     dt = cute_dtype(dtype)
-    width = shifted_window(N, dt.width) if k.window and mode == "forward" else None
-    if width:
-        launch = pick(f"softmax/{mode}_window/x{dt.width}", arch, softmax_launch(width, dt.width, arch, mode), None,
-                      few)
-    else:
-        launch = pick(f"softmax/{mode}/x{dt.width}", arch, softmax_launch(N, dt.width, arch, mode), None, few)
+    launch = softmax_launch_of(k)
     online = config.get().softmax_online
     if online is None:
         online = online_reduction(launch, mode)

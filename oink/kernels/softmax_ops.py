@@ -1,12 +1,14 @@
 """Softmax kernels on torch tensors (CHECKS/PLANS for the dispatch path)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .compile import stream_of
-from .host import dense, dtype_name, row_layout, vec_for, width_reason
+from .host import dense, dtype_name, row_layout, vec_for, width_reason, window_pays
 from .launch_table import few_rows
-from .softmax import SoftmaxKey, compiled_softmax
+from .softmax import SoftmaxKey, compiled_softmax, softmax_launch_of
 
 DENSE = torch.contiguous_format
 
@@ -35,9 +37,13 @@ def _plan(mode: str, first: str, second: str | None):
         (copy_x, lda), (copy_o, ldb) = row_layout(x, vec), row_layout(other, vec)
         if not second:
             ldb = lda
-        # rows off 16-byte boundaries through aligned windows where the output's rows lie at x's offsets
-        window = mode == "forward" and lda == N
-        fn = compiled_softmax(SoftmaxKey(mode, dtype_name(x), N, arch, few=few_rows(M), window=window))
+        key = SoftmaxKey(mode, dtype_name(x), N, arch, few=few_rows(M))
+        if mode == "forward" and lda == N and vec < 16 // x.element_size():  # rows off 16-byte boundaries: through
+            # aligned windows (the output's rows at x's offsets)
+            windowed = dataclasses.replace(key, window=True)
+            if window_pays(M, softmax_launch_of(windowed), softmax_launch_of(key), x.device):
+                key = windowed
+        fn = compiled_softmax(key)
         stream = stream_of(x.device)
 
         def run(a):
