@@ -65,8 +65,9 @@ def test_forward_flags(dtype, w, bias, residual, store_rstd, M, N, seed):
         assert torch.equal(res_out, res_ref)
 
 
-# rows off 16-byte boundaries: vectors of 1, 2 and 4 elements, rows of one warp's accesses to clusters of CTAs
-ODD_NS = (7, 455, 1817, 5135, 25630, 94558)
+# rows off 16-byte boundaries: vectors of 1, 2 and 4 elements (odd widths through windows: several rows a CTA,
+# one, a cluster; 5135, narrow_rows'), rows of one warp's accesses to clusters of CTAs
+ODD_NS = (7, 455, 1817, 5135, 25630, 94557, 94558)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

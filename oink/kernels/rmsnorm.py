@@ -429,15 +429,16 @@ class ForwardKey:
 
 def forward_window(k: ForwardKey) -> int | None:
     """The width of the aligned windows the forward for ``k`` reads its rows through, or None (aligned rows,
-    or no window asked): RMSNorm of one head, without a residual, its parameters of x's width. Measured on an
-    H200 against the narrow kernel, such windows ran 0.35-0.8 of its time at most widths; with a residual
-    (its window held 60% more registers a thread) or an fp32 weight (each value gathered in a 4-byte load) they
-    ran 1.1-1.5x its time at many."""
+    or no window asked): RMSNorm of one head, without a residual, its parameters of x's width, on rows of an
+    odd width outside ``narrow_rows``' (whose launch stays). Measured on an H200 against the narrow kernel:
+    rows of odd widths ran 0.35-0.9 of its time at most shapes; rows whose accesses already held 4 or 8 bytes
+    ran 1.0-1.3x (the weight gathered a value at a time costs more than the wider accesses save), and so did
+    rows with a residual (its window held 60% more registers a thread) or an fp32 weight."""
     wide = max([cute_dtype(d).width for d in (k.w_dtype, k.b_dtype) if d is not None], default=0)
     bits = cute_dtype(k.x_dtype).width
-    if not k.window or k.layernorm or k.heads != 1 or k.res_dtype or wide > bits:
+    if not k.window or k.layernorm or k.heads != 1 or k.res_dtype or wide > bits or k.N % 2 == 0:
         return None
-    return shifted_window(k.N, bits)
+    return shifted_window(k.N, bits) if narrow_rows(k.N, bits) is None else None
 
 
 @memo
