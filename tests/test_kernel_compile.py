@@ -1,6 +1,8 @@
 """Tensor-free compilation of the CuTeDSL kernels for sm_90a and sm_100a (runs on CPU in CI)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
@@ -242,17 +244,20 @@ def test_softmax_compiles(arch, dtype, mode):
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_softmax_forward_windows_compile(arch, dtype):
-    """Rows off 16-byte boundaries, read through aligned windows: several rows a CTA, one, and a cluster;
-    the window's launch is an aligned row's of its width (vec 8 for 16 bits)."""
-    from oink.kernels.reduction import shifted_window
+    """Rows off 16-byte boundaries whose accesses would hold at most 4 bytes, read through aligned windows:
+    several rows a CTA, one, and a cluster (the window's launch is an aligned row's of its width); aligned
+    rows and rows of 8-byte accesses keep their own kernel."""
+    from oink.kernels.softmax import softmax_window
 
-    for N in (7, 455, 5135, 94558):
-        fn = compiled_softmax(SoftmaxKey("forward", dtype, N, arch, window=True))
-        assert callable(fn) and fn is not compiled_softmax(SoftmaxKey("forward", dtype, N, arch))
-        bits = 32 if dtype == "float32" else 16
-        assert shifted_window(N, bits) >= N + 128 // bits - 1
-    assert compiled_softmax(SoftmaxKey("forward", dtype, 4096, arch, window=True)) is compiled_softmax(
-        SoftmaxKey("forward", dtype, 4096, arch))  # aligned rows: no window
+    bits = DTYPES[dtype]
+    for N in (7, 455, 5135, 94558, 4096, 1348, 94556):
+        key = SoftmaxKey("forward", dtype, N, arch, window=True)
+        windowed = math.gcd(N, 128 // bits) * bits <= 32
+        assert (softmax_window(key) is not None) == windowed
+        if windowed:
+            assert softmax_window(key) >= N + 128 // bits - 1
+        fn = compiled_softmax(key)
+        assert callable(fn) and (fn is compiled_softmax(SoftmaxKey("forward", dtype, N, arch))) != windowed
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
