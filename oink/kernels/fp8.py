@@ -298,7 +298,8 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
         row = tXcX[0][0]
         # the residual output aliases the residual: each element is read before it is written
-        v, rX, _, _ = self.normalize(mX, mW, None, mRes, mRes, eps, bidx, buf, mbar, part, tXcX, row, M)
+        view = lambda m: part(m, bidx)  # noqa: E731
+        v, rX, _, _ = self.normalize(mX, mW, None, mRes, mRes, eps, view, buf, mbar, part, tXcX, row, M, None)
         rV = cute.make_rmem_tensor_like(rX, Float32)
         if const_expr(mY is None and self.x_dtype == cutlass.BFloat16):
             # rounded to bf16 two values a cvt (the conversion below takes one cvt a value)

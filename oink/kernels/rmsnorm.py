@@ -346,22 +346,20 @@ class RMSNormForward(RowKernelBase):
                     shift=None):
         """This thread's slice of the weight and bias (row's head) in registers (None where absent); for a
         shifted row (``shift``: its first column in its window) at its window's columns (``load_shifted``)."""
-        rW, rB = None, None
-        if const_expr(mW is not None):
-            if const_expr(self.shifted):
-                rW = self.load_shifted(mW, part, tXcX, shift, self.w_dtype)
-            else:
-                tXgW = part(self.head_rows(mW, row), 0)
-                rW = cute.make_rmem_tensor_like(tXgW)
-                self.copy_row(tXgW, rW, tXcX, self.w_dtype)
-        if const_expr(mB is not None):
-            if const_expr(self.shifted):
-                rB = self.load_shifted(mB, part, tXcX, shift, self.b_dtype)
-            else:
-                tXgB = part(self.head_rows(mB, row), 0)
-                rB = cute.make_rmem_tensor_like(tXgB)
-                self.copy_row(tXgB, rB, tXcX, self.b_dtype)
-        return rW, rB
+        return (self.load_param(mW, part, tXcX, row, shift, self.w_dtype),
+                self.load_param(mB, part, tXcX, row, shift, self.b_dtype))
+
+    @cute.jit
+    def load_param(self, mP: Optional[cute.Tensor], part, tXcX: cute.Tensor, row, shift, dtype: cutlass.Constexpr):
+        """``load_params`` of one parameter."""
+        if const_expr(mP is None):
+            return None
+        if const_expr(self.shifted):
+            return self.load_shifted(mP, part, tXcX, shift, dtype)
+        tXgP = part(self.head_rows(mP, row), 0)
+        rP = cute.make_rmem_tensor_like(tXgP)
+        self.copy_row(tXgP, rP, tXcX, dtype)
+        return rP
 
     @cute.jit
     def load_shifted(self, mP: cute.Tensor, part, tXcX: cute.Tensor, shift, dtype: cutlass.Constexpr):

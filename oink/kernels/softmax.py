@@ -6,8 +6,8 @@ One pass over memory each: a row stays in registers between its load and its sto
 - backward: dx = y * (dy - sum(dy * y))
 - fused forward+backward: dx from x and dy with y kept in fp32 registers, never written.
 Columns past N (uneven widths) load as -inf for x (exp gives 0) and 0 for dy and y. A forward's rows that
-start off 16-byte boundaries (N not a multiple of the 128-bit vector) move through aligned windows
-(``RowKernelBase.window``), 16 bytes an access, where their width alone would allow only narrower ones.
+start off 16-byte boundaries, whose width allows accesses of at most 4 bytes, move through aligned windows
+of 16-byte accesses (``softmax_window``, ``RowKernelBase.window``).
 """
 from __future__ import annotations
 
