@@ -100,6 +100,46 @@ def test_wide_backward_one_kernel_does_not_spill(keep_cubin, layernorm, dtype, a
     assert not spilled, f"{family} {dtype} {arch} spills at (launch, resources) {spilled}"
 
 
+# rows off 16-byte boundaries the forwards read through aligned windows: odd widths from several rows a CTA to
+# clusters of 16 (RMSNorm outside narrow_rows' 4097-16384), and the softmax's 4-byte accesses (16 bits)
+WINDOW_WIDTHS = (7, 455, 2979, 17409, 45347, 98305, 180225)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("op", ["rmsnorm", "softmax"])
+def test_window_launches_do_not_spill(keep_cubin, op, dtype, arch):
+    """The window launches (an aligned row's of the window's width) keep their values in registers; RMSNorm's
+    window stops at MAX_N (262143 columns' window of 262152 took sm_100a an access a thread more, which
+    spilled)."""
+    from oink.kernels.profile import compiled_resources
+    from oink.kernels.rmsnorm import ForwardKey, compiled_forward, forward_window
+    from oink.kernels.softmax import SoftmaxKey, compiled_softmax, softmax_window
+
+    # the widest windows; RMSNorm's 16-bit only (fp32 rows past 229376 on sm_100a spill aligned too: RULE_LIMITS)
+    sixteen = dtype == "bfloat16"
+    widths = list(WINDOW_WIDTHS)
+    if op == "softmax":
+        widths += [262143] + ([25630, 94558] if sixteen else [])
+    elif sixteen:
+        widths.append(262137)
+    found = {}
+    for N in widths:
+        if op == "rmsnorm":
+            key = ForwardKey(dtype, N, arch, w_dtype=dtype, store_rstd=True, window=True)
+            assert forward_window(key), N
+            found[N] = compiled_resources(compiled_forward(key))
+        else:
+            key = SoftmaxKey("forward", dtype, N, arch, window=True)
+            assert softmax_window(key), N
+            found[N] = compiled_resources(compiled_softmax(key))
+    spilled = {N: r for N, r in found.items() if r["frame_bytes"]}
+    assert not spilled, f"{op} {dtype} {arch} windows spill: {spilled}"
+    if op == "rmsnorm":
+        assert forward_window(ForwardKey(dtype, 262143, arch, w_dtype=dtype, window=True)) is None
+    assert all(r["registers"] > 0 for r in found.values())
+
+
 @pytest.mark.parametrize("family", ["softmax_bwd", "softmax_fwd_bwd"])
 def test_softmax_backward_modes_take_the_wide_cluster(keep_cubin, family):
     """fp32 rows of 256000 leave a thread 16 units over SM90's portable cluster of 8 (712 bytes

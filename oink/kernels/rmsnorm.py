@@ -428,7 +428,7 @@ class ForwardKey:
 def forward_window(k: ForwardKey) -> int | None:
     """The width of the aligned windows the forward for ``k`` reads its rows through, or None (aligned rows,
     or no window asked): RMSNorm of one head, without a residual, its parameters of x's width, on rows of an
-    odd width outside ``narrow_rows``' (whose launch stays). Measured on an H200 against the narrow kernel:
+    odd width outside ``narrow_rows``' (whose launch stays), the window no wider than ``MAX_N``. Measured on an H200 against the narrow kernel:
     rows of odd widths ran 0.35-0.9 of its time at most shapes; rows whose accesses already held 4 or 8 bytes
     ran 1.0-1.3x (the weight gathered a value at a time costs more than the wider accesses save), and so did
     rows with a residual (its window held 60% more registers a thread) or an fp32 weight."""
@@ -436,7 +436,10 @@ def forward_window(k: ForwardKey) -> int | None:
     bits = cute_dtype(k.x_dtype).width
     if not k.window or k.layernorm or k.heads != 1 or k.res_dtype or wide > bits or k.N % 2 == 0:
         return None
-    return shifted_window(k.N, bits) if narrow_rows(k.N, bits) is None else None
+    width = shifted_window(k.N, bits)
+    # a window wider than MAX_N (262143 columns' is 262152) takes an access a thread more: on sm_100a's cluster of
+    # 8 CTAs of 1024 threads, 5 where 4 fill the 64 registers such a thread has (200 bytes spilled)
+    return width if narrow_rows(k.N, bits) is None and width <= MAX_N else None
 
 
 @memo

@@ -166,7 +166,7 @@ class SoftmaxKey:
 def softmax_window(k: SoftmaxKey) -> int | None:
     """The width of the aligned windows the softmax for ``k`` reads its rows through, or None: a forward
     asked to, on rows whose widths allow accesses of at most 4 bytes. Measured on an H200 against the narrow
-    kernel, such rows ran 0.26-0.95 of its time (decode-sized calls the same); rows of 8-byte accesses
+    kernel, such rows ran 0.26-0.93 of its time (decode-sized calls the same); rows of 8-byte accesses
     0.95 and 1.10."""
     bits = cute_dtype(k.dtype).width
     if not k.window or k.mode != "forward" or math.gcd(k.N, 128 // bits) * bits > 32:
