@@ -65,8 +65,8 @@ def test_forward_flags(dtype, w, bias, residual, store_rstd, M, N, seed):
         assert torch.equal(res_out, res_ref)
 
 
-# rows off 16-byte boundaries: vectors of 1, 2 and 4 elements (odd widths through windows: several rows a CTA,
-# one, a cluster; 5135, narrow_rows'), rows of one warp's accesses to clusters of CTAs
+# rows off 16-byte boundaries: vectors of 1, 2 and 4 elements (odd widths without a residual through windows:
+# several rows a CTA, one, a cluster; 5135 takes narrow_rows'), rows of one warp's accesses to clusters of CTAs
 ODD_NS = (7, 455, 1817, 5135, 25630, 94557, 94558)
 
 
@@ -76,8 +76,9 @@ ODD_NS = (7, 455, 1817, 5135, 25630, 94557, 94558)
 @pytest.mark.parametrize("flags", ["w", "w_fp32+bias", "residual", "residual+w_fp32+bias"])
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
 def test_forward_rows_off_boundaries(dtype, N, M, flags, padded, seed):
-    """Dense rows move through aligned windows, their parameters gathered at each window's offset (rows of
-    every shift in one launch); padded rows (another row stride than the outputs') take the narrow kernel."""
+    """Dense rows of odd widths with a weight of x's dtype move through aligned windows, their parameters
+    gathered at each window's offset (rows of every shift in one launch); padded rows (another row stride than
+    the outputs'), a residual and an fp32 weight take the narrow kernel."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     wd = torch.float32 if "w_fp32" in flags else dtype
     x = random_rows(M, N, dtype, padded, g)
@@ -97,8 +98,8 @@ def test_forward_rows_off_boundaries(dtype, N, M, flags, padded, seed):
 @pytest.mark.parametrize("M", (1, 9, 300))
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
 def test_fused_add_in_place_rows_off_boundaries(dtype, N, M, padded, seed):
-    """x and the residual at the same offsets (dense): through windows, each row's edge vectors shared with
-    the rows beside it, which other threads update in place; a padded residual: the narrow kernel."""
+    """x and the residual at the same offsets or not (a padded residual), rows off 16-byte boundaries updated
+    in place (the narrow kernel: a residual's window measured slower)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     x, res = random_rows(M, N, dtype, False, g), random_rows(M, N, dtype, padded, g)
     w = torch.randn(N, device="cuda", generator=g).to(dtype)
