@@ -118,9 +118,9 @@ class RMSNormForward(RowKernelBase):
     def __init__(self, launch: RowLaunch, x_dtype, w_dtype, b_dtype, res_dtype, out_dtype, res_out_dtype,
                  store_rstd: bool, layernorm: bool = False, weight_offset: float = 0.0, heads: int = 1,
                  late_params: bool = False, stage: bool = False, n: int | None = None):
-        """``n``: the row's width where ``launch.N`` is its window's (RMSNorm rows off 16-byte boundaries, x,
-        residual and outputs at the same offsets, read and written through aligned windows:
-        ``RowKernelBase.window``; the parameters gathered a value at a time, ``load_shifted``)."""
+        """``n``: the row's width where ``launch.N`` is its window's (RMSNorm rows off 16-byte boundaries, every
+        row tensor's rows at x's offsets, read and written through aligned windows: ``RowKernelBase.window``;
+        the parameters gathered a value at a time, ``load_shifted``; which calls take them: ``forward_window``)."""
         super().__init__(launch, num_reductions=3 if layernorm else 1)
         self.x_dtype, self.w_dtype, self.b_dtype = x_dtype, w_dtype, b_dtype
         self.res_dtype, self.out_dtype, self.res_out_dtype = res_dtype, out_dtype, res_out_dtype
