@@ -108,9 +108,8 @@ class CrossEntropy(CrossEntropyForms, RowKernelBase):
                  stream: cuda.CUstream):
         vector = lambda p: cute.make_tensor(p, cute.make_layout((M,))) if const_expr(p is not None) else None  # noqa: E731
         if const_expr(self.shifted):  # rows start anywhere: only scalar accesses through these views
-            mX = cute.make_tensor(px, cute.make_layout((M, self.n), stride=(ldx, 1)))
-            mDx = cute.make_tensor(pdx, cute.make_layout((M, self.n), stride=(lddx, 1))) if const_expr(
-                pdx is not None) else None
+            mX = self.shifted_matrix(px, M, ldx)
+            mDx = self.shifted_matrix(pdx, M, lddx) if const_expr(pdx is not None) else None
         else:
             mX = self.matrix(px, M, ldx)
             mDx = self.matrix(pdx, M, lddx) if const_expr(pdx is not None) else None

@@ -244,6 +244,11 @@ class RowKernelBase:
         ld = cute.assume(ld, divby=self.launch.vec)
         return cute.make_tensor(ptr, cute.make_layout((M, self.launch.N), stride=(ld, 1)))
 
+    def shifted_matrix(self, ptr, M, ld):
+        """(M, n) view of a row-major matrix whose rows start anywhere (read only through their windows,
+        ``window``, or a value at a time): no alignment of ``ld`` assumed."""
+        return cute.make_tensor(ptr, cute.make_layout((M, self.n), stride=(ld, 1)))
+
     def grid(self, M):
         return [cute.ceil_div(M, self.launch.rows_per_cta), self.launch.cluster_n, 1]
 

@@ -167,9 +167,7 @@ class RMSNormForward(RowKernelBase):
                  pres: Optional[cute.Pointer], pout: cute.Pointer, pres_out: Optional[cute.Pointer],
                  prstd: Optional[cute.Pointer], pmean: Optional[cute.Pointer], M: Int32, ldx: Int64,
                  ldres: Int64, ldout: Int64, ldres_out: Int64, eps: Float32, stream: cuda.CUstream):
-        matrix = self.matrix
-        if const_expr(self.shifted):  # rows start anywhere: accessed only through their windows
-            matrix = lambda p, M, ld: cute.make_tensor(p, cute.make_layout((M, self.n), stride=(ld, 1)))  # noqa: E731
+        matrix = self.shifted_matrix if const_expr(self.shifted) else self.matrix  # (windows: rows start anywhere)
         mX = matrix(px, M, ldx)
         mO = matrix(pout, M, ldout)
         mRes = matrix(pres, M, ldres) if const_expr(pres is not None) else None
@@ -425,16 +423,22 @@ class ForwardKey:
     window: bool = False
 
 
+def widest_bits(*dtypes) -> int:
+    """The widest of the dtypes (torch names; None for an absent tensor), in bits; 0 if none."""
+    return max([cute_dtype(d).width for d in dtypes if d is not None], default=0)
+
+
 def forward_window(k: ForwardKey) -> int | None:
     """The width of the aligned windows the forward for ``k`` reads its rows through, or None (aligned rows,
     or no window asked): RMSNorm of one head, without a residual, its parameters of x's width, on rows of an
-    odd width outside ``narrow_rows``' (whose launch stays), the window no wider than ``MAX_N``. Measured on an H200 against the narrow kernel:
-    rows of odd widths ran 0.35-0.9 of its time at most shapes; rows whose accesses already held 4 or 8 bytes
-    ran 1.0-1.3x (the weight gathered a value at a time costs more than the wider accesses save), and so did
-    rows with a residual (its window held 60% more registers a thread) or an fp32 weight."""
-    wide = max([cute_dtype(d).width for d in (k.w_dtype, k.b_dtype) if d is not None], default=0)
+    odd width outside ``narrow_rows``' (whose launch stays), the window no wider than ``MAX_N``. Measured on
+    an H200 against the narrow kernel: rows of odd widths ran 0.35-0.9 of its time at most shapes; rows whose
+    accesses already held 4 or 8 bytes ran 1.0-1.3x (the weight gathered a value at a time costs more than the
+    wider accesses save), and so did rows with a residual (its window held 60% more registers a thread) or an
+    fp32 weight."""
     bits = cute_dtype(k.x_dtype).width
-    if not k.window or k.layernorm or k.heads != 1 or k.res_dtype or wide > bits or k.N % 2 == 0:
+    if (not k.window or k.layernorm or k.heads != 1 or k.res_dtype or widest_bits(k.w_dtype, k.b_dtype) > bits
+            or k.N % 2 == 0):
         return None
     width = shifted_window(k.N, bits)
     # a window wider than MAX_N (262143 columns' is 262152) takes an access a thread more: on sm_100a's cluster of
@@ -447,7 +451,7 @@ def forward_launch_of(k: ForwardKey) -> tuple[str, RowLaunch]:
     """(the launch table's key, the launch) of the forward for ``k``: a table entry's, or the rule's
     (``forward_launch``) for its rows or their windows (``forward_window``)."""
     xd = cute_dtype(k.x_dtype)
-    wide = max([cute_dtype(d).width for d in (k.w_dtype, k.res_dtype, k.res_out_dtype) if d is not None], default=0)
+    wide = widest_bits(k.w_dtype, k.res_dtype, k.res_out_dtype)
     width = forward_window(k)
     table_key = f"{'layernorm' if k.layernorm else 'rmsnorm'}_fwd{'_window' if width else ''}/x{xd.width}w{wide}"
     default = forward_launch(width or k.N, xd.width, k.arch, wide, k.layernorm)
@@ -464,7 +468,7 @@ def compiled_forward(k: ForwardKey):
         raise ValueError(f"N={N}: the RMSNorm kernel handles 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
     out_dtype = out_dtype or x_dtype
-    wide = max([cute_dtype(d).width for d in (w_dtype, res_dtype, res_out_dtype) if d is not None], default=0)
+    wide = widest_bits(w_dtype, res_dtype, res_out_dtype)
     table_key, launch = forward_launch_of(k)
     tuned = staged(table_key, arch, launch.N, config.get().fwd_upt, few)  # None, or where a staged launch loads
     stage = stage_rows(launch, xd.width, cute_dtype(res_dtype).width if res_dtype else 0,

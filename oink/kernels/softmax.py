@@ -86,8 +86,8 @@ class Softmax(RowKernelBase):
         """forward: a = x (b unused); backward: a = y, b = dy; fwd_bwd: a = x, b = dy. Shifted rows: x's and
         the output's rows at the same offsets (the host's condition)."""
         if const_expr(self.shifted):  # rows start anywhere: accessed only through their windows
-            mA = cute.make_tensor(pa, cute.make_layout((M, self.n), stride=(lda, 1)))
-            mO = cute.make_tensor(pout, cute.make_layout((M, self.n), stride=(ldout, 1)))
+            mA = self.shifted_matrix(pa, M, lda)
+            mO = self.shifted_matrix(pout, M, ldout)
             mB = mA
         else:
             mA = self.matrix(pa, M, lda)
