@@ -2,6 +2,7 @@
 and how many CTAs the GPU holds at once."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -120,6 +121,15 @@ def window_pays(M: int, window: RowLaunch, narrow: RowLaunch, device: torch.devi
         return True
     index = device.index if device.index is not None else torch.cuda.current_device()
     return -(-M // window.rows_per_cta) >= sm_count(index)
+
+
+def window_key(key, M: int, window_of, launch_of, device: torch.device):
+    """``key`` asking for aligned windows (its ``window`` field) where the family's rule ``window_of`` gives the
+    asking key one and that key's launch (``launch_of``) pays for M rows (``window_pays``); else ``key``."""
+    asked = dataclasses.replace(key, window=True)
+    if window_of(asked) and window_pays(M, launch_of(asked), launch_of(key), device):
+        return asked
+    return key
 
 
 # An empty kernel; with a SM's whole shared memory its occupancy is one CTA a SM. PTX for sm_90, the

@@ -3,13 +3,11 @@ kernels take (CHECKS) and their launches on torch tensors, each prepared once pe
 ``dispatch.prepare``). Imported only on a supported GPU."""
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .compile import stream_of
 from .host import (allocator, dense, dtype_name, in_place_reason, kernel_ready_rows, prepare_vector, resident_clusters,
-                   row_layout, vec_for, width_reason, window_pays)
+                   row_layout, vec_for, width_reason, window_key)
 from .launch_table import few_rows
 from .rmsnorm import ForwardKey, compiled_forward, forward_launch_of, forward_window
 from .rmsnorm_bwd import (BackwardKey, backward_launch, backward_tpsm, compiled_backward, compiled_partial_sum,
@@ -141,10 +139,7 @@ def plan_forward(arch, a: dict):
             res_out_dtype=dtype_name(res_dtype), store_rstd=store_rstd, out_dtype=dtype_name(out_dtype),
             weight_offset=float(a.get("weight_offset", 0.0)), heads=heads, few=few_rows(M))
         if ldx == N:  # rows off 16-byte boundaries through aligned windows: the output's rows at x's offsets
-            windowed = dataclasses.replace(key, window=True)
-            if forward_window(windowed) and window_pays(M, forward_launch_of(windowed)[1],
-                                                        forward_launch_of(key)[1], device):
-                key = windowed
+            key = window_key(key, M, forward_window, lambda k: forward_launch_of(k)[1], device)
         fn = compiled_forward(key)
         stream = stream_of(device)
     ldres_out = N if res is not None else 0

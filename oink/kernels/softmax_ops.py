@@ -1,14 +1,12 @@
 """Softmax kernels on torch tensors (CHECKS/PLANS for the dispatch path)."""
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .compile import stream_of
-from .host import dense, dtype_name, row_layout, vec_for, width_reason, window_pays
+from .host import dense, dtype_name, row_layout, vec_for, width_reason, window_key
 from .launch_table import few_rows
-from .softmax import SoftmaxKey, compiled_softmax, softmax_launch_of
+from .softmax import SoftmaxKey, compiled_softmax, softmax_launch_of, softmax_window
 
 DENSE = torch.contiguous_format
 
@@ -38,11 +36,8 @@ def _plan(mode: str, first: str, second: str | None):
         if not second:
             ldb = lda
         key = SoftmaxKey(mode, dtype_name(x), N, arch, few=few_rows(M))
-        if mode == "forward" and lda == N and vec < 16 // x.element_size():  # rows off 16-byte boundaries: through
-            # aligned windows (the output's rows at x's offsets)
-            windowed = dataclasses.replace(key, window=True)
-            if window_pays(M, softmax_launch_of(windowed), softmax_launch_of(key), x.device):
-                key = windowed
+        if lda == N:  # rows off 16-byte boundaries through aligned windows: the output's rows at x's offsets
+            key = window_key(key, M, softmax_window, softmax_launch_of, x.device)
         fn = compiled_softmax(key)
         stream = stream_of(x.device)
 
