@@ -24,7 +24,7 @@ from oink import config  # noqa: E402
 from oink.kernels import cross_entropy as ce  # noqa: E402
 from oink.kernels.compile import CACHE  # noqa: E402
 from oink.kernels.fp8 import whole_warp_launch  # noqa: E402
-from oink.kernels.reduction import RowLaunch, cluster_rows, pick_row_launch  # noqa: E402
+from oink.kernels.reduction import RowLaunch, cluster_rows, pick_row_launch, whole_warp_rows  # noqa: E402
 from oink.tune import keys_of, time_op, trial  # noqa: E402
 from pytest_oink.bench_runner import gate  # noqa: E402
 from pytest_oink.providers import SPECS, build  # noqa: E402
@@ -47,6 +47,9 @@ def _by_values(N, vec, maxvec=8):
     return pick_row_launch(N, 128 // maxvec, units_per_thread=4 * scale, max_units_per_thread=4 * scale)
 
 
+BITS = [16]  # the probe's dtype in bits (--dtype), for rules that need it
+
+
 RULES = {
     "values": _by_values,
     "small8": lambda N, vec: cluster_rows(N, vec, 16, 128, 8),
@@ -58,6 +61,8 @@ RULES = {
     "small8p": lambda N, vec: cluster_rows(N, vec, 16, 128, 8, exact=False),
     "mid8p": lambda N, vec: cluster_rows(N, vec, 16, 256, 8, exact=False),
     "quacklike": _quack_like,
+    "ln_pow2": lambda N, vec: whole_warp_rows(pick_row_launch(N, BITS[0], max_units_per_thread=4, max_threads=640),
+                                              4, 640),  # LayerNorm's forward rule before fewest_warps
     "wholewarps": whole_warp_launch,  # the FP8 kernels' rule, for the other families
     "wholewarps4": lambda N, vec: whole_warp_launch(N, vec, iters=4),
 }
@@ -93,6 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--log", default=None)
     a = ap.parse_args(argv)
     device, dtype = torch.device("cuda"), getattr(torch, a.dtype)
+    BITS[0] = dtype.itemsize * 8
     roof = measure_roofline(device)
     card = torch.cuda.get_device_name()
     print(f"# {card}: copy {roof.copy_tbs:.2f} TB/s", flush=True)

@@ -646,8 +646,8 @@ def test_split_backward_takes_rows_too_wide_for_one_kernel(monkeypatch):
         for layernorm in (False, True):
             for N in (8192, 65536, 73728, 98304, 131072):
                 assert not split_rows(N, bits, "sm_90a", layernorm), (N, bits, layernorm)
-                heuristic = _fitted_launch(N, bits, "sm_90a", layernorm)  # not the table's
-                portable = _fitted_launch(N, bits, "sm_100a", layernorm)
+                heuristic = _fitted_launch(N, bits, "sm_90a", layernorm)[0]  # not the table's
+                portable = _fitted_launch(N, bits, "sm_100a", layernorm)[0]
                 assert heuristic.cluster_n == (16 if N > 65536 else portable.cluster_n)
             for N in (131072 + 64, 151936, 262144):
                 assert split_rows(N, bits, "sm_90a", layernorm), (N, bits, layernorm)

@@ -186,6 +186,23 @@ def test_torch_compile_fullgraph_and_cuda_graph(seed):
 def test_backward(dtype, w, N, M, seed):
     if M * N > MAX_ELEMS // 2:
         pytest.skip(f"M*N = {M * N} > {MAX_ELEMS // 2}")
+    _check_backward(dtype, w, N, M, seed)
+
+
+# rows off 16-byte boundaries in the backward: a 16-bit row's budget counted in values (2109: one CTA of 256
+# threads; 6571, 11646, 30001: clusters), or in accesses where 700 rows of it would leave SMs short (763)
+ODD_BWD_NS = (7, 763, 2109, 2538, 6571, 11646, 30001)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("w", ["same", "fp32"])
+@pytest.mark.parametrize("N", ODD_BWD_NS)
+@pytest.mark.parametrize("M", (3, 700, 6000))
+def test_backward_rows_off_boundaries(dtype, w, N, M, seed):
+    _check_backward(dtype, w, N, M, seed)
+
+
+def _check_backward(dtype, w, N, M, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x, dout, dres = (random_rows(M, N, dtype, True, g) for _ in range(3))
     wt = None if w == "none" else torch.randn(N, device="cuda", generator=g).to(

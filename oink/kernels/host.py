@@ -123,6 +123,21 @@ def window_pays(M: int, window: RowLaunch, narrow: RowLaunch, device: torch.devi
     return -(-M // window.rows_per_cta) >= sm_count(index)
 
 
+def values_pay(M: int, values: RowLaunch, accesses: RowLaunch, device: torch.device) -> bool:
+    """Whether M rows in narrow accesses take the launch whose budget counts values (fewer threads a row, more
+    accesses each) rather than accesses: where the latter takes a cluster a row, or M rows of the former hold
+    at least ``VALUES_MIN_THREADS`` threads a SM. Fewer, they leave SMs short of loads in flight: the norm
+    backward at 600-1000 rows of 564-965 columns ran 1.09-1.74x the accesses' time with 140-490 threads a SM,
+    and 0.23-0.74x from 4700 threads a SM (H200)."""
+    if values == accesses or accesses.cluster_n > 1 or device.type != "cuda":
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return M * values.threads_per_row * values.cluster_n >= VALUES_MIN_THREADS * sm_count(index)
+
+
+VALUES_MIN_THREADS = 1024  # half a SM's 2048 threads: between the slower (<= 490) and faster (>= 4700) rows
+
+
 def window_key(key, M: int, window_of, launch_of, device: torch.device):
     """``key`` asking for aligned windows (its ``window`` field) where the family's rule ``window_of`` gives the
     asking key one and that key's launch (``launch_of``) pays for M rows (``window_pays``); else ``key``."""

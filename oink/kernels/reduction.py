@@ -185,6 +185,18 @@ def least_padding(launch: RowLaunch, max_iters: int, max_threads: int = 512) -> 
     return dataclasses.replace(launch, threads_per_row=best, num_threads=best)
 
 
+def fewest_warps(launch: RowLaunch, max_iters: int, max_threads: int = 1024) -> RowLaunch:
+    """``launch``'s row (one CTA) over the fewest whole warps that hold it in at most ``max_iters`` accesses a
+    thread, CTAs of at least 128 threads (whole rows); unchanged where that needs more than ``max_threads``
+    threads or a cluster. Fewer threads a row leave a SM room for more rows, so more bytes in flight, where a
+    power of two pads: LayerNorm at 4240 bf16 ran 160 x 4 in 0.66 of 256 x 3's time (H200)."""
+    units = launch.N // launch.vec
+    tpr = WARP * -(-units // (max_iters * WARP))
+    if launch.cluster_n > 1 or launch.threads_per_row < WARP or tpr > max_threads:
+        return launch
+    return dataclasses.replace(launch, threads_per_row=tpr, num_threads=tpr * -(-128 // tpr))
+
+
 def share_tilings(share: int, max_iters: int, max_threads: int = 1024) -> list[tuple[int, int]]:
     """(accesses a thread, threads) of every whole-warp tiling that covers ``share`` 128-bit units exactly
     in at most ``max_iters`` accesses a thread and at most ``max_threads`` threads."""

@@ -23,7 +23,8 @@ from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick, staged
 from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, WIDE_CLUSTER, RowKernelBase, RowLaunch, add,
-                        cluster_rows, narrow_rows, pick_row_launch, shifted_window, whole_warp_rows)
+                        cluster_rows, fewest_warps, narrow_rows, pick_row_launch, shifted_window,
+                        whole_warp_rows)
 
 
 # The forward's thread holds its units of x (and residual) live between the reduction and the
@@ -44,7 +45,9 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     access of x, 4 a thread; a weight or residual wider than x (fp32 with bf16 x: ``w_bits``, the
     widest) costs two accesses a unit, so rows then take 2 units a thread where that still covers the
     row exactly in one CTA (faster there, as at N = 4096; where the tile would not be exact, as at
-    6144 and 7168, 4 units a thread stay faster).
+    6144 and 7168, 4 units a thread stay faster); such rows whose width is not a multiple of x's vector
+    hold as many values a thread, in narrower accesses (counted in accesses, 3151 and 6571 columns took
+    clusters of 512-thread CTAs and ran 2.1-2.4x slower, H200).
     LayerNorm rows take whole warps where that tiles them exactly (7168 bf16: 224 threads): its
     padded tail costs registers (mask, corrected mean: 105 instead of 80 at 256 threads).
     The ``fwd_upt`` development setting (units a thread, oink.config) overrides, for sweeps."""
@@ -57,9 +60,14 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     if narrow is not None:
         return narrow
     if layernorm:
-        return whole_warp_rows(pick_row_launch(N, x_bits, max_units_per_thread=FWD_MAX_UNITS,
-                                               max_threads=LAYERNORM_MAX_THREADS), 4, LAYERNORM_MAX_THREADS)
+        launch = whole_warp_rows(pick_row_launch(N, x_bits, max_units_per_thread=FWD_MAX_UNITS,
+                                                 max_threads=LAYERNORM_MAX_THREADS), 4, LAYERNORM_MAX_THREADS)
+        return launch if launch.even_n else fewest_warps(launch, FWD_MAX_UNITS, LAYERNORM_MAX_THREADS)
     if w_bits > x_bits:
+        scale = (128 // x_bits) // math.gcd(N, 128 // x_bits)
+        if scale > 1:  # narrower accesses: an aligned thread's values (2 units), in scale times the accesses
+            return pick_row_launch(N, x_bits, units_per_thread=2 * scale, max_units_per_thread=2 * scale,
+                                   max_threads=WIDE_WEIGHT_MAX_THREADS)
         narrow = pick_row_launch(N, x_bits, units_per_thread=2)
         if narrow.even_n and narrow.cluster_n == 1 and narrow.iters <= 2:
             return narrow

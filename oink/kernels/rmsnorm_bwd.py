@@ -51,10 +51,34 @@ BWD_MAX_THREADS = {"rmsnorm": 512, "layernorm": 256}
 BWD_MAX_VALUES = {"rmsnorm": 16, "layernorm": 32}
 
 
+# A row of 16-bit values whose width is not a multiple of 8 reads in narrower accesses (``vec`` elements):
+# its threads hold as many values as an aligned row's, in 8 / vec times the accesses, over CTAs of at most
+# NARROW_MAX_THREADS threads and at most NARROW_MAX_VALUES values a thread (LayerNorm: 26 held in 255
+# registers at 6571 columns, 30 spilled). Counted in accesses, such rows took 8 / vec times the threads, in
+# clusters, and ran 2.6-7.7x slower (H200, 2109-11646 columns); 512-thread CTAs ran 1.4x slower than
+# clusters of 256 at 6571, and LayerNorm's cluster of 2 at 6571 1.7x slower than one CTA (bench/RESULTS.md).
+NARROW_MAX_THREADS = 256
+NARROW_MAX_VALUES = {"rmsnorm": 16, "layernorm": 26}
+
+
 def _knobs(layernorm: bool) -> tuple[int, int, int]:
     upt, tpsm, depth = TUNING["layernorm" if layernorm else "rmsnorm"]
     c = config.get()
     return c.bwd_upt or upt, c.bwd_tpsm or tpsm, c.bwd_depth or depth
+
+
+def _budgets(N: int, x_bits: int, layernorm: bool, values: bool) -> list[tuple[int, int, int, int]]:
+    """(accesses a thread, at most, threads a CTA at most, values a thread at most) to fit a row of N columns
+    to, in turn: for a 16-bit row in narrow accesses, the budget in values (with ``values``, not under
+    ``bwd_upt``); the family's."""
+    family = "layernorm" if layernorm else "rmsnorm"
+    upt, most = _knobs(layernorm)[0], BWD_MAX_THREADS[family]
+    aligned = (upt, upt, most, BWD_MAX_VALUES[family])
+    vec = math.gcd(N, 8)
+    if not values or x_bits != 16 or vec == 8 or config.get().bwd_upt:
+        return [aligned]
+    values = NARROW_MAX_VALUES[family]
+    return [(upt * 8 // vec, values // vec, min(most, NARROW_MAX_THREADS), values), aligned]
 
 
 @memo
@@ -75,7 +99,8 @@ def _table_key(x_bits: int, layernorm: bool) -> tuple[str, bool]:
 
 
 @memo
-def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few: bool = False) -> RowLaunch:
+def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few: bool = False,
+                    values: bool = True) -> RowLaunch:
     """Launch heuristic for the norm backward (the one place it is chosen); SM100 reuses SM90's, but
     over at most the portable cluster of 8 (``WIDE_CLUSTER`` is SM90's).
     Where a whole number of warps covers a row exactly in at most ``upt`` accesses a thread
@@ -83,10 +108,9 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few
     of two, whose last access would be idle on a quarter of the threads (512 x 2 x 8 > 6144).
     The launch table's entry for (``rmsnorm_bwd/x<bits>`` or ``layernorm_bwd/x<bits>``, N) wins
     unless a setting (``bwd_upt``) asks for the heuristic's variant; ``few``: for
-    calls of ``launch_table.few_rows`` rows (the key's "/few" entry where there is one)."""
-    upt = _knobs(layernorm)[0]
-    most = BWD_MAX_THREADS["layernorm" if layernorm else "rmsnorm"]
-    launch = _fitted_launch(N, x_bits, arch, layernorm)
+    calls of ``launch_table.few_rows`` rows (the key's "/few" entry where there is one); ``values``: a
+    narrow row's budget counted in values (``NARROW_MAX_THREADS``), else in accesses (``values_pay``)."""
+    launch, upt, most = _fitted_launch(N, x_bits, arch, layernorm, values)
     # whole warps where they tile the row exactly (power-of-two rows otherwise)
     launch = whole_warp_rows(launch, upt, most)
     key, knob = _table_key(x_bits, layernorm)
@@ -94,17 +118,18 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few
 
 
 @memo
-def _fitted_launch(N: int, x_bits: int, arch: str, layernorm: bool) -> RowLaunch:
-    """The heuristic's power-of-two launch, over a cluster of ``WIDE_CLUSTER`` where the portable
-    one would leave a thread more than ``BWD_MAX_VALUES``."""
-    upt = _knobs(layernorm)[0]
-    family = "layernorm" if layernorm else "rmsnorm"
-    most = BWD_MAX_THREADS[family]
-    launch = pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=upt, max_threads=most)
-    if thread_values(launch) > BWD_MAX_VALUES[family] and arch in WIDE_CLUSTER:
-        launch = pick_row_launch(N, x_bits, units_per_thread=upt, max_units_per_thread=upt, max_threads=most,
-                                 max_cluster=WIDE_CLUSTER[arch])
-    return launch
+def _fitted_launch(N: int, x_bits: int, arch: str, layernorm: bool, values: bool = True) -> tuple[RowLaunch, int, int]:
+    """(the heuristic's power-of-two launch, over a cluster of ``WIDE_CLUSTER`` where the portable
+    one would leave a thread more than ``BWD_MAX_VALUES``; the accesses a thread and threads a CTA it
+    was fitted to)."""
+    for upt, most_upt, most, values in _budgets(N, x_bits, layernorm, values):  # the first whose launch holds the row
+        fit = dict(units_per_thread=upt, max_units_per_thread=most_upt, max_threads=most)
+        launch = pick_row_launch(N, x_bits, **fit)
+        if thread_values(launch) > values and arch in WIDE_CLUSTER:
+            launch = pick_row_launch(N, x_bits, **fit, max_cluster=WIDE_CLUSTER[arch])
+        if thread_values(launch) <= values:
+            break
+    return launch, most_upt, most
 
 
 def thread_values(launch: RowLaunch) -> int:
@@ -400,6 +425,7 @@ class BackwardKey:
     weight_offset: float = 0.0  # compiled in: dx's weight is w + offset (dw is unchanged)
     heads: int = 1  # per-head weights, rows_per_cta a multiple of them (``head_launch``)
     few: bool = False  # for calls of ``launch_table.few_rows`` rows
+    values: bool = True  # a narrow row's budget counted in values (``backward_launch``)
     direct: bool = False  # dweight and dbias stored in the weight's dtype, not fp32 partials (``direct_sums``)
 
 
@@ -412,7 +438,7 @@ def compiled_backward(k: BackwardKey):
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the norm kernels handle 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
-    launch = backward_launch(N, xd.width, arch, layernorm, few)
+    launch = backward_launch(N, xd.width, arch, layernorm, few, k.values)
     if heads > 1:
         launch = head_launch(launch, heads)
         if launch is None:
@@ -461,7 +487,7 @@ def split_rows(N: int, x_bits: int, arch: str, layernorm: bool) -> bool:
     if forced is not None:
         return forced
     family = "layernorm" if layernorm else "rmsnorm"
-    return thread_values(_fitted_launch(N, x_bits, arch, layernorm)) > BWD_MAX_VALUES[family]
+    return thread_values(_fitted_launch(N, x_bits, arch, layernorm)[0]) > BWD_MAX_VALUES[family]
 
 
 def split_groups(M: int) -> int:

@@ -7,7 +7,7 @@ import torch
 
 from .compile import stream_of
 from .host import (allocator, dense, dtype_name, in_place_reason, kernel_ready_rows, prepare_vector, resident_clusters,
-                   row_layout, vec_for, width_reason, window_key)
+                   row_layout, values_pay, vec_for, width_reason, window_key)
 from .launch_table import few_rows
 from .rmsnorm import ForwardKey, compiled_forward, forward_launch_of, forward_window
 from .rmsnorm_bwd import (BackwardKey, backward_launch, backward_tpsm, compiled_backward, compiled_partial_sum,
@@ -246,12 +246,16 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
     else:
         few = few_rows(M)
         launch = backward_launch(N, bits, arch, layernorm, few)
+        values = heads > 1 or values_pay(M, launch, backward_launch(N, bits, arch, layernorm, few, False), device)
+        if not values:
+            launch = backward_launch(N, bits, arch, layernorm, few, False)
         if heads > 1:
             launch = head_launch(launch, heads)
         ctas, parts = backward_grid(launch, M, device, backward_tpsm(N, bits, arch, layernorm, few))
         direct = M > 0 and direct_sums(launch, ctas, M, heads)
         if M:
-            fn = compiled_backward(BackwardKey(dtype_name(x), N, arch, heads=heads, few=few, direct=direct, **named))
+            fn = compiled_backward(BackwardKey(dtype_name(x), N, arch, heads=heads, few=few, values=values,
+                                               direct=direct, **named))
     has_dw = weight is not None
     kinds, Np = int(has_dw) + int(has_bias), partial_width(N)
     wdtype = weight.dtype if has_dw else x.dtype
