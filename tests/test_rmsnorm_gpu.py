@@ -66,8 +66,9 @@ def test_forward_flags(dtype, w, bias, residual, store_rstd, M, N, seed):
 
 
 # rows off 16-byte boundaries: vectors of 1, 2 and 4 elements (odd widths without a residual through windows:
-# several rows a CTA, one, a cluster; 5135 takes narrow_rows'), rows of one warp's accesses to clusters of CTAs
-ODD_NS = (7, 455, 1817, 5135, 25630, 94557, 94558)
+# several rows a CTA, one, a cluster; 5135 takes narrow_rows'; with an fp32 weight, 10378: 11 accesses of 2
+# values), rows of one warp's accesses to clusters of CTAs
+ODD_NS = (7, 455, 1817, 5135, 10378, 25630, 94557, 94558)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -34,6 +34,7 @@ from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, WIDE_CLUSTER, Ro
 FWD_MAX_UNITS = 4
 LAYERNORM_MAX_THREADS = 640
 WIDE_WEIGHT_MAX_THREADS = 512
+WIDE_WEIGHT_NARROW_VALUES = 24  # values of x a thread holds before a narrow row with a wider weight takes a cluster
 
 
 @memo
@@ -46,8 +47,9 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     widest) costs two accesses a unit, so rows then take 2 units a thread where that still covers the
     row exactly in one CTA (faster there, as at N = 4096; where the tile would not be exact, as at
     6144 and 7168, 4 units a thread stay faster); such rows whose width is not a multiple of x's vector
-    hold as many values a thread, in narrower accesses (counted in accesses, 3151 and 6571 columns took
-    clusters of 512-thread CTAs and ran 2.1-2.4x slower, H200).
+    hold as many values a thread, in narrower accesses, and up to ``WIDE_WEIGHT_NARROW_VALUES`` in one CTA
+    (counted in accesses, 3151 and 6571 columns took clusters of 512-thread CTAs and ran 2.1-2.4x slower;
+    10378 and 11130 at 22 values a thread ran in 0.68 of a cluster of 2's time, 15001 at 30 in 1.11x; H200).
     LayerNorm rows take whole warps where that tiles them exactly (7168 bf16: 224 threads): its
     padded tail costs registers (mask, corrected mean: 105 instead of 80 at 256 threads).
     The ``fwd_upt`` development setting (units a thread, oink.config) overrides, for sweeps."""
@@ -64,9 +66,10 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
                                                  max_threads=LAYERNORM_MAX_THREADS), 4, LAYERNORM_MAX_THREADS)
         return launch if launch.even_n else fewest_warps(launch, FWD_MAX_UNITS, LAYERNORM_MAX_THREADS)
     if w_bits > x_bits:
-        scale = (128 // x_bits) // math.gcd(N, 128 // x_bits)
-        if scale > 1:  # narrower accesses: an aligned thread's values (2 units), in scale times the accesses
-            return pick_row_launch(N, x_bits, units_per_thread=2 * scale, max_units_per_thread=2 * scale,
+        vec = math.gcd(N, 128 // x_bits)
+        if vec < 128 // x_bits:  # narrower accesses: an aligned thread's values (2 units), up to 24 before a cluster
+            return pick_row_launch(N, x_bits, units_per_thread=2 * (128 // x_bits) // vec,
+                                   max_units_per_thread=WIDE_WEIGHT_NARROW_VALUES // vec,
                                    max_threads=WIDE_WEIGHT_MAX_THREADS)
         narrow = pick_row_launch(N, x_bits, units_per_thread=2)
         if narrow.even_n and narrow.cluster_n == 1 and narrow.iters <= 2:
