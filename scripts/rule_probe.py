@@ -63,6 +63,8 @@ RULES = {
     "quacklike": _quack_like,
     "ln_pow2": lambda N, vec: whole_warp_rows(pick_row_launch(N, BITS[0], max_units_per_thread=4, max_threads=640),
                                               4, 640),  # LayerNorm's forward rule before fewest_warps
+    "w32values4": lambda N, vec: pick_row_launch(N, 16, units_per_thread=32 // vec, max_units_per_thread=32 // vec,
+                                                 max_threads=512),  # fp32 weight, narrow: 4 units' values
     "wholewarps": whole_warp_launch,  # the FP8 kernels' rule, for the other families
     "wholewarps4": lambda N, vec: whole_warp_launch(N, vec, iters=4),
 }

@@ -155,6 +155,43 @@ def test_forward_launch_for_a_wider_weight(monkeypatch):
     assert forward_launch(4096, 16, "sm_90a", 32).threads_per_row == 128
 
 
+def test_narrow_rows_hold_an_aligned_threads_values(monkeypatch):
+    """16-bit rows off 16-byte boundaries (vec < 8) count a thread's budget in values: the backward holds
+    what 2 (RMSNorm) or 4 (LayerNorm) aligned accesses hold, in CTAs of at most 256 threads, a cluster only
+    where one CTA can't; ``values=False`` and fp32 rows keep the budget in accesses; the forward with an fp32
+    weight holds up to 24 values a thread before a cluster."""
+    from oink.kernels.rmsnorm import forward_launch
+    from oink.kernels.rmsnorm_bwd import NARROW_MAX_VALUES, backward_launch
+
+    shape = lambda L: (L.threads_per_row, L.cluster_n, L.iters)  # noqa: E731
+    assert shape(backward_launch(2109, 16, "sm_90a")) == (256, 1, 9)  # 1-element accesses: 16 a thread at most
+    assert shape(backward_launch(2538, 16, "sm_90a")) == (256, 1, 5)  # 2-element: 8
+    assert shape(backward_launch(11646, 16, "sm_90a")) == (256, 4, 6)
+    assert shape(backward_launch(2109, 16, "sm_90a", values=False)) == (512, 4, 2)  # counted in accesses
+    assert shape(backward_launch(2109, 32, "sm_90a")) == shape(backward_launch(2109, 32, "sm_90a", values=False))
+    assert shape(backward_launch(6571, 16, "sm_90a", layernorm=True)) == (256, 1, 26)
+    assert shape(backward_launch(30001, 16, "sm_90a", layernorm=True))[2] <= NARROW_MAX_VALUES["layernorm"]
+    assert backward_launch(4096, 16, "sm_90a") == backward_launch(4096, 16, "sm_90a", values=False)  # aligned
+    assert shape(forward_launch(3151, 16, "sm_90a", 32)) == (256, 1, 13)  # was 512 threads x a cluster of 2
+    assert shape(forward_launch(10378, 16, "sm_90a", 32)) == (512, 1, 11)  # 22 values a thread
+    assert shape(forward_launch(15001, 16, "sm_90a", 32)) == (512, 2, 15)  # 30 would be too many
+    set_dev(monkeypatch, bwd_upt=2)  # a sweep's setting: accesses, as before
+    assert shape(backward_launch(2109, 16, "sm_90a")) == (512, 4, 2)
+
+
+def test_layernorm_forward_takes_the_fewest_whole_warps():
+    """A LayerNorm row no whole-warp tiling covers exactly takes the fewest whole warps holding it in 4
+    accesses a thread (4240 bf16: 160 threads, not 256 x 3), whole rows a CTA of at least 128 threads; exact
+    tilings and rows of less than a warp keep theirs."""
+    from oink.kernels.rmsnorm import forward_launch
+
+    shape = lambda L: (L.threads_per_row, L.num_threads, L.iters)  # noqa: E731
+    assert shape(forward_launch(4240, 16, "sm_90a", 16, True)) == (160, 160, 4)
+    assert shape(forward_launch(2120, 16, "sm_90a", 16, True)) == (96, 192, 3)
+    assert shape(forward_launch(7168, 16, "sm_90a", 16, True)) == (224, 224, 4)  # exact
+    assert shape(forward_launch(256, 16, "sm_90a", 16, True))[0] < 32  # a row of 32 accesses
+
+
 def test_backward_launch_whole_warp_rows(monkeypatch):
     """Rows that whole warps cover exactly take that many threads (no idle last access); others
     keep the power-of-two shape."""

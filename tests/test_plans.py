@@ -427,3 +427,44 @@ def test_a_window_packing_rows_must_still_fill_the_sms(monkeypatch):
     assert not host.window_pays(180, packed, one, gpu)
     assert host.window_pays(8 * 132, packed, one, gpu)
     assert host.window_pays(5, one, one, gpu) and host.window_pays(180, packed, one, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_narrow_backward_rows_count_values_where_they_fill_the_gpu(recorder, monkeypatch, pays):
+    """The norm backward of rows off 16-byte boundaries takes the launch whose budget counts values where
+    ``host.values_pay`` says it pays, else the one counting accesses."""
+    from oink.kernels import rmsnorm_ops
+    from oink.kernels.compile import CACHE
+    from oink.kernels.rmsnorm_bwd import backward_launch
+
+    monkeypatch.setattr(rmsnorm_ops, "values_pay", lambda M, values, accesses, device: pays)
+    M, N = 700, 763
+    args = dict(x=_x(M, N), weight=torch.randn(N, dtype=torch.bfloat16), dout=_x(M, N), rstd=torch.rand(M),
+                dresidual_out=None, has_bias=False, has_residual=False, weight_offset=0.0)
+    CACHE.clear_used()
+    dispatch.prepare("rmsnorm_backward", "sm_90a", args)
+    assert backward_launch(N, 16, "sm_90a", values=pays) in {L for k in CACHE.used for L in _launches(k)}
+    assert backward_launch(N, 16, "sm_90a") != backward_launch(N, 16, "sm_90a", values=False)
+
+
+def _launches(key) -> list:
+    """The RowLaunches in a compile key (nested tuples)."""
+    if isinstance(key, tuple):
+        return [L for part in key for L in _launches(part)]
+    return [key] if hasattr(key, "threads_per_row") else []
+
+
+def test_values_pay_where_the_rows_fill_the_sms(monkeypatch):
+    """The values' launch (fewer threads a row) is taken where M rows of it hold ``VALUES_MIN_THREADS`` threads
+    a SM, or where the accesses' launch takes a cluster; off a GPU, always."""
+    from oink.kernels import host
+    from oink.kernels.reduction import RowLaunch
+
+    monkeypatch.setattr(host, "sm_count", lambda index: 132)
+    values = RowLaunch(N=763, vec=1, threads_per_row=64, num_threads=128)
+    accesses = RowLaunch(N=763, vec=1, threads_per_row=512, num_threads=512)
+    clustered = RowLaunch(N=763, vec=1, threads_per_row=256, num_threads=256, cluster_n=2)
+    gpu = torch.device("cuda", 0)
+    fill = host.VALUES_MIN_THREADS * 132 // 64
+    assert not host.values_pay(fill - 1, values, accesses, gpu) and host.values_pay(fill, values, accesses, gpu)
+    assert host.values_pay(3, values, clustered, gpu) and host.values_pay(3, values, accesses, torch.device("cpu"))

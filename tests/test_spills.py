@@ -84,6 +84,29 @@ def test_narrow_access_rows_do_not_spill(keep_cubin, family, arch):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("family", ("rmsnorm_bwd", "layernorm_bwd", "rmsnorm_fwd_w32"))
+def test_rows_counted_in_values_do_not_spill(keep_cubin, family, arch):
+    """16-bit rows off 16-byte boundaries whose budget counts values (the norm backward: up to 26 one-element
+    accesses a LayerNorm thread; the forward with an fp32 weight: up to 24) keep them in registers, from rows
+    of several a CTA to clusters."""
+    widths = (7, 447, 763, 2109, 2538, 6571, 10378, 11646, 15001, 30001, 65535)
+    found = {N: _resources(family, "bfloat16", N, arch) for N in widths}
+    spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"]}
+    assert not spilled, f"{family} {arch} spills at (launch, resources) {spilled}"
+    assert all(r[1]["registers"] > 0 for r in found.values())
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_layernorm_fewest_warps_do_not_spill(keep_cubin, dtype, arch):
+    """LayerNorm rows no whole-warp tiling covers, over the fewest whole warps (``reduction.fewest_warps``)."""
+    found = {N: _resources("layernorm_fwd", dtype, N, arch) for N in (1064, 2120, 4240, 9000, 15000)}
+    spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"]}
+    assert not spilled, f"layernorm_fwd {dtype} {arch} spills at (launch, resources) {spilled}"
+    assert any(L[0] % 64 for r in found.values() for L in r[0]), "no launch took a whole-warp count"
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("layernorm", [False, True], ids=["rmsnorm", "layernorm"])
 def test_wide_backward_one_kernel_does_not_spill(keep_cubin, layernorm, dtype, arch):
