@@ -16,12 +16,13 @@ LN_NS = (64, 1000, 4096, 6144, 8192, 16384, 131072, 262144)
 # widths no whole-warp tiling covers (the forward's fewest_warps: 2120, 4240) and rows off 16-byte boundaries
 # (the backward's budget in values, or in accesses at 700 rows of 965)
 LN_ODD_NS = (965, 2109, 2120, 4240, 6571, 11646)
+LN_CASES = [(N, M) for N in LN_NS for M in MS] + [(N, M) for N in LN_ODD_NS for M in (3, 700, 6000)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("w_fp32", [False, True], ids=["w_same", "w_fp32"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("N,M", [(N, M) for N in LN_NS for M in MS] + [(N, M) for N in LN_ODD_NS for M in (3, 700, 6000)])
+@pytest.mark.parametrize("N,M", LN_CASES)
 def test_layernorm_forward(dtype, w_fp32, bias, N, M, seed):
     """LayerNorm forward kernel (the RMSNorm kernel with the mean subtracted), outputs poisoned."""
     if M * N > MAX_ELEMS // 2:
@@ -54,7 +55,7 @@ def test_layernorm_public_api_routes_to_kernel(seed):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("w_fp32", [False, True], ids=["w_same", "w_fp32"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("N,M", [(N, M) for N in LN_NS for M in MS] + [(N, M) for N in LN_ODD_NS for M in (3, 700, 6000)])
+@pytest.mark.parametrize("N,M", LN_CASES)
 def test_layernorm_backward(dtype, w_fp32, bias, N, M, seed):
     if M * N > MAX_ELEMS // 2:
         pytest.skip(f"M*N = {M * N} > {MAX_ELEMS // 2}")

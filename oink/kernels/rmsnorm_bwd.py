@@ -77,8 +77,8 @@ def _budgets(N: int, x_bits: int, layernorm: bool, values: bool) -> list[tuple[i
     vec = math.gcd(N, 8)
     if not values or x_bits != 16 or vec == 8 or config.get().bwd_upt:
         return [aligned]
-    values = NARROW_MAX_VALUES[family]
-    return [(upt * 8 // vec, values // vec, min(most, NARROW_MAX_THREADS), values), aligned]
+    most_values = NARROW_MAX_VALUES[family]
+    return [(upt * 8 // vec, most_values // vec, min(most, NARROW_MAX_THREADS), most_values), aligned]
 
 
 @memo
@@ -118,16 +118,17 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few
 
 
 @memo
-def _fitted_launch(N: int, x_bits: int, arch: str, layernorm: bool, values: bool = True) -> tuple[RowLaunch, int, int]:
+def _fitted_launch(N: int, x_bits: int, arch: str, layernorm: bool,
+                   values: bool = True) -> tuple[RowLaunch, int, int]:
     """(the heuristic's power-of-two launch, over a cluster of ``WIDE_CLUSTER`` where the portable
-    one would leave a thread more than ``BWD_MAX_VALUES``; the accesses a thread and threads a CTA it
-    was fitted to)."""
-    for upt, most_upt, most, values in _budgets(N, x_bits, layernorm, values):  # the first whose launch holds the row
+    one would leave a thread more than its budget's values; the most accesses a thread and threads a CTA
+    it was fitted to): the first of ``_budgets`` whose launch holds the row."""
+    for upt, most_upt, most, most_values in _budgets(N, x_bits, layernorm, values):
         fit = dict(units_per_thread=upt, max_units_per_thread=most_upt, max_threads=most)
         launch = pick_row_launch(N, x_bits, **fit)
-        if thread_values(launch) > values and arch in WIDE_CLUSTER:
+        if thread_values(launch) > most_values and arch in WIDE_CLUSTER:
             launch = pick_row_launch(N, x_bits, **fit, max_cluster=WIDE_CLUSTER[arch])
-        if thread_values(launch) <= values:
+        if thread_values(launch) <= most_values:
             break
     return launch, most_upt, most
 

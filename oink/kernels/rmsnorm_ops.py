@@ -245,10 +245,9 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         new_shares = allocator((M, chunks, 2), F32, device)
     else:
         few = few_rows(M)
-        launch = backward_launch(N, bits, arch, layernorm, few)
-        values = heads > 1 or values_pay(M, launch, backward_launch(N, bits, arch, layernorm, few, False), device)
-        if not values:
-            launch = backward_launch(N, bits, arch, layernorm, few, False)
+        launch, accesses = (backward_launch(N, bits, arch, layernorm, few, values) for values in (True, False))
+        values = heads > 1 or values_pay(M, launch, accesses, device)  # per-head rows: as check_backward's
+        launch = launch if values else accesses
         if heads > 1:
             launch = head_launch(launch, heads)
         ctas, parts = backward_grid(launch, M, device, backward_tpsm(N, bits, arch, layernorm, few))
