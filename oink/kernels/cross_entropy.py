@@ -73,12 +73,10 @@ class CrossEntropy(CrossEntropyForms, RowKernelBase):
         self.options = options
         self.posinf = options.softcap is None  # capped logits are finite: no +inf limit to take
         sums = 3 if options.label_smoothing else 2
-        super().__init__(launch, num_reductions=0 if mode == "backward" else sums)
+        super().__init__(launch, num_reductions=0 if mode == "backward" else sums, n=n)
         self.x_dtype = dtype
         self.mode = mode
         self.target_dtype = target_dtype
-        self.n = launch.N if n is None else n
-        self.shifted = self.n != launch.N
         self.stream = stream
         # the softcap's dlogits form (``softcap_form``): a fused register-held row with a softcap c <= 40 and no
         # label smoothing holds exp(t - c) (1 - (t / c)^2) a logit from the row's sum to its dlogits (``held_exp``);
@@ -98,8 +96,8 @@ class CrossEntropy(CrossEntropyForms, RowKernelBase):
         self.inside_tested = self.padded and (options.softcap is not None or bool(options.label_smoothing))
         if stream and launch.rows_per_cta != 1:
             raise ValueError(f"a streamed row: one row a CTA; got {launch}")
-        if self.shifted and (launch.rows_per_cta != 1 or launch.N < self.n + launch.vec - 1):
-            raise ValueError(f"shifted rows: one row a CTA, a window of >= n + vec - 1; got {launch}")
+        if self.shifted and launch.rows_per_cta != 1:
+            raise ValueError(f"shifted rows: one row a CTA; got {launch}")
 
     @cute.jit
     def __call__(self, px: cute.Pointer, ptarget: cute.Pointer, pdloss: Optional[cute.Pointer],

@@ -112,6 +112,11 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _sms(device: torch.device) -> int:
+    """SMs of a CUDA device (its index, or the current device's)."""
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def window_pays(M: int, window: RowLaunch, narrow: RowLaunch, device: torch.device) -> bool:
     """Whether M rows off 16-byte boundaries take the launch of their aligned windows
     (``RowKernelBase.window``) rather than the narrow one: a window's launch may pack more rows a CTA, which
@@ -119,8 +124,7 @@ def window_pays(M: int, window: RowLaunch, narrow: RowLaunch, device: torch.devi
     H200), so it must pack no more rows a CTA than the narrow launch, or still give every SM a CTA."""
     if window.rows_per_cta <= narrow.rows_per_cta or device.type != "cuda":
         return True
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return -(-M // window.rows_per_cta) >= sm_count(index)
+    return -(-M // window.rows_per_cta) >= _sms(device)
 
 
 def values_pay(M: int, values: RowLaunch, accesses: RowLaunch, device: torch.device) -> bool:
@@ -131,8 +135,7 @@ def values_pay(M: int, values: RowLaunch, accesses: RowLaunch, device: torch.dev
     and 0.23-0.74x from 4700 threads a SM (H200)."""
     if values == accesses or accesses.cluster_n > 1 or device.type != "cuda":
         return True
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return M * values.threads_per_row * values.cluster_n >= VALUES_MIN_THREADS * sm_count(index)
+    return M * values.threads_per_row * values.cluster_n >= VALUES_MIN_THREADS * _sms(device)
 
 
 VALUES_MIN_THREADS = 1024  # half a SM's 2048 threads: between the slower (<= 490) and faster (>= 4700) rows

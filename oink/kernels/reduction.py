@@ -228,9 +228,14 @@ class RowKernelBase:
     """Shared pieces of row kernels: tiling, predicates, and the thread/warp/block/cluster
     all-reduce. Subclasses define ``__call__`` (host side) and ``kernel``."""
 
-    def __init__(self, launch: RowLaunch, num_reductions: int = 1):
+    def __init__(self, launch: RowLaunch, num_reductions: int = 1, n: int | None = None):
+        """``n``: the row's width where ``launch.N`` is its aligned window's (rows off 16-byte boundaries, read
+        and written through ``window``: ``shifted``), at least n plus a vector less one."""
         self.launch = launch
-        self.n = launch.N  # the row's width; a shifted row's (``window``) is less than its window's, launch.N
+        self.n = launch.N if n is None else n
+        self.shifted = self.n != launch.N
+        if self.shifted and launch.N < self.n + launch.vec - 1:
+            raise ValueError(f"shifted rows of {self.n} columns: a window of >= n + vec - 1; got {launch}")
         self.num_reductions = num_reductions  # independent reduction slots (e.g. mean, var)
         self.pdl = config.get().pdl  # programmatic dependent launch (the compile cache keys on it)
 

@@ -132,7 +132,7 @@ class RMSNormForward(RowKernelBase):
         """``n``: the row's width where ``launch.N`` is its window's (RMSNorm rows off 16-byte boundaries, every
         row tensor's rows at x's offsets, read and written through aligned windows: ``RowKernelBase.window``;
         the parameters gathered a value at a time, ``load_shifted``; which calls take them: ``forward_window``)."""
-        super().__init__(launch, num_reductions=3 if layernorm else 1)
+        super().__init__(launch, num_reductions=3 if layernorm else 1, n=n)
         self.x_dtype, self.w_dtype, self.b_dtype = x_dtype, w_dtype, b_dtype
         self.res_dtype, self.out_dtype, self.res_out_dtype = res_dtype, out_dtype, res_out_dtype
         self.store_rstd = store_rstd
@@ -146,10 +146,8 @@ class RMSNormForward(RowKernelBase):
         # reduction, so that no register holds them across its barriers (``stage_rows``)
         self.stage = stage
         assert not stage or launch.even_n, launch
-        self.n = launch.N if n is None else n
-        self.shifted = self.n != launch.N
-        if self.shifted and (layernorm or heads > 1 or stage or launch.N < self.n + launch.vec - 1):
-            raise ValueError(f"shifted rows: RMSNorm, one head, unstaged, a window of >= n + vec - 1; got {launch}")
+        if self.shifted and (layernorm or heads > 1 or stage):
+            raise ValueError(f"shifted rows: RMSNorm, one head, unstaged; got {launch}")
 
     @cute.jit
     def weight_values(self, rW: cute.Tensor):

@@ -71,14 +71,12 @@ class Softmax(RowKernelBase):
         read and written through aligned windows: ``RowKernelBase.window``)."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
-        super().__init__(launch, num_reductions={"forward": 2, "backward": 1, "fwd_bwd": 3}[mode])
+        super().__init__(launch, num_reductions={"forward": 2, "backward": 1, "fwd_bwd": 3}[mode], n=n)
         self.x_dtype = dtype
         self.mode = mode
         self.online = online
-        self.n = launch.N if n is None else n
-        self.shifted = self.n != launch.N
-        if self.shifted and (mode != "forward" or launch.N < self.n + launch.vec - 1):
-            raise ValueError(f"shifted rows: the forward, a window of >= n + vec - 1; got {mode}, {launch}")
+        if self.shifted and mode != "forward":
+            raise ValueError(f"shifted rows: the forward only; got {mode}")
 
     @cute.jit
     def __call__(self, pa: cute.Pointer, pb: cute.Pointer, pout: cute.Pointer, M: Int32, lda: Int64, ldb: Int64,
