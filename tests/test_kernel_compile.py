@@ -113,6 +113,32 @@ def test_rmsnorm_forward_windows_compile(arch, dtype, w, residual):
         ForwardKey(dtype, 455, arch, **lay))
 
 
+def test_row_loads_go_unbranched_where_the_grid_holds_the_rows():
+    """``rows_in_grid``: a kernel traced for sm_90a (``compile_kernel`` sets the arch) with one row a CTA loads
+    its row without the ``row < M`` branch (the grid holds exactly M CTAs); several rows a CTA, sm_100a and an
+    untraced kernel keep it. RMSNorm only where a thread holds 16-bit values of x, no residual and no wider
+    parameter (the others spilled)."""
+    import cutlass
+
+    from oink.kernels.reduction import RowKernelBase
+    from oink.kernels.rmsnorm import RMSNormForward
+
+    one = RowLaunch(N=4096, vec=8, threads_per_row=128, num_threads=128)
+    several = RowLaunch(N=512, vec=8, threads_per_row=16, num_threads=128)
+    for launch, arch, expected in ((one, "sm_90a", True), (one, "sm_100a", False), (one, None, False),
+                                   (several, "sm_90a", False)):
+        k = RowKernelBase(launch)
+        if arch:
+            k.arch = arch
+        assert k.rows_in_grid == expected, (launch, arch)
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    for w, res, x, expected in ((bf16, None, bf16, True), (None, None, bf16, True), (f32, None, bf16, False),
+                                (bf16, bf16, bf16, False), (f32, None, f32, False)):
+        k = RMSNormForward(one, x, w, None, res, x, res, store_rstd=True)
+        k.arch = "sm_90a"
+        assert k.unbranched == expected, (w, res, x)
+
+
 def test_rmsnorm_width_limit():
     with pytest.raises(ValueError, match="262144"):
         compiled_forward(ForwardKey("bfloat16", 262144 * 2, "sm_90a"))

@@ -166,6 +166,7 @@ def compile_kernel(kernel_obj, *fake_args, arch: str):
     options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if cfg.tvm_ffi else "")
     if cfg.keep_cubin:  # the dumps go to a temp directory, never the working directory
         options += f" --keep-cubin --dump-dir={dump_dir()}"
+    kernel_obj.arch = arch  # what the kernel is traced for (``RowKernelBase.rows_in_grid`` reads it)
     fn = cute.compile(kernel_obj, *fake_args, options=options)
     if cfg.tvm_ffi:
         # the bare tvm_ffi.Function (positional only); None where no GPU loaded it (CPU compiles)

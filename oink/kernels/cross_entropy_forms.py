@@ -33,11 +33,7 @@ class CrossEntropyForms:
             return None
         if const_expr(not self.shifted):
             return self.inside_vectors(rX, tXcX, every=self.stream)
-        keep = cute.make_rmem_tensor_like(rX, cutlass.Boolean)
-        for i in cutlass.range_constexpr(cute.size(keep)):
-            col = tXcX[i][1]
-            keep[i] = col >= lo and col < lo + self.n
-        return keep.load()
+        return self.window_columns(rX, tXcX, lo)
 
     @cute.jit
     def capped(self, x, rX: cute.Tensor, inside):

@@ -228,6 +228,8 @@ class RowKernelBase:
     """Shared pieces of row kernels: tiling, predicates, and the thread/warp/block/cluster
     all-reduce. Subclasses define ``__call__`` (host side) and ``kernel``."""
 
+    arch: str | None = None  # the arch the kernel is traced for (``compile_kernel`` sets it)
+
     def __init__(self, launch: RowLaunch, num_reductions: int = 1, n: int | None = None):
         """``n``: the row's width where ``launch.N`` is its aligned window's (rows off 16-byte boundaries, read
         and written through ``window``: ``shifted``), at least n plus a vector less one."""
@@ -268,6 +270,15 @@ class RowKernelBase:
 
     def grid(self, M):
         return [cute.ceil_div(M, self.launch.rows_per_cta), self.launch.cluster_n, 1]
+
+    @property
+    def rows_in_grid(self) -> bool:
+        """Whether a CTA's row loads go out unbranched: with one row a CTA the grid holds exactly M CTAs
+        (``grid``), so every CTA's row lies in the tensor. Inside a ``row < M`` branch ptxas waits for each
+        load before the branch closes, a round trip a vector where few rows leave the SMs idle between.
+        SM90 only: on sm_100a the unbranched loads spilled a few bytes of some wide rows, and no SM100 card
+        has timed them."""
+        return self.launch.rows_per_cta == 1 and self.arch == "sm_90a"
 
     def cluster(self):
         return [1, self.launch.cluster_n, 1] if self.launch.cluster_n > 1 else None
@@ -317,22 +328,42 @@ class RowKernelBase:
 
     @cute.jit
     def load_window(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, shift, fill: cutlass.Constexpr,
-                    dtype: cutlass.Constexpr = None):
+                    dtype: cutlass.Constexpr = None, each: cutlass.Constexpr = False):
         """Load this thread's slice of a shifted row from its window (``row_window``): the vectors holding
         columns of the row whole, the columns outside the row (of the rows beside it, or never read) as
-        ``fill``. ``dtype``: the tensor's, if not x's."""
+        ``fill``. ``dtype``: the tensor's, if not x's. Every load goes out first, then one select: a
+        vector's load and its edge fix-up in one branch made ptxas wait for each load in turn (a round trip
+        a vector). ``each``: that per-vector form, which kept a softmax thread's 8 loads in one batch where
+        the selects split them into 4 (SASS; 1.18x the time at 67 x 253687 columns)."""
         L = self.launch
         atom = self.atom(self.x_dtype) if const_expr(dtype is None) else self.atom(dtype)
-        for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
-            first = tXcX[(0, 0), 0, i][1]
-            d_i = dst[None, None, i]
-            if first < shift + self.n:
-                cute.copy(atom, src[None, None, i], d_i)
-            if first < shift or first + L.vec > shift + self.n:  # an edge vector, or one past the row
-                c_i = tXcX[None, None, i]
-                for j in cutlass.range_constexpr(cute.size(d_i)):
-                    if c_i[j][1] < shift or c_i[j][1] >= shift + self.n:
-                        d_i[j] = d_i.element_type(fill)
+        if const_expr(each):
+            for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
+                first = tXcX[(0, 0), 0, i][1]
+                d_i = dst[None, None, i]
+                if first < shift + self.n:
+                    cute.copy(atom, src[None, None, i], d_i)
+                if first < shift or first + L.vec > shift + self.n:  # an edge vector, or one past the row
+                    c_i = tXcX[None, None, i]
+                    for j in cutlass.range_constexpr(cute.size(d_i)):
+                        if c_i[j][1] < shift or c_i[j][1] >= shift + self.n:
+                            d_i[j] = d_i.element_type(fill)
+        else:
+            raw = cute.make_rmem_tensor_like(dst)
+            for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
+                if tXcX[(0, 0), 0, i][1] < shift + self.n:
+                    cute.copy(atom, src[None, None, i], raw[None, None, i])
+            dst.store(cute.where(self.window_columns(raw, tXcX, shift), raw.load(), cute.full_like(raw.load(), fill)))
+
+    @cute.jit
+    def window_columns(self, like: cute.Tensor, tXcX: cute.Tensor, shift):
+        """Booleans shaped like the register tensor ``like``: whether each value of a shifted row's window
+        (``row_window``) is a column of the row."""
+        keep = cute.make_rmem_tensor_like(like, cutlass.Boolean)
+        for i in cutlass.range_constexpr(cute.size(keep)):
+            col = tXcX[i][1]
+            keep[i] = col >= shift and col < shift + self.n
+        return keep.load()
 
     @cute.jit
     def store_window(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, shift,

@@ -245,10 +245,10 @@ class RMSNormForward(RowKernelBase):
             rX.fill(0)
             if const_expr(mRes is not None):
                 rRes.fill(0)
-            if row < M:
-                self.load_slice(tXgX, rX, tXcX, self.x_dtype, shift)
-                if const_expr(mRes is not None):
-                    self.load_slice(tXgRes, rRes, tXcX, self.res_dtype, shift)
+            if const_expr(self.unbranched):
+                self.load_inputs(tXgX, rX, tXgRes, rRes, tXcX, shift)
+            elif row < M:
+                self.load_inputs(tXgX, rX, tXgRes, rRes, tXcX, shift)
         if const_expr(not self.late_params):
             rW, rB = self.load_params(mW, mB, part, tXcX, row, shift)
 
@@ -383,6 +383,21 @@ class RMSNormForward(RowKernelBase):
             if tXcX[i][1] >= shift and tXcX[i][1] < shift + self.n:
                 rP[i] = tXgP[i]
         return rP
+
+    @property
+    def unbranched(self) -> bool:
+        """x's loads unbranched (``rows_in_grid``) where a thread holds 16-bit values of one row, no residual
+        and no wider parameter: with fp32 rows, a residual or an fp32 weight ptxas then spilled a few bytes."""
+        return self.rows_in_grid and self.x_dtype.width == 16 and self.res_dtype is None and all(
+            d is None or d.width <= 16 for d in (self.w_dtype, self.b_dtype))
+
+    @cute.jit
+    def load_inputs(self, tXgX: cute.Tensor, rX: cute.Tensor, tXgRes: Optional[cute.Tensor],
+                    rRes: Optional[cute.Tensor], tXcX: cute.Tensor, shift):
+        """Load this thread's slices of its row of x (and of the residual)."""
+        self.load_slice(tXgX, rX, tXcX, self.x_dtype, shift)
+        if const_expr(rRes is not None):
+            self.load_slice(tXgRes, rRes, tXcX, self.res_dtype, shift)
 
     @cute.jit
     def load_slice(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, dtype: cutlass.Constexpr, shift):
