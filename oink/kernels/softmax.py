@@ -115,8 +115,8 @@ class Softmax(RowKernelBase):
         tXgB = None
         if const_expr(self.mode != "forward"):
             tXgB = part(mB, bidx)
-        # unbranched where timed so: the aligned forward (not timed for shifted rows; the backward modes'
-        # two rows spilled on sm_100a)
+        # unbranched where timed so: the aligned forward (shifted rows keep the test, not timed apart from their
+        # window's load form; the backward modes' two rows spilled on sm_100a)
         if const_expr(self.rows_in_grid and self.mode == "forward" and not self.shifted):
             self.load_inputs(tXgA, rA, tXgB, rB, tXcX, shift)
         elif row < M:
