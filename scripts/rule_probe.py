@@ -47,11 +47,25 @@ def _by_values(N, vec, maxvec=8):
     return pick_row_launch(N, 128 // maxvec, units_per_thread=4 * scale, max_units_per_thread=4 * scale)
 
 
+def _values_wide(max_cluster, cta_threads, iters_of):
+    """Narrow-access rows counted in values: ``values``' one-CTA rule up to 16384 columns, past it
+    ``cluster_rows`` over CTAs of ``cta_threads`` and clusters up to ``max_cluster``, a thread's accesses
+    capped at ``iters_of(vec)``."""
+    def rule(N, vec):
+        if N <= 16384:
+            return _by_values(N, vec)
+        return cluster_rows(N, vec, max_cluster, cta_threads, iters_of(vec))
+    return rule
+
+
 BITS = [16]  # the probe's dtype in bits (--dtype), for rules that need it
 
 
 RULES = {
     "values": _by_values,
+    "c16t256": _values_wide(16, 256, lambda vec: 32 // vec + 1),
+    "c8t256": _values_wide(8, 256, lambda vec: 32 // vec + 1),
+    "c16t128": _values_wide(16, 128, lambda vec: 32 // vec + 1),
     "small8": lambda N, vec: cluster_rows(N, vec, 16, 128, 8),
     "mid8": lambda N, vec: cluster_rows(N, vec, 16, 256, 8),
     "small4": lambda N, vec: cluster_rows(N, vec, 16, 128, 4),

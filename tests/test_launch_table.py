@@ -519,3 +519,49 @@ def test_narrow_access_rows_count_values_a_thread():
     assert narrow_rows(8077, 16).threads_per_row == 256  # 32 one-element accesses, not 1024 threads over 2 CTAs
     assert narrow_rows(8192, 16) is None and narrow_rows(8077, 32) is None
     assert narrow_rows(NARROW_ROWS_N[0], 16) is None and narrow_rows(NARROW_ROWS_N[1] + 1, 16) is None
+
+
+def test_even_narrow_rows_count_values_from_the_norm_forwards_lower_bound():
+    """With ``even_from`` (the norm forwards), rows of 2-element accesses count values a thread from
+    ``NARROW_EVEN_FROM_N`` columns; odd widths (1-element accesses, read through windows) and rows of 4 do not."""
+    from oink.kernels.reduction import NARROW_EVEN_FROM_N, narrow_rows
+
+    for N in (1030, 2050, 3078, 4094):
+        L = narrow_rows(N, 16, 4, NARROW_EVEN_FROM_N)
+        assert L.vec == 2 and L.cluster_n == 1 and 16 < L.iters * L.vec <= 32, L
+        assert narrow_rows(N, 16) is None  # without it, the range starts past 4096
+    assert narrow_rows(1027, 16, 4, NARROW_EVEN_FROM_N) is None  # odd: the windows' widths
+    assert narrow_rows(2052, 16, 4, NARROW_EVEN_FROM_N) is None  # 4-element accesses
+    assert narrow_rows(NARROW_EVEN_FROM_N, 16, 4, NARROW_EVEN_FROM_N) is None
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_wide_narrow_access_rows_take_small_ctas_holding_more_values(arch):
+    """Past ``CLUSTER_ROWS_MIN_N``, a 16-bit row of 2-element accesses takes CTAs of 256 threads
+    holding up to ``NARROW_CLUSTER_VALUES`` values a thread (one padded access more) where a cluster holds
+    it so, fewer threads a row than an access count gives; LayerNorm never clusters 16 CTAs of more
+    than 256 threads; aligned rows, odd widths, rows of 4-element accesses, a wider weight and a residual
+    keep ``cluster_rows``' launch."""
+    from oink.kernels.reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, NARROW_CLUSTER_VALUES, WIDE_CLUSTER,
+                                        cluster_rows, narrow_cluster_rows)
+    from oink.kernels.rmsnorm import forward_launch
+
+    widest = WIDE_CLUSTER.get(arch, MAX_CLUSTER)
+    for N in (16386, 20482, 33794, 49474, 67810, 98306, 131750):
+        L = narrow_cluster_rows(N, 16, widest)
+        assert L.vec == 2 and L.cluster_n <= widest
+        assert L.num_threads == 256 or L.cluster_n == widest, L
+        assert L.iters * L.vec <= NARROW_CLUSTER_VALUES + L.vec, L
+        assert forward_launch(N, 16, arch) == L
+        old = cluster_rows(N, L.vec, widest)
+        assert L.threads_per_row * L.cluster_n <= old.threads_per_row * old.cluster_n and L.iters >= old.iters
+    assert forward_launch(67810, 16, arch).num_threads == 256  # 1024 x 8 counted in accesses
+    for N in (163844, 180226):  # a cluster of 16 would take 512-thread CTAs: LayerNorm keeps its cluster of 8
+        ln = forward_launch(N, 16, arch, layernorm=True)
+        assert ln.cluster_n <= MAX_CLUSTER or ln.num_threads <= 256
+    for N, bits in ((65536, 16), (CLUSTER_ROWS_MIN_N + 1, 16), (67810, 32), (CLUSTER_ROWS_MIN_N - 2, 16),
+                    (90116, 16)):
+        assert narrow_cluster_rows(N, bits, widest) is None
+    assert forward_launch(67810, 16, arch, w_bits=32) == cluster_rows(67810, 2, widest)
+    assert forward_launch(67810, 16, arch, residual=True) == cluster_rows(67810, 2, widest)  # the fused add's
+    assert forward_launch(1030, 16, arch, residual=True) != forward_launch(1030, 16, arch)

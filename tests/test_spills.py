@@ -76,8 +76,12 @@ def test_wide_row_rule_does_not_spill(keep_cubin, family, dtype, arch):
 @pytest.mark.parametrize("family", ("rmsnorm_fwd", "rmsnorm_fwd_res", "layernorm_fwd", "softmax_fwd"))
 def test_narrow_access_rows_do_not_spill(keep_cubin, family, arch):
     """16-bit rows whose width is not a multiple of 8 (``reduction.narrow_rows``: 32 one-element accesses a
-    thread at 8077) keep their values in registers."""
-    found = {N: _resources(family, "bfloat16", N, arch) for N in (4097, 4619, 4750, 8077, 12290, 16383)}
+    thread at 8077; the norm forwards' rows of 2-element accesses from 1025 columns, and past 16384 in CTAs of
+    256 threads of up to 17 accesses, ``reduction.narrow_cluster_rows``) keep their values in registers."""
+    widths = (4097, 4619, 4750, 8077, 12290, 16383)
+    if family != "softmax_fwd":
+        widths += (1030, 3078, 33794, 67810, 131750)
+    found = {N: _resources(family, "bfloat16", N, arch) for N in widths}
     spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"]}
     assert not spilled, f"{family} {arch} spills at (launch, resources) {spilled}"
     assert all(r[1]["registers"] > 0 for r in found.values())

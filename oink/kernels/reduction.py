@@ -98,20 +98,45 @@ CLUSTER_ROWS_MIN_N = 16384
 
 # Rows of 16-bit values whose width is not a multiple of 8 (accesses narrower than 16 bytes) within these
 # widths count a thread's budget in values, not accesses (``narrow_rows``): measured from 4619 to 8077.
+# Rows of 2-element accesses (widths of 2 x an odd number), with ``even_from``, from that width on: the norm
+# forwards' from 1025 (H200, 1030-3078 columns: 0.66-0.75 of the access-counted launch's time, RMSNorm and
+# LayerNorm; rows of 4-element accesses ran 0.85-1.07x, and stay).
 NARROW_ROWS_N = (4096, CLUSTER_ROWS_MIN_N)
+NARROW_EVEN_FROM_N = 1024
 
 
-def narrow_rows(N: int, x_bits: int, units_per_thread: int = 4) -> RowLaunch | None:
+def narrow_rows(N: int, x_bits: int, units_per_thread: int = 4, even_from: int | None = None) -> RowLaunch | None:
     """The one-CTA launch for a row of 16-bit values whose accesses are narrower than 16 bytes (``vec`` < 8):
     as many values a thread as an aligned row's ``units_per_thread`` accesses hold, in more, narrower
     accesses, rather than 8 / ``vec`` times the threads (each a few short loads, and a cluster sooner).
-    None where the row is aligned, not 16-bit, or outside ``NARROW_ROWS_N``."""
+    None where the row is aligned, not 16-bit, or outside ``NARROW_ROWS_N`` (from ``even_from`` columns
+    where the accesses hold 2 elements)."""
     vec = math.gcd(N, 128 // x_bits)
-    if x_bits != 16 or vec == 8 or not NARROW_ROWS_N[0] < N <= NARROW_ROWS_N[1]:
+    lo = even_from if even_from is not None and vec == 2 else NARROW_ROWS_N[0]
+    if x_bits != 16 or vec == 8 or not lo < N <= NARROW_ROWS_N[1]:
         return None
     scale = 8 // vec
     return pick_row_launch(N, x_bits, units_per_thread=units_per_thread * scale,
                            max_units_per_thread=units_per_thread * scale)
+
+
+# Past ``CLUSTER_ROWS_MIN_N``, a thread of ``narrow_cluster_rows`` holds up to this many values (one padded
+# access more), 2x an aligned row's 8 accesses' count of accesses at 2 elements an access
+NARROW_CLUSTER_VALUES = 32
+
+
+def narrow_cluster_rows(N: int, x_bits: int, max_cluster: int) -> RowLaunch | None:
+    """The cluster launch for a row of 16-bit values whose accesses hold 2 elements, wider than
+    ``CLUSTER_ROWS_MIN_N``: ``cluster_rows`` over CTAs of 256 threads, a thread's accesses capped at
+    ``NARROW_CLUSTER_VALUES`` values (and one more access), not 8 accesses: counted in accesses, such a row
+    took 4x an aligned row's threads, CTAs of 512-1024 (one a SM, its loads stopped at each barrier).
+    RMSNorm forward on an H200, 20482-180226 columns: 0.65-0.8 of that launch's time. None where the row
+    is aligned, not 16-bit, of 1-element accesses (odd widths: ``shifted_window``) or of 4 (their cap of
+    9 accesses is an aligned row's 8: only the CTAs grew, 0.84-1.34x the time)."""
+    vec = math.gcd(N, 128 // x_bits)
+    if x_bits != 16 or vec != 2 or N <= CLUSTER_ROWS_MIN_N:
+        return None
+    return cluster_rows(N, vec, max_cluster, 256, NARROW_CLUSTER_VALUES // vec + 1)
 
 
 def shifted_window(N: int, x_bits: int) -> int | None:

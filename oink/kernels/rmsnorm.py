@@ -22,9 +22,9 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick, staged
-from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, WIDE_CLUSTER, RowKernelBase, RowLaunch, add,
-                        cluster_rows, fewest_warps, narrow_rows, pick_row_launch, shifted_window,
-                        whole_warp_rows)
+from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, NARROW_EVEN_FROM_N, WIDE_CLUSTER, RowKernelBase,
+                        RowLaunch, add, cluster_rows, fewest_warps, narrow_cluster_rows, narrow_rows, pick_row_launch,
+                        shifted_window, whole_warp_rows)
 
 
 # The forward's thread holds its units of x (and residual) live between the reduction and the
@@ -38,12 +38,16 @@ WIDE_WEIGHT_NARROW_VALUES = 24  # values of x a thread holds before a narrow row
 
 
 @memo
-def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: bool = False) -> RowLaunch:
+def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: bool = False,
+                   residual: bool = False) -> RowLaunch:
     """Launch heuristic for the forward (the one place it is chosen). Measured on SM90 only;
     SM100 takes the same shapes until a Blackwell card can tune them. Rows wider than
-    ``CLUSTER_ROWS_MIN_N`` take the wide-row rule (``reduction.cluster_rows``), 16-bit rows whose width is
-    not a multiple of 8 (but a weight wider than x) ``reduction.narrow_rows``. A unit is one 128-bit
-    access of x, 4 a thread; a weight or residual wider than x (fp32 with bf16 x: ``w_bits``, the
+    ``CLUSTER_ROWS_MIN_N`` take the wide-row rule (``reduction.cluster_rows``; 16-bit rows of 2-element
+    accesses ``reduction.narrow_cluster_rows``), 16-bit rows whose width is not a multiple of 8 (but a
+    weight wider than x) ``reduction.narrow_rows``, those of 2-element accesses from 1025 columns. A
+    ``residual`` (the fused add: twice the loads, more registers) keeps the access count for rows of 2-element
+    accesses outside 4097-16384: counted in values it ran 0.91-1.16x the time (H200, random seeds 7373-9595).
+    A unit is one 128-bit access of x, 4 a thread; a weight or residual wider than x (fp32 with bf16 x: ``w_bits``, the
     widest) costs two accesses a unit, so rows then take 2 units a thread where that still covers the
     row exactly in one CTA (faster there, as at N = 4096; where the tile would not be exact, as at
     6144 and 7168, 4 units a thread stay faster); such rows whose width is not a multiple of x's vector
@@ -55,10 +59,17 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     The ``fwd_upt`` development setting (units a thread, oink.config) overrides, for sweeps."""
     if config.get().fwd_upt:
         return pick_row_launch(N, x_bits, units_per_thread=config.get().fwd_upt)
-    if N > CLUSTER_ROWS_MIN_N:  # LayerNorm's two reduction rounds: a cluster of 16 cost more than 8
+    if N > CLUSTER_ROWS_MIN_N:
+        counted = w_bits <= x_bits and not residual  # a row's values counted, not its accesses
+        spread = narrow_cluster_rows(N, x_bits, WIDE_CLUSTER.get(arch, MAX_CLUSTER)) if counted else None
+        # LayerNorm's clusters of 16 CTAs of 512 threads: 1.3-1.4x a cluster of 8 of 1024 (163844, 180226, H200)
+        if spread is not None and not (layernorm and spread.cluster_n > MAX_CLUSTER and spread.num_threads > 256):
+            return spread
+        # LayerNorm's two reduction rounds: a cluster of 16 cost more than 8
         widest = MAX_CLUSTER if layernorm else WIDE_CLUSTER.get(arch, MAX_CLUSTER)
         return cluster_rows(N, math.gcd(N, 128 // x_bits), widest)
-    narrow = None if w_bits > x_bits else narrow_rows(N, x_bits, FWD_MAX_UNITS)
+    even_from = None if residual else NARROW_EVEN_FROM_N
+    narrow = None if w_bits > x_bits else narrow_rows(N, x_bits, FWD_MAX_UNITS, even_from)
     if narrow is not None:
         return narrow
     if layernorm:
@@ -478,7 +489,7 @@ def forward_launch_of(k: ForwardKey) -> tuple[str, RowLaunch]:
     wide = widest_bits(k.w_dtype, k.res_dtype, k.res_out_dtype)
     width = forward_window(k)
     table_key = f"{'layernorm' if k.layernorm else 'rmsnorm'}_fwd{'_window' if width else ''}/x{xd.width}w{wide}"
-    default = forward_launch(width or k.N, xd.width, k.arch, wide, k.layernorm)
+    default = forward_launch(width or k.N, xd.width, k.arch, wide, k.layernorm, k.res_dtype is not None)
     return table_key, pick(table_key, k.arch, default, config.get().fwd_upt, k.few)
 
 
