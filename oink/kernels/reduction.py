@@ -130,7 +130,7 @@ def narrow_cluster_rows(N: int, x_bits: int, max_cluster: int) -> RowLaunch | No
     ``CLUSTER_ROWS_MIN_N``: ``cluster_rows`` over CTAs of 256 threads, a thread's accesses capped at
     ``NARROW_CLUSTER_VALUES`` values (and one more access), not 8 accesses: counted in accesses, such a row
     took 4x an aligned row's threads, CTAs of 512-1024 (one a SM, its loads stopped at each barrier).
-    RMSNorm forward on an H200, 20482-180226 columns: 0.65-0.8 of that launch's time. None where the row
+    RMSNorm forward on an H200, 20482-180226 columns: 0.65-0.85 of that launch's time. None where the row
     is aligned, not 16-bit, of 1-element accesses (odd widths: ``shifted_window``) or of 4 (their cap of
     9 accesses is an aligned row's 8: only the CTAs grew, 0.84-1.34x the time)."""
     vec = math.gcd(N, 128 // x_bits)
