@@ -556,7 +556,7 @@ def test_wide_narrow_access_rows_take_small_ctas_holding_more_values(arch):
         old = cluster_rows(N, L.vec, widest)
         assert L.threads_per_row * L.cluster_n <= old.threads_per_row * old.cluster_n and L.iters >= old.iters
     assert forward_launch(67810, 16, arch).num_threads == 256  # 1024 x 8 counted in accesses
-    for N in (163844, 180226):  # a cluster of 16 would take 512-thread CTAs: LayerNorm keeps its cluster of 8
+    for N in (180226, 262142):  # a cluster of 16 would take 512-thread CTAs: LayerNorm keeps its cluster of 8
         ln = forward_launch(N, 16, arch, layernorm=True)
         assert ln.cluster_n <= MAX_CLUSTER or ln.num_threads <= 256
     for N, bits in ((65536, 16), (CLUSTER_ROWS_MIN_N + 1, 16), (67810, 32), (CLUSTER_ROWS_MIN_N - 2, 16),

@@ -99,7 +99,7 @@ CLUSTER_ROWS_MIN_N = 16384
 # Rows of 16-bit values whose width is not a multiple of 8 (accesses narrower than 16 bytes) within these
 # widths count a thread's budget in values, not accesses (``narrow_rows``): measured from 4619 to 8077.
 # Rows of 2-element accesses (widths of 2 x an odd number), with ``even_from``, from that width on: the norm
-# forwards' from 1025 (H200, 1030-3078 columns: 0.66-0.75 of the access-counted launch's time, RMSNorm and
+# forwards' from 1025 (H200, 1030-3078 columns: 0.65-0.79 of the access-counted launch's time, RMSNorm and
 # LayerNorm; rows of 4-element accesses ran 0.85-1.07x, and stay).
 NARROW_ROWS_N = (4096, CLUSTER_ROWS_MIN_N)
 NARROW_EVEN_FROM_N = 1024
@@ -120,8 +120,8 @@ def narrow_rows(N: int, x_bits: int, units_per_thread: int = 4, even_from: int |
                            max_units_per_thread=units_per_thread * scale)
 
 
-# Past ``CLUSTER_ROWS_MIN_N``, a thread of ``narrow_cluster_rows`` holds up to this many values (one padded
-# access more), 2x an aligned row's 8 accesses' count of accesses at 2 elements an access
+# Past ``CLUSTER_ROWS_MIN_N``, a thread of ``narrow_cluster_rows`` holds up to this many values (and one padded
+# access more): 16 accesses of 2 elements, twice the accesses an aligned row's thread takes there
 NARROW_CLUSTER_VALUES = 32
 
 

@@ -47,9 +47,9 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     weight wider than x) ``reduction.narrow_rows``, those of 2-element accesses from 1025 columns. A
     ``residual`` (the fused add: twice the loads, more registers) keeps the access count for rows of 2-element
     accesses outside 4097-16384: counted in values it ran 0.91-1.16x the time (H200, random seeds 7373-9595).
-    A unit is one 128-bit access of x, 4 a thread; a weight or residual wider than x (fp32 with bf16 x: ``w_bits``, the
-    widest) costs two accesses a unit, so rows then take 2 units a thread where that still covers the
-    row exactly in one CTA (faster there, as at N = 4096; where the tile would not be exact, as at
+    A unit is one 128-bit access of x, 4 a thread; a weight or residual wider than x (fp32 with bf16 x:
+    ``w_bits``, the widest) costs two accesses a unit, so rows then take 2 units a thread where that still
+    covers the row exactly in one CTA (faster there, as at N = 4096; where the tile would not be exact, as at
     6144 and 7168, 4 units a thread stay faster); such rows whose width is not a multiple of x's vector
     hold as many values a thread, in narrower accesses, and up to ``WIDE_WEIGHT_NARROW_VALUES`` in one CTA
     (counted in accesses, 3151 and 6571 columns took clusters of 512-thread CTAs and ran 2.1-2.4x slower;
