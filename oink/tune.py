@@ -122,7 +122,7 @@ def _gate_and_time(spec, run, op, N, rows, dtype, device, shape, stage) -> tuple
         if shape not in ran:
             return False, [], "the shape did not run (the op took another path)"
         if stage and not ran_staged(CACHE.used):
-            return False, [], "not staged (padding, or too big a tile for shared memory)"
+            return False, [], "not staged (too big a tile for shared memory)"
         if M in rows:
             times.append(time_op(spec, run, case, dtype, device))
     return True, times, ""

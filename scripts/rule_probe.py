@@ -86,7 +86,7 @@ RULES = {
 
 # rules that are a development setting the op reads (oink.config.DEV), its launches its own
 SETTING_RULES = {"stream": {"ce_stream": True}, "held": {"ce_stream": False}, "online": {"softmax_online": True},
-                 "early": {"fwd_late": False}, "late": {"fwd_late": True}}
+                 "early": {"fwd_late": False}, "late": {"fwd_late": True}, "stage": {"fwd_stage": True}}
 
 
 def _set_rules(names) -> None:

@@ -652,20 +652,21 @@ def test_forward_parameter_load_variants_compile(arch, late, monkeypatch):
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_forward_stages_rows_where_the_tile_fits(arch, monkeypatch):
     """``fwd_stage=True`` stages the forward's rows in shared memory (RMSNorm, a wider weight, a residual
-    in place, LayerNorm with its statistics) wherever the tile has no padding and fits STAGE_MAX_BYTES
-    (the cases tests/test_wide_rows_gpu.py runs on a GPU), and never otherwise; False never."""
+    in place, LayerNorm with its statistics) wherever the tile fits STAGE_MAX_BYTES, padded (1000, 67810)
+    or not (the cases tests/test_wide_rows_gpu.py runs on a GPU), and never otherwise; False never."""
     from oink.kernels.profile import ROW_FAMILIES
     from oink.kernels.rmsnorm import STAGE_MAX_BYTES, ran_staged
 
     set_dev(monkeypatch, fwd_stage=True)
     for family in ("rmsnorm_fwd", "rmsnorm_fwd_w32", "rmsnorm_fwd_res", "layernorm_fwd"):
-        for dtype, N in (("bfloat16", 4096), ("bfloat16", 262144), ("float32", 262144), ("bfloat16", 1000)):
+        for dtype, N in (("bfloat16", 4096), ("bfloat16", 262144), ("float32", 262144), ("bfloat16", 1000),
+                         ("bfloat16", 67810)):
             CACHE.clear_used()
             assert callable(ROW_FAMILIES[family](dtype, N, arch))
             (tpr, nt, cluster_n), = CACHE.used_launches()
             tile_bytes = nt // tpr * N // cluster_n * (2 if dtype == "bfloat16" else 4) * (
                 2 if family == "rmsnorm_fwd_res" else 1)  # x, and the residual of its dtype
-            fits = N != 1000 and tile_bytes <= STAGE_MAX_BYTES  # 1000: padding in every tiling
+            fits = tile_bytes <= STAGE_MAX_BYTES
             assert ran_staged(CACHE.used) == fits, (family, dtype, N, CACHE.used_launches())
     set_dev(monkeypatch, fwd_stage=False)
     CACHE.clear_used()

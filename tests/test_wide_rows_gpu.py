@@ -172,12 +172,12 @@ STAGED_OPS = ("rmsnorm_forward", "rmsnorm_forward_w32", "fused_add_rmsnorm_", "l
 @pytest.mark.sm(90, exact=True)
 @pytest.mark.parametrize("M", [1, 37, 1000])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("N", [4096, 65536, 262144])
+@pytest.mark.parametrize("N", [1000, 4096, 65536, 67810, 262144])
 @pytest.mark.parametrize("op", STAGED_OPS)
 def test_staged_forward_runs_correctly(op, N, dtype, M, monkeypatch):
-    """The norm forward with its rows staged in shared memory (``fwd_stage=True``: every even tile that
-    fits, so the table's and the heuristic's launches both), against the reference at one row, a
-    partial CTA and many rows; it must have run staged where the tile allows it."""
+    """The norm forward with its rows staged in shared memory (``fwd_stage=True``: every tile that fits,
+    padded (1000, 67810) or not, so the table's and the heuristic's launches both), against the reference
+    at one row, a partial CTA and many rows; it must have run staged where the tile allows it."""
     import torch
 
     from tests.helpers import set_dev

@@ -316,11 +316,13 @@ class RowKernelBase:
 
     # ---- device-side helpers -------------------------------------------------------------
     @cute.jit
-    def copy_row(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, dtype: cutlass.Constexpr):
-        """Copy this thread's slice of a row, 128 bits (or vec elements) at a time; a vector
-        past N (uneven widths) is skipped: vec divides N, so vectors are all in or all out."""
+    def copy_row(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, dtype: cutlass.Constexpr,
+                 op: cutlass.Constexpr = None):
+        """Copy this thread's slice of a row, 128 bits (or vec elements) at a time (``op``: the copy's
+        operation, ``atom``'s); a vector past N (uneven widths) is skipped: vec divides N, so vectors are
+        all in or all out."""
         L = self.launch
-        atom = self.atom(dtype)
+        atom = self.atom(dtype, op)
         for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
             if const_expr(L.even_n):
                 cute.copy(atom, src[None, None, i], dst[None, None, i])

@@ -114,9 +114,9 @@ def stage_rows(launch: RowLaunch, x_bits: int, res_bits: int, tuned: bool) -> bo
     """Whether the forward stages x (and the residual) in shared memory (``RMSNormForward.stage``):
     the ``fwd_stage`` setting where set, else the launch table's choice (``tuned``; without an entry, not: it
     pays only with a launch searched for it, and was slower with the heuristic's launch);
-    never for a tile with padding or too big a tile."""
+    never for too big a tile (a padded tile's vectors past N are not copied)."""
     tile_bytes = launch.rows_per_cta * launch.cols_per_cta * (x_bits + res_bits) // 8
-    if not launch.even_n or tile_bytes > STAGE_MAX_BYTES:
+    if tile_bytes > STAGE_MAX_BYTES:
         return False
     forced = config.get().fwd_stage
     return tuned if forced is None else forced
@@ -156,7 +156,6 @@ class RMSNormForward(RowKernelBase):
         # x (and the residual) copied into shared memory (cp.async) and read from there again after the
         # reduction, so that no register holds them across its barriers (``stage_rows``)
         self.stage = stage
-        assert not stage or launch.even_n, launch
         if self.shifted and (layernorm or heads > 1 or stage):
             raise ValueError(f"shifted rows: RMSNorm, one head, unstaged; got {launch}")
 
@@ -251,7 +250,7 @@ class RMSNormForward(RowKernelBase):
             rRes = cute.make_rmem_tensor_like(tXgRes)
         smem_rows = None
         if const_expr(self.stage):
-            smem_rows = self.stage_loads(tXgX, tXgRes, part, row, M)
+            smem_rows = self.stage_loads(tXgX, tXgRes, part, tXcX, row, M)
         else:
             rX.fill(0)
             if const_expr(mRes is not None):
@@ -266,7 +265,7 @@ class RMSNormForward(RowKernelBase):
         rResO = None
         if const_expr(mRes is not None):
             rResO = cute.make_rmem_tensor_like(rRes, self.res_out_dtype)
-        h = self.row_values(rX, rRes, rResO, smem_rows)
+        h = self.row_values(rX, rRes, rResO, smem_rows, tXcX)
         if const_expr(mResO is not None):
             tXgResO = view(mResO)
             if row < M:
@@ -282,7 +281,7 @@ class RMSNormForward(RowKernelBase):
             total = h.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
             mean = self.row_allreduce(total, add, Float32(0.0), buf, mbar, 0) / L.N
             if const_expr(self.late_params or self.stage):
-                h = self.reload(src, rX, rRes, rResO, smem_rows)  # rather than held in fp32 across the round
+                h = self.reload(src, rX, rRes, rResO, smem_rows, tXcX)  # rather than held in fp32 across the round
             h = h - mean
             if const_expr(not L.even_n):
                 # padding columns hold 0 - mean after centring: zero them before the squares (subtracting
@@ -296,7 +295,7 @@ class RMSNormForward(RowKernelBase):
             corr = dsum / L.N
             mean = mean + corr
             if const_expr(self.late_params or self.stage):
-                h = self.reload(src, rX, rRes, rResO, smem_rows) - mean  # padding columns are not stored
+                h = self.reload(src, rX, rRes, rResO, smem_rows, tXcX) - mean  # padding columns are not stored
             else:
                 h = h - corr
             # the clamp keeps a NaN (a row holding NaN or +-inf has no variance)
@@ -309,7 +308,7 @@ class RMSNormForward(RowKernelBase):
         if const_expr(self.late_params):
             rW, rB = self.load_params(mW, mB, part, tXcX, row, shift)
         if const_expr((self.late_params or self.stage) and not self.layernorm):
-            h = self.reload(src, rX, rRes, rResO, smem_rows)
+            h = self.reload(src, rX, rRes, rResO, smem_rows, tXcX)
         y = h * rstd
         if const_expr(mW is not None):
             y = y * self.weight_values(rW)
@@ -318,9 +317,10 @@ class RMSNormForward(RowKernelBase):
         return y, rX, rstd, mean
 
     @cute.jit
-    def stage_loads(self, tXgX: cute.Tensor, tXgRes, part, row: Int32, M: Int32):
+    def stage_loads(self, tXgX: cute.Tensor, tXgRes, part, tXcX: cute.Tensor, row: Int32, M: Int32):
         """Copy this thread's slice of x (and the residual) into shared memory (cp.async, waited for:
-        each thread reads back only what it copied). -> (x's, residual's or None) slices there."""
+        each thread reads back only what it copied; vectors past N are not copied, and ``row_values``
+        reads them as 0). -> (x's, residual's or None) slices there."""
         L = self.launch
         smem = cutlass.memory.SmemAllocator()
         tile = cute.make_ordered_layout((L.rows_per_cta, L.cols_per_cta), order=(1, 0))
@@ -329,18 +329,18 @@ class RMSNormForward(RowKernelBase):
         if const_expr(tXgRes is not None):
             tXsRes = part(smem.allocate_tensor(self.res_dtype, tile, byte_alignment=16), None)
         if row < M:
-            cute.copy(self.atom(self.x_dtype, cute.nvgpu.cpasync.CopyG2SOp()), tXgX, tXsX)
+            self.copy_row(tXgX, tXsX, tXcX, self.x_dtype, cute.nvgpu.cpasync.CopyG2SOp())
             if const_expr(tXgRes is not None):
-                cute.copy(self.atom(self.res_dtype, cute.nvgpu.cpasync.CopyG2SOp()), tXgRes, tXsRes)
+                self.copy_row(tXgRes, tXsRes, tXcX, self.res_dtype, cute.nvgpu.cpasync.CopyG2SOp())
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         return tXsX, tXsRes
 
     @cute.jit
-    def row_values(self, rX: cute.Tensor, rRes, rResO, smem_rows):
+    def row_values(self, rX: cute.Tensor, rRes, rResO, smem_rows, tXcX: cute.Tensor):
         """This thread's row values in fp32: x, or x + residual rounded to the residual output's dtype
         (the stored sum; the norm is of that rounded value), kept in ``rResO``; read from ``smem_rows``
-        (``stage_loads``) where staged."""
+        (``stage_loads``) where staged, the vectors past N (never copied there) as 0."""
         if const_expr(smem_rows is not None):
             cute.autovec_copy(smem_rows[0], rX)
             if const_expr(rRes is not None):
@@ -349,14 +349,16 @@ class RMSNormForward(RowKernelBase):
         if const_expr(rRes is not None):
             rResO.store((h + rRes.load().to(Float32)).to(self.res_out_dtype))
             h = rResO.load().to(Float32)
+        if const_expr(smem_rows is not None and not self.launch.even_n):
+            h = self.zero_padding(h, rX, tXcX)
         return h
 
     @cute.jit
-    def reload(self, src, rX: cute.Tensor, rRes, rResO, smem_rows):
+    def reload(self, src, rX: cute.Tensor, rRes, rResO, smem_rows, tXcX: cute.Tensor):
         """The row values in fp32 again after a reduction round: converted again from the registers
         they were computed from (``src``), or read again from shared memory (``smem_rows``)."""
         if const_expr(smem_rows is not None):
-            return self.row_values(rX, rRes, rResO, smem_rows)
+            return self.row_values(rX, rRes, rResO, smem_rows, tXcX)
         return src.load().to(Float32)
 
     @cute.jit
