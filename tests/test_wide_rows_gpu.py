@@ -53,6 +53,10 @@ RULE_CASES = [(op, N) for op in RULE_OPS for N in (24576, 40968, 53248, 98304, 1
 # takes a cluster; 16380, of 4-element accesses, does not)
 NARROW_CASES = [(op, N) for op in ("rmsnorm_forward", "fused_add_rmsnorm_", "layernorm", "softmax_forward")
                 for N in (4619, 4750, 8077, 16380 if op == "softmax_forward" else 16383)]
+# and the norm forwards' rows of 2-element accesses counted in values: one CTA from 1025 columns (narrow_rows'
+# even_from), CTAs of 256 threads over a cluster past 16384 (reduction.narrow_cluster_rows)
+NARROW_CASES += [(op, N) for op in ("rmsnorm_forward", "layernorm")
+                 for N in (1030, 3078, 20482, 49474, 67810, 98306, 131750, 180226)]
 
 
 @pytest.mark.gpu
@@ -61,22 +65,7 @@ NARROW_CASES = [(op, N) for op in ("rmsnorm_forward", "fused_add_rmsnorm_", "lay
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("op,N", NARROW_CASES, ids=[f"{op}-{N}" for op, N in NARROW_CASES])
 def test_narrow_access_rows_run_correctly(op, N, dtype, M):
-    ran = _gated_launches(op, N, dtype, M)
-    assert any(L[2] == 1 for L in ran), f"no one-CTA launch ran: {ran}"
-
-
-# the norm forwards' rows of 2-element accesses counted in values: one CTA from 1025 columns (narrow_rows'
-# even_from), CTAs of 256 threads over a cluster past 16384 (reduction.narrow_cluster_rows)
-EVEN_NARROW_CASES = [(op, N) for op in ("rmsnorm_forward", "layernorm")
-                     for N in (1030, 3078, 20482, 49474, 67810, 98306, 131750, 180226)]
-
-
-@pytest.mark.gpu
-@pytest.mark.sm(90, exact=True)
-@pytest.mark.parametrize("M", [37, 600])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("op,N", EVEN_NARROW_CASES, ids=[f"{op}-{N}" for op, N in EVEN_NARROW_CASES])
-def test_even_narrow_access_rows_run_correctly(op, N, dtype, M):
+    """One CTA a row up to 16384 columns, a cluster past it."""
     ran = _gated_launches(op, N, dtype, M)
     assert any((L[2] > 1) == (N > 16384) for L in ran), f"no launch of the rule's kind ran: {ran}"
 
