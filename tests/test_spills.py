@@ -304,3 +304,46 @@ def test_fp8_rule_splits_wide_rows_and_does_not_spill(keep_cubin, mode, group, a
         res = compiled_resources(fn)
         assert res["registers"] > 0 and not res["frame_bytes"], (N, L, res)
         assert 2 * L.num_threads * res["registers"] <= 65536, (N, L, res)
+
+
+# 16-bit backward rows where a thread holds 64 values (the rule's 128- and 256-thread CTAs on sm_90a)
+CE_OPTION_CAP_WIDTHS = (8192, 32000, 65536, 128256, 256000, 262144)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_cross_entropy_option_backward_keeps_the_plain_ctas_a_sm(keep_cubin, arch):
+    """``option_min_ctas``: the options' backward (softcap, label smoothing, z-loss, all three) holds no more
+    registers than leave a SM the plain backward's CTAs at its launch, and spills nothing (uncapped, the
+    softcap's took 88 registers to the plain 79: 2 CTAs of 256 a SM where the plain kernel has 3)."""
+    from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy
+    from oink.kernels.cross_entropy_rules import CEOptions
+    from oink.kernels.compile import CACHE
+    from oink.kernels.profile import compiled_resources
+
+    def ctas(options, N):
+        CACHE.clear_used()
+        res = compiled_resources(compiled_cross_entropy(CrossEntropyKey("backward", "bfloat16", "int64", N, arch,
+                                                                        options=options)))
+        (launch,) = CACHE.used_launches()
+        assert res["registers"] > 0 and not res["frame_bytes"], (N, options, res)
+        return 65536 // (launch[1] * -(-res["registers"] // 8) * 8)
+
+    options = (CEOptions(softcap=30.0), CEOptions(label_smoothing=0.1), CEOptions(z_loss=1e-4),
+               CEOptions(0.1, 1e-4, 30.0))
+    fewer = {(N, o): (ctas(o, N), plain) for N in CE_OPTION_CAP_WIDTHS if (plain := ctas(CEOptions(), N))
+             for o in options if ctas(o, N) < plain}
+    assert not fewer, f"{arch}: (options' CTAs a SM, plain's) {fewer}"
+
+
+def test_option_min_ctas_caps_only_the_16_bit_backward_of_64_values():
+    from oink.kernels.cross_entropy_rules import option_min_ctas
+    from oink.kernels.reduction import RowLaunch
+
+    wide = RowLaunch(N=256000, vec=8, threads_per_row=256, num_threads=256, cluster_n=16)  # 8 accesses, 64 values
+    assert option_min_ctas("backward", wide, 16) == 3  # 80 registers a thread
+    assert option_min_ctas("backward", RowLaunch(N=128256, vec=8, threads_per_row=128, num_threads=128,
+                                                 cluster_n=16), 16) == 6
+    assert option_min_ctas("fwd_bwd", wide, 16) == option_min_ctas("forward", wide, 16) == 0
+    assert option_min_ctas("backward", wide, 32) == 0
+    fewer = RowLaunch(N=151936, vec=8, threads_per_row=256, num_threads=256, cluster_n=16)  # 40 values
+    assert option_min_ctas("backward", fewer, 16) == 0

@@ -35,7 +35,7 @@ from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, m
 from .launch_table import pick
 from .cross_entropy_forms import CrossEntropyForms
 from .cross_entropy_rules import (PLAIN, SOFTCAP_LEAN_MAX, CEOptions, cross_entropy_launch, option_launch,
-                                  softcap_form, stream_launch, stream_rows)
+                                  option_min_ctas, softcap_form, stream_launch, stream_rows)
 from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, add, shifted_window
 
 MODES = ("forward", "backward", "fwd_bwd")
@@ -487,8 +487,11 @@ def compiled_cross_entropy(k: CrossEntropyKey):
         one = Int64(launch.vec)
         f32 = gmem_ptr(Float32, 4)
         fwd, bwd = mode != "backward", mode != "forward"
+        kernel = CrossEntropy(launch, dt, tt, mode, N, stream, options, inplace)
+        if not options.plain and not stream:
+            kernel.min_ctas = option_min_ctas(mode, launch, dt.width)
         return compile_kernel(
-            CrossEntropy(launch, dt, tt, mode, N, stream, options, inplace), gmem_ptr(dt), gmem_ptr(tt, tt.width // 8),
+            kernel, gmem_ptr(dt), gmem_ptr(tt, tt.width // 8),
             f32 if bwd else None, f32 if mode == "backward" else None, f32 if fwd else None,
             f32 if store_lse else None, gmem_ptr(dt) if bwd else None, Int32(1), one, one, Int32(-100),
             fake_stream(), arch=arch)

@@ -132,3 +132,16 @@ def option_launch(N: int, x_bits: int, arch: str, mode: str, shifted: bool = Fal
         return cross_entropy_launch(N, x_bits, arch, mode, shifted)
     launch = pick_row_launch(N, x_bits, max_units_per_thread=5, max_threads=512)
     return launch if launch.iters <= 8 else pick_row_launch(N, x_bits, max_units_per_thread=5)
+
+
+def option_min_ctas(mode: str, launch: RowLaunch, x_bits: int) -> int:
+    """CTAs a SM an options' register-held backward keeps room for (``RowKernelBase.min_ctas``) where a thread
+    holds 64 values or more: the plain kernel's there (about values + 16 registers). Left to itself ptxas gave the
+    options' backward a few registers more than the plain one (88 against 79), a CTA a SM fewer, and it ran
+    1.04-1.26x the plain kernel's time (H200, bench/RESULTS.md). Fewer values, none: ptxas takes the registers a
+    cap leaves, and there grew the options' kernels to it (48 to 64). 16-bit logits only; not the fused mode,
+    whose options' kernels spilled so capped (8-184 bytes)."""
+    values = launch.iters * launch.vec
+    if mode != "backward" or x_bits != 16 or values < 64:
+        return 0
+    return 65536 // (launch.num_threads * (-(-(values + 16) // 8) * 8))

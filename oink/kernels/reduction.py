@@ -265,6 +265,7 @@ class RowKernelBase:
             raise ValueError(f"shifted rows of {self.n} columns: a window of >= n + vec - 1; got {launch}")
         self.num_reductions = num_reductions  # independent reduction slots (e.g. mean, var)
         self.pdl = config.get().pdl  # programmatic dependent launch (the compile cache keys on it)
+        self.min_ctas = 0  # > 1: CTAs a SM ptxas keeps room for (``launch_rows``), a cap on registers a thread
 
     # ---- host-side helpers -------------------------------------------------------------
     def tiler(self):
@@ -311,8 +312,11 @@ class RowKernelBase:
     def launch_rows(self, kernel, M, stream, grid=None):
         """Launch a traced ``self.kernel(...)`` over M rows (or over ``grid``) with the launch's CTA
         and cluster shape, programmatic dependent launch as configured."""
+        extra = {}
+        if self.min_ctas > 1:  # (a carveout given, CuTeDSL asks no device for one: CPU compiles)
+            extra = dict(min_blocks_per_mp=self.min_ctas, preferred_smem_carveout=-1)
         kernel.launch(grid=self.grid(M) if grid is None else grid, block=[self.launch.num_threads, 1, 1],
-                      cluster=self.cluster(), stream=stream, use_pdl=self.pdl)
+                      cluster=self.cluster(), stream=stream, use_pdl=self.pdl, **extra)
 
     # ---- device-side helpers -------------------------------------------------------------
     @cute.jit
