@@ -306,15 +306,17 @@ def test_fp8_rule_splits_wide_rows_and_does_not_spill(keep_cubin, mode, group, a
         assert 2 * L.num_threads * res["registers"] <= 65536, (N, L, res)
 
 
-# 16-bit backward rows where a thread holds 64 values (the rule's 128- and 256-thread CTAs on sm_90a)
-CE_OPTION_CAP_WIDTHS = (8192, 32000, 65536, 128256, 256000, 262144)
+# 16-bit backward rows where a thread holds 64 values (the options' cap) or 48-56 (the plain kernel's): the
+# rule's 128- to 256-thread CTAs on sm_90a
+CE_CAPPED_WIDTHS = (8192, 14000, 28000, 32000, 65536, 110000, 128256, 140000, 190000, 200000, 210000, 256000, 262144)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
-def test_cross_entropy_option_backward_keeps_the_plain_ctas_a_sm(keep_cubin, arch):
-    """``option_min_ctas``: the options' backward (softcap, label smoothing, z-loss, all three) holds no more
-    registers than leave a SM the plain backward's CTAs at its launch, and spills nothing (uncapped, the
-    softcap's took 88 registers to the plain 79: 2 CTAs of 256 a SM where the plain kernel has 3)."""
+def test_cross_entropy_backward_keeps_its_ctas_a_sm(keep_cubin, arch):
+    """``backward_min_ctas``: the options' backward (softcap, label smoothing, z-loss, all three) holds no more
+    registers than leave a SM the plain backward's CTAs at its launch, the plain one no more than 80 at 48-56
+    values a thread, and neither spills (uncapped: the softcap's 88 registers to the plain 79, 2 CTAs of 256 a
+    SM where the plain kernel has 3; the plain one 96-128 at 7 accesses)."""
     from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy
     from oink.kernels.cross_entropy_rules import CEOptions
     from oink.kernels.compile import CACHE
@@ -324,26 +326,31 @@ def test_cross_entropy_option_backward_keeps_the_plain_ctas_a_sm(keep_cubin, arc
         CACHE.clear_used()
         res = compiled_resources(compiled_cross_entropy(CrossEntropyKey("backward", "bfloat16", "int64", N, arch,
                                                                         options=options)))
-        (launch,) = CACHE.used_launches()
+        ((tpr, threads, cluster),) = CACHE.used_launches()
         assert res["registers"] > 0 and not res["frame_bytes"], (N, options, res)
-        return 65536 // (launch[1] * -(-res["registers"] // 8) * 8)
+        values = -(-N // (8 * tpr * cluster)) * 8
+        if options.plain and 48 <= values <= 56 and threads % 64 == 0:
+            assert res["registers"] <= 80, (N, res)
+        return 65536 // (threads * -(-res["registers"] // 8) * 8)
 
     options = (CEOptions(softcap=30.0), CEOptions(label_smoothing=0.1), CEOptions(z_loss=1e-4),
                CEOptions(0.1, 1e-4, 30.0))
-    fewer = {(N, o): (ctas(o, N), plain) for N in CE_OPTION_CAP_WIDTHS if (plain := ctas(CEOptions(), N))
+    fewer = {(N, o): (ctas(o, N), plain) for N in CE_CAPPED_WIDTHS if (plain := ctas(CEOptions(), N))
              for o in options if ctas(o, N) < plain}
     assert not fewer, f"{arch}: (options' CTAs a SM, plain's) {fewer}"
 
 
-def test_option_min_ctas_caps_only_the_16_bit_backward_of_64_values():
-    from oink.kernels.cross_entropy_rules import option_min_ctas
+def test_backward_min_ctas_caps_only_where_ptxas_took_more():
+    from oink.kernels.cross_entropy_rules import backward_min_ctas
     from oink.kernels.reduction import RowLaunch
 
     wide = RowLaunch(N=256000, vec=8, threads_per_row=256, num_threads=256, cluster_n=16)  # 8 accesses, 64 values
-    assert option_min_ctas("backward", wide, 16) == 3  # 80 registers a thread
-    assert option_min_ctas("backward", RowLaunch(N=128256, vec=8, threads_per_row=128, num_threads=128,
-                                                 cluster_n=16), 16) == 6
-    assert option_min_ctas("fwd_bwd", wide, 16) == option_min_ctas("forward", wide, 16) == 0
-    assert option_min_ctas("backward", wide, 32) == 0
+    assert backward_min_ctas(wide, 16, plain=False) == 3  # 80 registers a thread
+    assert backward_min_ctas(wide, 16, plain=True) == 0  # (capped, the plain kernel spilled)
+    assert backward_min_ctas(wide, 32, plain=False) == 0
+    seven = RowLaunch(N=200000, vec=8, threads_per_row=224, num_threads=224, cluster_n=16)  # 56 values
+    assert backward_min_ctas(seven, 16, plain=True) == 3 and backward_min_ctas(seven, 16, plain=False) == 0
+    five_warps = RowLaunch(N=140000, vec=8, threads_per_row=160, num_threads=160, cluster_n=16)  # 56 values
+    assert backward_min_ctas(five_warps, 16, plain=True) == 0  # (5 CTAs leave 81 registers: 8 bytes spilled)
     fewer = RowLaunch(N=151936, vec=8, threads_per_row=256, num_threads=256, cluster_n=16)  # 40 values
-    assert option_min_ctas("backward", fewer, 16) == 0
+    assert backward_min_ctas(fewer, 16, plain=True) == backward_min_ctas(fewer, 16, plain=False) == 0

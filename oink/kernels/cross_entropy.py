@@ -34,8 +34,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick
 from .cross_entropy_forms import CrossEntropyForms
-from .cross_entropy_rules import (PLAIN, SOFTCAP_LEAN_MAX, CEOptions, cross_entropy_launch, option_launch,
-                                  option_min_ctas, softcap_form, stream_launch, stream_rows)
+from .cross_entropy_rules import (PLAIN, SOFTCAP_LEAN_MAX, CEOptions, backward_min_ctas, cross_entropy_launch,
+                                  option_launch, softcap_form, stream_launch, stream_rows)
 from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, add, shifted_window
 
 MODES = ("forward", "backward", "fwd_bwd")
@@ -488,8 +488,8 @@ def compiled_cross_entropy(k: CrossEntropyKey):
         f32 = gmem_ptr(Float32, 4)
         fwd, bwd = mode != "backward", mode != "forward"
         kernel = CrossEntropy(launch, dt, tt, mode, N, stream, options, inplace)
-        if not options.plain and not stream:
-            kernel.min_ctas = option_min_ctas(mode, launch, dt.width)
+        if mode == "backward" and not stream:
+            kernel.min_ctas = backward_min_ctas(launch, dt.width, options.plain)
         return compile_kernel(
             kernel, gmem_ptr(dt), gmem_ptr(tt, tt.width // 8),
             f32 if bwd else None, f32 if mode == "backward" else None, f32 if fwd else None,

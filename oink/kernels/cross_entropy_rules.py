@@ -134,14 +134,18 @@ def option_launch(N: int, x_bits: int, arch: str, mode: str, shifted: bool = Fal
     return launch if launch.iters <= 8 else pick_row_launch(N, x_bits, max_units_per_thread=5)
 
 
-def option_min_ctas(mode: str, launch: RowLaunch, x_bits: int) -> int:
-    """CTAs a SM an options' register-held backward keeps room for (``RowKernelBase.min_ctas``) where a thread
-    holds 64 values or more: the plain kernel's there (about values + 16 registers). Left to itself ptxas gave the
-    options' backward a few registers more than the plain one (88 against 79), a CTA a SM fewer, and it ran
-    1.04-1.26x the plain kernel's time (H200, bench/RESULTS.md). Fewer values, none: ptxas takes the registers a
-    cap leaves, and there grew the options' kernels to it (48 to 64). 16-bit logits only; not the fused mode,
-    whose options' kernels spilled so capped (8-184 bytes)."""
-    values = launch.iters * launch.vec
-    if mode != "backward" or x_bits != 16 or values < 64:
+def backward_min_ctas(launch: RowLaunch, x_bits: int, plain: bool) -> int:
+    """CTAs a SM a register-held 16-bit backward keeps room for (``RowKernelBase.min_ctas``, a cap on a thread's
+    registers), where ptxas left to itself took a CTA a SM more than the row needs: the plain kernel holding 48-56
+    values a thread (7 accesses: 96-128 registers) to 80 and a few to spare (at 81, 160-thread CTAs spilled 8
+    bytes), the options' holding 64 or more (88 registers to the plain kernel's 79) to values + 16. Elsewhere
+    none: ptxas takes what a cap leaves, and capped there grew kernels to it (48 to 64 registers) or spilled (the
+    plain one at 64 values). The capped kernels ran faster on an H200: options 1.04-1.26x, plain 1.03-1.22x
+    (bench/RESULTS.md)."""
+    values, threads = launch.iters * launch.vec, launch.num_threads
+    if x_bits != 16:
         return 0
-    return 65536 // (launch.num_threads * (-(-(values + 16) // 8) * 8))
+    if plain:
+        ctas = 65536 // (threads * 80) if 48 <= values <= 56 else 0
+        return ctas if ctas > 1 and 65536 // (ctas * threads) >= 84 else 0
+    return 65536 // (threads * (-(-(values + 16) // 8) * 8)) if values >= 64 else 0
