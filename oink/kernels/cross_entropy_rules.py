@@ -140,7 +140,7 @@ def backward_min_ctas(launch: RowLaunch, x_bits: int, plain: bool) -> int:
     values a thread (7 accesses: 96-128 registers) to 80 and a few to spare (at 81, 160-thread CTAs spilled 8
     bytes), the options' holding 64 or more (88 registers to the plain kernel's 79) to values + 16. Elsewhere
     none: ptxas takes what a cap leaves, and capped there grew kernels to it (48 to 64 registers) or spilled (the
-    plain one at 64 values). The capped kernels ran faster on an H200: options 1.04-1.26x, plain 1.03-1.22x
+    plain one at 64 values). The capped kernels ran faster on an H200: options 1.04-1.26x, plain 1.02-1.22x
     (bench/RESULTS.md)."""
     values, threads = launch.iters * launch.vec, launch.num_threads
     if x_bits != 16:
