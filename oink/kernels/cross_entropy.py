@@ -178,7 +178,7 @@ class CrossEntropy(CrossEntropyForms, RowKernelBase):
                 f_t = self.capped_exp_slope(xt, Float32(self.options.softcap))[1]
             s_thr, x = self.held_exp(x, rX, inside)  # x: exp(t - c) (1 - (t / c)^2) a logit
         elif const_expr(self.lean):
-            s_thr, sx_thr = self.capped_sum(x, rX, inside)
+            s_thr, sx_thr = self.capped_sum(rX, inside)
         elif const_expr(not self.raw):  # (raw: the backward's dlogits from the logits as loaded)
             x = self.capped(x, rX, inside)
         k = Float32(0.0)  # the row's count of +inf logits, where its lse is +inf
@@ -359,7 +359,7 @@ class CrossEntropy(CrossEntropyForms, RowKernelBase):
         """A streamed forward's running (max, sum of exp, sum of logits) with one tile's values ``rX`` folded
         in (``inside``: which are the row's columns, as ``inside``; None where all are)."""
         if const_expr(self.lean):  # sums at the one shift c, no max
-            s_t, sx_t = self.capped_sum(rX.load().to(Float32), rX, inside)
+            s_t, sx_t = self.capped_sum(rX, inside)
             s, sx = s + s_t, sx + sx_t
         else:
             x = self.capped(rX.load().to(Float32), rX, inside)

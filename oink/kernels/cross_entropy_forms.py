@@ -11,12 +11,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from .reduction import LOG2E, WARP, add, exp2_fma
+from .reduction import LOG2E, WARP, add, exp2_affine_fma, exp2_fma
 
-# every this many exps of a softcap forward's capped logits, one is ``exp2_fma``'s (``CrossEntropyForms.capped_sum``):
-# more, and the instructions it adds bind it instead (bench/RESULTS.md); the dlogits kernels take none
+# every this many exps of a softcap forward's capped logits, one is on the FMA pipe (``CrossEntropyForms.capped_sum``:
+# 16-bit logits ``exp2_affine_fma``, fp32 ``exp2_fma``): more, and the instructions it adds bind it instead
+# (bench/RESULTS.md); the dlogits kernels take none
 FMA_EXP_EVERY = 3
-# the degree of that exp's polynomial (``exp2_fma``): 4 is two instructions fewer than 5, at a relative error
+# the degree of that exp's polynomial: 4 is two instructions fewer than 5, at a relative error
 # (2.7e-6) far below the loss's tolerance
 EXP2_DEGREE = 4
 
@@ -94,17 +95,28 @@ class CrossEntropyForms:
         return e, f, t
 
     @cute.jit
-    def capped_sum(self, x, rX: cute.Tensor, inside):
-        """A softcap forward's (``lean``) sums over the thread's fp32 logits x: (the sum of exp(t - c), the sum
-        of t) of their capped values t (``capped_exp_slope``; t <= c, so c is the shift and no max is taken,
-        and c <= 40 keeps exp(t - c) a normal fp32). The second only with label smoothing, else 0. The columns
-        outside the row (``inside`` false) add 0."""
-        c = Float32(self.options.softcap)
+    def capped_sum(self, rX: cute.Tensor, inside):
+        """A softcap forward's (``lean``) sums over the thread's logits ``rX``: (the sum of exp(t - c), the sum of
+        t) of their capped values t (t <= c, so c is the shift and no max is taken, and c <= 40 keeps exp(t - c) a
+        normal fp32). The second only with label smoothing, else 0. The columns outside the row (``inside``
+        false) add 0. 16-bit logits: t = c u, u = tanh(x / c) (``capped_exp_slope``'s form), exp(t - c) =
+        2^(u c log2(e) - c log2(e)), every ``FMA_EXP_EVERY``-th on the FMA pipe (``exp2_affine_fma``); fp32
+        logits ``capped_exp_slope``'s exact form."""
+        c = self.options.softcap
         rE = cute.make_rmem_tensor_like(rX, Float32)
         rT = cute.make_rmem_tensor_like(rX, Float32)
-        rE.store(x)
+        rE.store(rX.load().to(Float32))
+        k = c * LOG2E
         for i in cutlass.range_constexpr(cute.size(rE)):
-            rE[i], _, rT[i] = self.capped_exp_slope(rE[i], c, i % FMA_EXP_EVERY == FMA_EXP_EVERY - 1)
+            if const_expr(self.x_dtype.width == 16):
+                u = cute.math.tanh(rE[i] * Float32(1.0 / c), approx=True)
+                rT[i] = u  # the sum of t is c times theirs
+                if const_expr(i % FMA_EXP_EVERY == FMA_EXP_EVERY - 1):
+                    rE[i] = exp2_affine_fma(u, k, k, degree=EXP2_DEGREE)
+                else:
+                    rE[i] = cute.math.exp2(u * Float32(k) - Float32(k), fastmath=True)
+            else:
+                rE[i], _, rT[i] = self.capped_exp_slope(rE[i], Float32(c), i % FMA_EXP_EVERY == FMA_EXP_EVERY - 1)
         e = rE.load()
         if const_expr(inside is not None):
             e = cute.where(inside, e, cute.full_like(e, 0.0))
@@ -112,6 +124,8 @@ class CrossEntropyForms:
         sx = Float32(0.0)
         if const_expr(self.options.label_smoothing):
             sx = self.row_sum(rT.load(), inside)
+            if const_expr(self.x_dtype.width == 16):
+                sx = sx * Float32(c)
         return s, sx
 
     @cute.jit

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import struct
 from dataclasses import dataclass
 
 import cutlass
@@ -547,7 +548,7 @@ class RowKernelBase:
         exp(x - m) itself; the cross-entropy forward takes ``row_max_sum``)."""
         m = x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
         m = self.row_allreduce(m, fmax, Float32(-math.inf), buf, mbar, 0)
-        e = cute.math.exp2((x - m) * LOG2E, fastmath=True)
+        e = exp_shifted(x, m, self.x_dtype.width == 16)
         s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
         return m, e, self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
 
@@ -566,7 +567,7 @@ class RowKernelBase:
         shift = m
         if m == Float32(-math.inf):  # only padding (-inf) here: exp2(-inf) sums to 0, never NaN
             shift = Float32(0.0)
-        e = cute.math.exp2((x - shift) * LOG2E, fastmath=True)
+        e = exp_shifted(x, shift, self.x_dtype.width == 16)
         s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
         if const_expr(extra is not None):
             return self.merge_max_sum(m, s, buf, mbar, extra)
@@ -739,6 +740,22 @@ def fmax(a: Float32, b: Float32) -> Float32:
     return cute.arch.fmax(a, b)
 
 
+def exp_shifted(x, shift, one_fma: bool):
+    """exp(x - shift) of fp32 values x (a TensorSSA or a scalar) and a scalar shift. ``one_fma`` (16-bit inputs):
+    exp2(x log2(e) - shift log2(e)), one FMA's argument a value where (x - shift) log2(e) takes a subtract and a
+    multiply (Quack's form), its argument's error 2^-24 |shift| log2(e) instead of |x - shift|'s: far below a
+    16-bit value's rounding, not an fp32 one's (fp32 rows take the exact form). -inf values give 0; +inf with a
+    +inf shift, NaN."""
+    if not one_fma:
+        return cute.math.exp2((x - shift) * LOG2E, fastmath=True)
+    # an explicit fma: written x * log2(e) - c, the product was shared with another exp of the same x (the fused
+    # kernel's dlogits, tried in this form) and kept live in fp32 where x stays packed (93 -> 128 registers)
+    c = -shift * LOG2E
+    if isinstance(x, cute.TensorSSA):
+        return cute.math.exp2(cute.math.fma(x, cute.full_like(x, LOG2E), cute.full_like(x, c)), fastmath=True)
+    return cute.math.exp2(cute.math.fma(x, Float32(LOG2E), c), fastmath=True)
+
+
 def pure_asm(res_type, ptx: str, constraints: str, args, loc=None, ip=None):
     """Pure (side-effect free) inline PTX: LLVM may schedule, CSE and drop it like arithmetic."""
     return llvm.inline_asm(res_type, args, ptx, constraints, has_side_effects=False, is_align_stack=False,
@@ -770,3 +787,30 @@ def exp2_fma(z: Float32, *, degree: int = 5, clamp: bool = True, loc=None, ip=No
            "mov.b32 b, t; shl.b32 b, b, 23; add.s32 b, b, 0x3F800000; mov.b32 t, b; "  # 2^j: t's low bits hold j
            "mul.rn.f32 $0, p, t; }")
     return Float32(pure_asm(T.f32(), ptx, "=f,f", [Float32(z).ir_value(loc=loc, ip=ip)], loc, ip))
+
+
+def _f32_bits(v: float) -> str:
+    """v rounded to fp32, as a PTX literal."""
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+@dsl_user_op
+def exp2_affine_fma(u: Float32, scale: float, shift: float, *, degree: int = 4, loc=None, ip=None) -> Float32:
+    """2^(u scale - shift) for compile-time ``scale`` and ``shift`` on the FMA and integer pipes, as ``exp2_fma``
+    but with the affine argument folded in: u scale rounds to an integer j inside an FMA (the magic number its
+    addend), 2^(u scale - j) is the polynomial with 2^(n - shift) (n = ceil(shift)) folded into its coefficients,
+    and 2^(j - n) a float built from j's bits that multiplies it (so a NaN stays NaN): 9 instructions where the
+    argument's FMA and ``exp2_fma`` take 10. For |u scale| <= 64 and 0 <= shift <= 64 (2^(j - n) stays normal)."""
+    if not (0.0 <= shift <= 64.0 and abs(scale) <= 64.0):
+        raise ValueError(f"exp2_affine_fma: scale {scale} and shift {shift} must lie in [-64, 64] and [0, 64]")
+    n = math.ceil(shift)
+    c = [_f32_bits(struct.unpack(">f", bytes.fromhex(k[2:]))[0] * 2.0 ** (n - shift)) for k in _EXP2_POLY[degree]]
+    horner = "".join(f"fma.rn.f32 p, p, f, {k}; " for k in c[2:])
+    ptx = ("{ .reg .f32 r, nj, f, p; .reg .b32 b; "
+           f"fma.rn.f32 r, $1, {_f32_bits(scale)}, 0f4B400000; "  # r's low bits hold j
+           "sub.rn.f32 nj, 0f4B400000, r; "  # -j
+           f"fma.rn.f32 f, $1, {_f32_bits(scale)}, nj; "  # u scale - j, one rounding
+           f"fma.rn.f32 p, f, {c[0]}, {c[1]}; {horner}"
+           f"mov.b32 b, r; shl.b32 b, b, 23; add.s32 b, b, {0x3F800000 - (n << 23)}; mov.b32 r, b; "  # 2^(j - n)
+           "mul.rn.f32 $0, p, r; }")
+    return Float32(pure_asm(T.f32(), ptx, "=f,f", [Float32(u).ir_value(loc=loc, ip=ip)], loc, ip))
