@@ -548,7 +548,7 @@ class RowKernelBase:
         exp(x - m) itself; the cross-entropy forward takes ``row_max_sum``)."""
         m = x.reduce(cute.ReductionOp.MAX, init_val=Float32(-math.inf), reduction_profile=0)
         m = self.row_allreduce(m, fmax, Float32(-math.inf), buf, mbar, 0)
-        e = exp_shifted(x, m, self.x_dtype.width == 16)
+        e = cute.math.exp2((x - m) * LOG2E, fastmath=True)
         s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
         return m, e, self.row_allreduce(s, add, Float32(0.0), buf, mbar, 1)
 
@@ -567,7 +567,7 @@ class RowKernelBase:
         shift = m
         if m == Float32(-math.inf):  # only padding (-inf) here: exp2(-inf) sums to 0, never NaN
             shift = Float32(0.0)
-        e = exp_shifted(x, shift, self.x_dtype.width == 16)
+        e = cute.math.exp2((x - shift) * LOG2E, fastmath=True)
         s = e.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
         if const_expr(extra is not None):
             return self.merge_max_sum(m, s, buf, mbar, extra)
@@ -738,22 +738,6 @@ def _merge_max_sum(m1: Float32, s1: Float32, m2: Float32, s2: Float32, posinf: c
 @cute.jit
 def fmax(a: Float32, b: Float32) -> Float32:
     return cute.arch.fmax(a, b)
-
-
-def exp_shifted(x, shift, one_fma: bool):
-    """exp(x - shift) of fp32 values x (a TensorSSA or a scalar) and a scalar shift. ``one_fma`` (16-bit inputs):
-    exp2(x log2(e) - shift log2(e)), one FMA's argument a value where (x - shift) log2(e) takes a subtract and a
-    multiply (Quack's form), its argument's error 2^-24 |shift| log2(e) instead of |x - shift|'s: far below a
-    16-bit value's rounding, not an fp32 one's (fp32 rows take the exact form). -inf values give 0; +inf with a
-    +inf shift, NaN."""
-    if not one_fma:
-        return cute.math.exp2((x - shift) * LOG2E, fastmath=True)
-    # an explicit fma: written x * log2(e) - c, the product was shared with another exp of the same x (the fused
-    # kernel's dlogits, tried in this form) and kept live in fp32 where x stays packed (93 -> 128 registers)
-    c = -shift * LOG2E
-    if isinstance(x, cute.TensorSSA):
-        return cute.math.exp2(cute.math.fma(x, cute.full_like(x, LOG2E), cute.full_like(x, c)), fastmath=True)
-    return cute.math.exp2(cute.math.fma(x, Float32(LOG2E), c), fastmath=True)
 
 
 def pure_asm(res_type, ptx: str, constraints: str, args, loc=None, ip=None):
