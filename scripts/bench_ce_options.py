@@ -2,7 +2,7 @@
 >= 0.90 of copy for cases >= 256 MB, and no more than 5% slower than without them).
 
     python3 scripts/bench_ce_options.py [--shapes 4096x128256,8192x151936,2048x256000] [--dtype bfloat16]
-        [--modes forward,backward,fwd_bwd,fwd_bwd_] [--sets plain,softcap,zcap,softcap@plain]
+        [--modes forward,backward,fwd_bwd,fwd_bwd_] [--sets plain,softcap,zcap,softcap@plain] [--scale 4]
 
 Per shape and mode (forward, backward, fwd_bwd; ``fwd_bwd_``: the fused op in place, as
 ``oink.linear_cross_entropy`` runs it, over a copy of the logits): the median of CUDA-event timings of the
@@ -11,7 +11,7 @@ each option set, its bandwidth as a fraction of a device copy's (bytes read + wr
 the same logits), and its time over the plain kernel's (the first set; "plain" leads by default). Every case
 is larger than L2, so no flush is needed. A set named ``NAME@plain`` runs at the launch the plain kernel
 takes for the shape and mode (forced as ``oink.tune.trial`` forces a launch), where the options otherwise take
-their own (``option_launch``)."""
+their own (``option_launch``). ``--scale``: the logits' standard deviation (30: as wide as Gemma-2's softcap)."""
 from __future__ import annotations
 
 import argparse
@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--modes", default="forward,backward,fwd_bwd")
     p.add_argument("--sets", default=DEFAULT_SETS, help=f"of {', '.join(OPTION_SETS)}; NAME@plain: the plain launch")
+    p.add_argument("--scale", type=float, default=4.0, help="the logits' standard deviation")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     arch = device_arch(torch.cuda.current_device())[0]
@@ -95,11 +96,11 @@ def main() -> None:
     for name in sets:
         if name.removesuffix("@plain") not in OPTION_SETS:
             p.error(f"--sets: {name!r} is none of {', '.join(OPTION_SETS)} (or NAME@plain)")
-    print(f"{torch.cuda.get_device_name()} ({arch}), {args.dtype}")
+    print(f"{torch.cuda.get_device_name()} ({arch}), {args.dtype}, logits' deviation {args.scale:g}")
     print(f"{'shape':>14} {'mode':>8} {'options':>14} {'ms':>8} {'of copy':>8} {'/ ' + sets[0]:>8}")
     for shape in args.shapes.split(","):
         M, V = (int(v) for v in shape.split("x"))
-        x = torch.randn(M, V, device="cuda", dtype=dtype) * 4
+        x = torch.randn(M, V, device="cuda", dtype=dtype) * args.scale
         t = torch.randint(0, V, (M,), device="cuda")
         t[::7] = -100
         dloss = torch.rand(M, device="cuda")

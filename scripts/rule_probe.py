@@ -71,6 +71,7 @@ RULES = {
     "small4": lambda N, vec: cluster_rows(N, vec, 16, 128, 4),
     "mid4": lambda N, vec: cluster_rows(N, vec, 16, 256, 4),
     "c8small8": lambda N, vec: cluster_rows(N, vec, 8, 128, 8),
+    "c8mid4": lambda N, vec: cluster_rows(N, vec, 8, 256, 4),
     "small16": lambda N, vec: cluster_rows(N, vec, 16, 128, 16),
     "small8p": lambda N, vec: cluster_rows(N, vec, 16, 128, 8, exact=False),
     "mid8p": lambda N, vec: cluster_rows(N, vec, 16, 256, 8, exact=False),

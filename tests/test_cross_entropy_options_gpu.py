@@ -296,3 +296,31 @@ def test_softcap_backward_against_float64(N, dtype, seed):
     dx = _launch("backward", logits, target, dloss, e_lse.float(), opts)[2]
     close_family(dx, e_dx, "softmax", dtype, f"{N} dlogits")
     assert torch.all(dx[target == IGNORE] == 0)
+
+
+@pytest.mark.parametrize("smooth", [0.0, 0.1], ids=["", "smooth"])
+@pytest.mark.parametrize("cap", (30.0, 5.0))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("N", (1000, 4097, 32000, 128256, 200008))
+def test_softcap_forward_of_16_bit_rows_of_every_spread(N, dtype, cap, smooth, seed):
+    """The 16-bit softcap forward (tanh.approx, a third of its exps on the FMA pipe, no max taken) on rows within
+    the cap, rows with one logit far past it in either direction, rows spread 3 c wide, fp16 logits too, a NaN:
+    loss and lse against the float64 reference."""
+    M = 24
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, N, device="cuda", generator=g, dtype=torch.float64) * (cap / 5)
+    cols = torch.randint(0, N, (M,), device="cuda", generator=g)
+    for r in range(8, 12):  # one logit past the cap (either sign)
+        x[r, cols[r]] = (1.0 if r % 2 else -1.0) * cap * 1.5
+    x[16:20] = torch.randn(4, N, device="cuda", generator=g, dtype=torch.float64) * 3 * cap
+    x[20, cols[20]] = math.nan
+    logits = x.to(dtype)
+    target = torch.randint(0, N, (M,), device="cuda", generator=g)
+    target[1::5] = IGNORE
+    opts = dict(softcap=cap, label_smoothing=smooth)
+    loss, lse = kernel("cross_entropy_forward", logits=logits, target=target, ignore_index=IGNORE, **opts)
+    e_loss, e_lse = R.cross_entropy_forward(logits.double(), target, IGNORE, **opts)
+    assert lse[20].isnan() and (loss[20].isnan() or target[20] == IGNORE)
+    rows = torch.arange(M, device="cuda") != 20
+    close_family(loss[rows], e_loss[rows].float(), "cross_entropy_capped_loss", torch.float32, "loss")
+    close_family(lse[rows], e_lse[rows].float(), "cross_entropy_capped_loss", torch.float32, "lse")

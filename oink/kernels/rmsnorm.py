@@ -378,7 +378,10 @@ class RMSNormForward(RowKernelBase):
             return self.load_shifted(mP, part, tXcX, shift, dtype)
         tXgP = part(self.head_rows(mP, row), 0)
         rP = cute.make_rmem_tensor_like(tXgP)
-        self.copy_row(tXgP, rP, tXcX, dtype)
+        if const_expr(not self.clamped):
+            self.copy_row(tXgP, rP, tXcX, dtype)
+        else:  # the values past N multiply x's zeros, their outputs never stored
+            self.load_clamped(tXgP, rP, tXcX, dtype)
         return rP
 
     @cute.jit
@@ -418,8 +421,31 @@ class RMSNormForward(RowKernelBase):
         outside the row 0)."""
         if const_expr(self.shifted):
             self.load_window(src, dst, tXcX, shift, 0.0, dtype)
-        else:
+        elif const_expr(not self.clamped):
             self.copy_row(src, dst, tXcX, dtype)
+        else:
+            self.load_clamped(src, dst, tXcX, dtype)
+            dst.store(cute.where(self.inside_vectors(dst, tXcX), dst.load(), cute.full_like(dst.load(), 0.0)))
+
+    @property
+    def clamped(self) -> bool:
+        """Whether an uneven row (``launch.even_n`` false) of 16-byte accesses loads ``load_clamped``'s way; rows of
+        narrower accesses keep the predicated loads (clamped, LayerNorm's 4750-column rows spilled on sm_100a)."""
+        return not self.launch.even_n and self.launch.vec * self.x_dtype.width == 128
+
+    @cute.jit
+    def load_clamped(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, dtype: cutlass.Constexpr):
+        """This thread's slice of an uneven row (``launch.even_n`` false), a vector past N read from the row's last
+        vector instead (in bounds): the loads go out unpredicated, all at once. Predicated, ptxas unpacked each
+        vector's values under its load's predicate, ran out of predicates past 6 vectors a thread (x and the
+        weight), and waited for a load's data before the next vectors' loads (a round trip)."""
+        L = self.launch
+        atom = self.atom(dtype)
+        for i in cutlass.range_constexpr(cute.size(src, mode=[2])):
+            s_i = src[None, None, i]
+            back = cutlass.min(Int32(L.N - L.vec) - tXcX[(0, 0), 0, i][1], Int32(0))
+            at = cute.make_ptr(dtype, (s_i.iterator + back).toint(), cute.AddressSpace.gmem, assumed_align=16)
+            cute.copy(atom, cute.make_tensor(at, s_i.layout), dst[None, None, i])
 
     @cute.jit
     def store_slice(self, src: cute.Tensor, dst: cute.Tensor, tXcX: cute.Tensor, dtype: cutlass.Constexpr, shift):
