@@ -88,6 +88,23 @@ def test_narrow_access_rows_do_not_spill(keep_cubin, family, arch):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_staged_rule_does_not_spill(keep_cubin, arch):
+    """RMSNorm's 16-bit rows of 4-element accesses past 16384 columns (``rmsnorm.staged_rows``: 8-16 accesses a
+    thread) take the staged rule's launch, staged, and keep their values in registers."""
+    from oink.kernels.compile import CACHE
+    from oink.kernels.rmsnorm import ran_staged
+
+    found = {}
+    for N in (16388, 40964, 73124, 171988, 200004, 262140):
+        CACHE.clear_used()
+        found[N] = _resources("rmsnorm_fwd", "bfloat16", N, arch) + (ran_staged(CACHE.used),)
+    spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"]}
+    assert not spilled, f"{arch} spills at (launch, resources) {spilled}"
+    assert all(r[3] and r[1]["registers"] > 0 for r in found.values()), found
+    assert all(1 < L[2] <= 16 for r in found.values() for L in r[0]), found
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("family", ("rmsnorm_bwd", "layernorm_bwd", "rmsnorm_fwd_w32"))
 def test_rows_counted_in_values_do_not_spill(keep_cubin, family, arch):
     """16-bit rows off 16-byte boundaries whose budget counts values (the norm backward: up to 26 one-element

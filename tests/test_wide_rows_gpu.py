@@ -81,6 +81,24 @@ def test_wide_row_rule_runs_correctly(op, N, dtype, M):
     assert any(L[2] > 1 for L in ran), f"no clustered launch ran: {ran}"
 
 
+# RMSNorm's rows of 4-element accesses past 16384 columns (rmsnorm.staged_rows): staged in shared memory over a cluster
+# of 2-8 CTAs of 256-512 threads, past 196608 columns 16 CTAs of 256 (sm_90a), 8-16 accesses a thread, padded shares
+STAGED_WIDTHS = (16388, 40964, 73124, 123460, 200004, 262140)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm(90, exact=True)
+@pytest.mark.parametrize("M", [37, 600])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("N", STAGED_WIDTHS)
+def test_staged_rule_runs_correctly(N, dtype, M):
+    from oink.kernels.compile import CACHE
+    from oink.kernels.rmsnorm import ran_staged
+
+    ran = _gated_launches("rmsnorm_forward", N, dtype, M)
+    assert ran_staged(CACHE.used) and any(L[2] > 1 for L in ran), f"no staged launch ran: {ran}"
+
+
 SPLIT_CASES = [(op, N) for op in ("rmsnorm_backward", "layernorm_backward") for N in (151936, 200000, 262144)]
 
 

@@ -170,6 +170,12 @@ def staged(key: str, arch: str, N: int, knob: int | None = None, few: bool = Fal
     return _launch_option("stage", "stages", key, arch, N, knob, few)
 
 
+def stage_forced(key: str, arch: str, N: int, few: bool = False) -> bool:
+    """Whether the tuner's trial says how ``key``'s launch at N stages (unstaged included), so no rule's staging
+    applies."""
+    return TRIAL is not None and any((k, arch, N) in TRIAL.stages for k in ((f"{key}/few", key) if few else (key,)))
+
+
 def _launch_option(field: str, tried: str, key: str, arch: str, N: int, knob, few: bool):
     """An entry's ``field``, which belongs to its launch: the trial's value in its dict ``tried`` (a
     falsy one: None), None where a trial of a launch or a knob makes ``pick`` ignore the entry, else

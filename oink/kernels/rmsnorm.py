@@ -21,7 +21,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
-from .launch_table import pick, staged
+from .launch_table import pick, stage_forced, staged
 from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, NARROW_EVEN_FROM_N, WIDE_CLUSTER, RowKernelBase,
                         RowLaunch, add, cluster_rows, fewest_warps, narrow_cluster_rows, narrow_rows, pick_row_launch,
                         shifted_window, whole_warp_rows)
@@ -108,6 +108,13 @@ def late_params(launch: RowLaunch, layernorm: bool, wide: bool, few: bool) -> bo
 # such a tile (1024 threads x 4 units of 128 bits, x and a residual) still leaves one CTA a SM room for
 # the reduction buffers; fp32 x and residual over 1024 threads x 8 units (256 KB) are never staged.
 STAGE_MAX_BYTES = 128 * 1024
+
+# 16-bit RMSNorm rows of 4-element accesses (N % 8 == 4) wider than CLUSTER_ROWS_MIN_N (``staged_rows``): staged
+# in shared memory, the weight loaded after the reduction, over CTAs of 256 threads in a cluster of up to 8, up to
+# this many accesses a thread (the staged tile is no register's), then CTAs of 512 (1024: slower at 171988), then
+# on sm_90a a cluster of 16 CTAs of 256 (512 x 8 at 16 accesses ran 1.2-1.3x its time at 250004-262140). Held in
+# registers, such a thread stopped at 5-6 accesses and the row took 16 CTAs. H200 (bench/RESULTS.md).
+STAGED_MAX_ITERS = 12
 
 
 def stage_rows(launch: RowLaunch, x_bits: int, res_bits: int, tuned: bool) -> bool:
@@ -509,15 +516,32 @@ def forward_window(k: ForwardKey) -> int | None:
     return width if narrow_rows(k.N, bits) is None and width <= MAX_N else None
 
 
+def staged_rows(k: ForwardKey) -> RowLaunch | None:
+    """The staged rule's launch for ``k`` (rows staged in shared memory, the weight loaded late: ``STAGED_MAX_ITERS``),
+    or None where it does not apply: RMSNorm of one head without a residual, 16-bit x and parameters, rows of
+    4-element accesses wider than ``CLUSTER_ROWS_MIN_N``, more than ``launch_table.FEW_ROWS`` rows (fewer: not
+    measured), no ``fwd_upt`` setting."""
+    bits = cute_dtype(k.x_dtype).width
+    if (k.layernorm or k.heads != 1 or k.res_dtype or k.few or bits != 16 or config.get().fwd_upt
+            or widest_bits(k.w_dtype, k.b_dtype, k.out_dtype) > bits or k.N <= CLUSTER_ROWS_MIN_N
+            or math.gcd(k.N, 8) != 4):
+        return None
+    launch = cluster_rows(k.N, 4, MAX_CLUSTER, 256, STAGED_MAX_ITERS, max_threads=512)
+    if launch.iters > STAGED_MAX_ITERS and k.arch in WIDE_CLUSTER:  # past 196608 columns: 16 CTAs of 256 threads
+        launch = cluster_rows(k.N, 4, WIDE_CLUSTER[k.arch], 256, 2 * STAGED_MAX_ITERS, max_threads=256)
+    return launch
+
+
 @memo
 def forward_launch_of(k: ForwardKey) -> tuple[str, RowLaunch]:
     """(the launch table's key, the launch) of the forward for ``k``: a table entry's, or the rule's
-    (``forward_launch``) for its rows or their windows (``forward_window``)."""
+    (``staged_rows``, else ``forward_launch``) for its rows or their windows (``forward_window``)."""
     xd = cute_dtype(k.x_dtype)
     wide = widest_bits(k.w_dtype, k.res_dtype, k.res_out_dtype)
     width = forward_window(k)
     table_key = f"{'layernorm' if k.layernorm else 'rmsnorm'}_fwd{'_window' if width else ''}/x{xd.width}w{wide}"
-    default = forward_launch(width or k.N, xd.width, k.arch, wide, k.layernorm, k.res_dtype is not None)
+    default = staged_rows(k) or forward_launch(width or k.N, xd.width, k.arch, wide, k.layernorm,
+                                               k.res_dtype is not None)
     return table_key, pick(table_key, k.arch, default, config.get().fwd_upt, k.few)
 
 
@@ -534,6 +558,8 @@ def compiled_forward(k: ForwardKey):
     wide = widest_bits(w_dtype, res_dtype, res_out_dtype)
     table_key, launch = forward_launch_of(k)
     tuned = staged(table_key, arch, launch.N, config.get().fwd_upt, few)  # None, or where a staged launch loads
+    if tuned is None and launch == staged_rows(k) and not stage_forced(table_key, arch, launch.N, few):
+        tuned = "late"  # the staged rule's launch (a table entry's staging, or a trial's, wins)
     stage = stage_rows(launch, xd.width, cute_dtype(res_dtype).width if res_dtype else 0,
                        tuned is not None) and launch.N == N  # (never through windows)
     late = config.get().fwd_late
