@@ -58,6 +58,7 @@ class Config:
     fwd_upt: int | None = None  # norm forward units a thread (a sweep's dial)
     fwd_late: bool | None = None  # norm forward loads weight/bias after the reduction (forced either way)
     fwd_stage: bool | None = None  # norm forward stages x (and residual) in shared memory (forced either way)
+    fwd_ctas: int | None = None  # norm forward: CTAs a SM ptxas keeps room for (a cap on registers; a sweep's dial)
     fp4_upt: int | None = None  # FP4 scale blocks a thread (a sweep's dial)
     bwd_upt: int | None = None  # norm backward units a thread, threads a SM its grid is sized for, pipeline
     bwd_tpsm: int | None = None  # depth (sweeps' dials)

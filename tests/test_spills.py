@@ -105,6 +105,24 @@ def test_staged_rule_does_not_spill(keep_cubin, arch):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_forward_register_cap(keep_cubin, arch, monkeypatch):
+    """``fwd_ctas`` (a sweep's dial) caps the norm forward's registers so that many CTAs fit a SM: RMSNorm's rows of
+    2-element accesses staged, weight late (67810: 256 threads of 17 accesses), 66-72 registers uncapped, at most 51
+    at 5 CTAs a SM, no spill on sm_90a."""
+    from oink.kernels.profile import compiled_resources
+    from oink.kernels.rmsnorm import ForwardKey, compiled_forward
+    from tests.helpers import set_dev
+
+    key = ForwardKey("bfloat16", 67810, arch, w_dtype="bfloat16", out_dtype="bfloat16")
+    found = {}
+    for ctas in (None, 5):
+        set_dev(monkeypatch, fwd_stage=True, fwd_late=True, fwd_ctas=ctas)
+        found[ctas] = compiled_resources(compiled_forward(key))
+    assert found[None]["registers"] > 65536 // (5 * 256) >= found[5]["registers"], found
+    assert arch != "sm_90a" or not found[5]["frame_bytes"], found
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("family", ("rmsnorm_bwd", "layernorm_bwd", "rmsnorm_fwd_w32"))
 def test_rows_counted_in_values_do_not_spill(keep_cubin, family, arch):
     """16-bit rows off 16-byte boundaries whose budget counts values (the norm backward: up to 26 one-element

@@ -565,13 +565,16 @@ def compiled_forward(k: ForwardKey):
     late = config.get().fwd_late
     if late is None:
         late = tuned == "late" if stage and tuned else late_params(launch, layernorm, wide > xd.width, few)
+    ctas = config.get().fwd_ctas or 0  # (a sweep's register cap; none by default)
     key = (FORWARD_KINDS[layernorm], x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype,
-           out_dtype, store_rstd, store_mean, float(weight_offset), heads, N, arch, launch, late, stage)
+           out_dtype, store_rstd, store_mean, float(weight_offset), heads, N, arch, launch,
+           *((("ctas", ctas),) if ctas else ()), late, stage)  # the stage flag last (``ran_staged``)
 
     def build():
         dts = [_cute(d) for d in (w_dtype, b_dtype, res_dtype, res_out_dtype, out_dtype)]
         kernel = RMSNormForward(launch, xd, *dts[:3], dts[4], dts[3], store_rstd, layernorm, float(weight_offset),
                                 heads, late, stage, n=N)
+        kernel.min_ctas = ctas
         ptr = lambda dt: None if dt is None else gmem_ptr(dt)  # noqa: E731
         one = Int64(launch.vec)
         return compile_kernel(
