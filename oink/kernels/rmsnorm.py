@@ -518,7 +518,7 @@ def forward_window(k: ForwardKey) -> int | None:
 
 def staged_rows(k: ForwardKey) -> RowLaunch | None:
     """The staged rule's launch for ``k`` (rows staged in shared memory, the weight loaded late: ``STAGED_MAX_ITERS``),
-    or None where it does not apply: RMSNorm of one head without a residual, 16-bit x and parameters, rows of
+    or None where it does not apply: RMSNorm of one head without a residual, 16-bit x, parameters and output, rows of
     4-element accesses wider than ``CLUSTER_ROWS_MIN_N``, more than ``launch_table.FEW_ROWS`` rows (fewer: not
     measured), no ``fwd_upt`` setting."""
     bits = cute_dtype(k.x_dtype).width
