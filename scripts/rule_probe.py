@@ -81,6 +81,10 @@ RULES = {
                                               4, 640),  # LayerNorm's forward rule before fewest_warps
     "w32values4": lambda N, vec: pick_row_launch(N, 16, units_per_thread=32 // vec, max_units_per_thread=32 // vec,
                                                  max_threads=512),  # fp32 weight, narrow: 4 units' values
+    # one CTA, half ``values``' budget: 16 values a thread (LayerNorm 942 x 17812, 2-element accesses: 64 x 8 ran
+    # 0.84 of the access-counted 128 x 4, H200); None past 16384 (the rule's launch)
+    "values16": lambda N, vec: pick_row_launch(N, 16, units_per_thread=16 // vec, max_units_per_thread=16 // vec)
+    if N <= 16384 else None,
     "wholewarps": whole_warp_launch,  # the FP8 kernels' rule, for the other families
     "wholewarps4": lambda N, vec: whole_warp_launch(N, vec, iters=4),
 }
