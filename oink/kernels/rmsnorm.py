@@ -40,7 +40,8 @@ WIDE_WEIGHT_NARROW_VALUES = 24  # values of x a thread holds before a narrow row
 @memo
 def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: bool = False,
                    residual: bool = False) -> RowLaunch:
-    """Launch heuristic for the forward (the one place it is chosen). Measured on SM90 only;
+    """Launch heuristic for the forward (the one place it is chosen, but for the keys ``staged_rows`` takes, which
+    ``forward_launch_of`` asks first: they hold more than a width). Measured on SM90 only;
     SM100 takes the same shapes until a Blackwell card can tune them. Rows wider than
     ``CLUSTER_ROWS_MIN_N`` take the wide-row rule (``reduction.cluster_rows``; 16-bit rows of 2-element
     accesses ``reduction.narrow_cluster_rows``), 16-bit rows whose width is not a multiple of 8 (but a
