@@ -163,33 +163,31 @@ def grid(key: str, arch: str, N: int, knob: int | None = None, few: bool = False
     return _launch_option("grid", "grids", key, arch, N, knob, few)
 
 
-def staged(key: str, arch: str, N: int, knob: int | None = None, few: bool = False) -> str | None:
+def staged(key: str, arch: str, N: int, knob: int | None = None, few: bool = False,
+           rule: str | None = None) -> str | None:
     """How ``key``'s launch at N stages its rows in shared memory: "early" or "late" (the parameters'
     loads before or after the reduction), or None (not staged): the tuner's trial, else the entry's
-    "stage" (it belongs to the entry's launch, so it follows ``pick`` as ``grid`` does), else None."""
-    return _launch_option("stage", "stages", key, arch, N, knob, few)
+    "stage" (it belongs to the entry's launch, so it follows ``pick`` as ``grid`` does), else ``rule``
+    (the family rule's staging of the launch chosen, which the caller gives where that launch is the rule's)."""
+    return _launch_option("stage", "stages", key, arch, N, knob, few, rule)
 
 
-def stage_forced(key: str, arch: str, N: int, few: bool = False) -> bool:
-    """Whether the tuner's trial says how ``key``'s launch at N stages (unstaged included), so no rule's staging
-    applies."""
-    return TRIAL is not None and any((k, arch, N) in TRIAL.stages for k in ((f"{key}/few", key) if few else (key,)))
-
-
-def _launch_option(field: str, tried: str, key: str, arch: str, N: int, knob, few: bool):
+def _launch_option(field: str, tried: str, key: str, arch: str, N: int, knob, few: bool, rule=None):
     """An entry's ``field``, which belongs to its launch: the trial's value in its dict ``tried`` (a
-    falsy one: None), None where a trial of a launch or a knob makes ``pick`` ignore the entry, else
-    the entry's (the "/few" entry first with ``few``), else None."""
+    falsy one: None), None where a knob makes ``pick`` ignore the entry, ``rule`` where a trial of a launch
+    does, else the entry's measured at N (the "/few" entry first with ``few``), else ``rule``."""
     trial = TRIAL
     for k in ((f"{key}/few", key) if few else (key,)):
         if trial is not None and (k, arch, N) in getattr(trial, tried):
             return getattr(trial, tried)[(k, arch, N)] or None
-        if knob or trial is not None and (k, arch, N) in trial.launches:
+        if knob:
             return None
+        if trial is not None and (k, arch, N) in trial.launches:
+            return rule
         found = entry(k, arch, N)
         if found:  # tuned with the launch measured at its own width, not the one scaled to another
-            return found[1].get(field) if found[0] == N else None
-    return None
+            return found[1].get(field) if found[0] == N else rule
+    return rule
 
 
 def candidates(default: RowLaunch, max_iters: int = 8, lanes: int = 1, clusters=(1,)) -> list[RowLaunch]:

@@ -21,7 +21,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
-from .launch_table import pick, stage_forced, staged
+from .launch_table import pick, staged
 from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, NARROW_EVEN_FROM_N, WIDE_CLUSTER, RowKernelBase,
                         RowLaunch, add, cluster_rows, fewest_warps, narrow_cluster_rows, narrow_rows, pick_row_launch,
                         shifted_window, whole_warp_rows)
@@ -558,9 +558,8 @@ def compiled_forward(k: ForwardKey):
     out_dtype = out_dtype or x_dtype
     wide = widest_bits(w_dtype, res_dtype, res_out_dtype)
     table_key, launch = forward_launch_of(k)
-    tuned = staged(table_key, arch, launch.N, config.get().fwd_upt, few)  # None, or where a staged launch loads
-    if tuned is None and launch == staged_rows(k) and not stage_forced(table_key, arch, launch.N, few):
-        tuned = "late"  # the staged rule's launch (a table entry's staging, or a trial's, wins)
+    # None, or where a staged launch loads its parameters: a trial's or a table entry's staging, else the staged rule's
+    tuned = staged(table_key, arch, launch.N, config.get().fwd_upt, few, "late" if launch == staged_rows(k) else None)
     stage = stage_rows(launch, xd.width, cute_dtype(res_dtype).width if res_dtype else 0,
                        tuned is not None) and launch.N == N  # (never through windows)
     late = config.get().fwd_late
