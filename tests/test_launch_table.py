@@ -521,18 +521,24 @@ def test_narrow_access_rows_count_values_a_thread():
     assert narrow_rows(NARROW_ROWS_N[0], 16) is None and narrow_rows(NARROW_ROWS_N[1] + 1, 16) is None
 
 
-def test_even_narrow_rows_count_values_from_the_norm_forwards_lower_bound():
-    """With ``even_from`` (the norm forwards), rows of 2-element accesses count values a thread from
-    ``NARROW_EVEN_FROM_N`` columns; odd widths (1-element accesses, read through windows) and rows of 4 do not."""
-    from oink.kernels.reduction import NARROW_EVEN_FROM_N, narrow_rows
+def test_short_and_even_narrow_rows_count_values_in_the_norm_forwards():
+    """With ``short`` (the norm forwards), rows of 2-element accesses count values a thread at any width up to
+    16384, rows of 4 up to ``NARROW_SHORT_N`` columns (a row of up to 32 values a thread then fits a warp);
+    odd widths (1-element accesses, read through windows) and rows of 4 between it and 4096 do not."""
+    from oink.kernels.reduction import NARROW_SHORT_N, narrow_rows
 
-    for N in (1030, 2050, 3078, 4094):
-        L = narrow_rows(N, 16, 4, NARROW_EVEN_FROM_N)
-        assert L.vec == 2 and L.cluster_n == 1 and 16 < L.iters * L.vec <= 32, L
+    for N in (6, 210, 746, 1018, 1030, 2050, 3078, 4094):
+        L = narrow_rows(N, 16, 4, NARROW_SHORT_N)
+        assert L.vec == 2 and L.cluster_n == 1 and L.iters * L.vec <= 32, L
+        assert N < 1024 or 16 < L.iters * L.vec, L
         assert narrow_rows(N, 16) is None  # without it, the range starts past 4096
-    assert narrow_rows(1027, 16, 4, NARROW_EVEN_FROM_N) is None  # odd: the windows' widths
-    assert narrow_rows(2052, 16, 4, NARROW_EVEN_FROM_N) is None  # 4-element accesses
-    assert narrow_rows(NARROW_EVEN_FROM_N, 16, 4, NARROW_EVEN_FROM_N) is None
+    for N in (300, 644, 1020):
+        L = narrow_rows(N, 16, 4, NARROW_SHORT_N)
+        assert L.vec == 4 and L.threads_per_row <= 32 and 16 < L.iters * L.vec <= 32, L
+        assert narrow_rows(N, 16) is None
+    assert narrow_rows(1027, 16, 4, NARROW_SHORT_N) is None  # odd: the windows' widths
+    assert narrow_rows(1028, 16, 4, NARROW_SHORT_N) is None and narrow_rows(2052, 16, 4, NARROW_SHORT_N) is None
+    assert narrow_rows(NARROW_SHORT_N, 16, 4, NARROW_SHORT_N) is None  # aligned
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

@@ -89,26 +89,36 @@ def test_narrow_access_rows_do_not_spill(keep_cubin, family, arch):
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_staged_rule_does_not_spill(keep_cubin, arch):
-    """RMSNorm's 16-bit rows of 4-element accesses past 16384 columns (``rmsnorm.staged_rows``: 8-16 accesses a
-    thread) take the staged rule's launch, staged, and keep their values in registers."""
+    """RMSNorm's 16-bit rows of 4- and 2-element accesses past 16384 columns (``rmsnorm.staged_rows``: 8-32 accesses
+    a thread) take the staged rule's launch, staged (but rows of 2-element accesses the rule would spread over CTAs
+    of 1024 threads: sm_100a's cluster of 8 past 131072 columns), keep their values in registers, and where the rule
+    caps them (``staged_min_ctas``) fit that many CTAs a SM."""
     from oink.kernels.compile import CACHE
-    from oink.kernels.rmsnorm import ran_staged
+    from oink.kernels.rmsnorm import ForwardKey, forward_launch_of, ran_staged, staged_min_ctas, staged_rows
 
-    found = {}
-    for N in (16388, 40964, 73124, 171988, 200004, 262140):
+    found, capped = {}, 0
+    for N in (16388, 40964, 73124, 171988, 200004, 262140, 16386, 33794, 67810, 88002, 120002, 139266, 180226, 262142):
         CACHE.clear_used()
+        key = ForwardKey("bfloat16", N, arch, w_dtype="bfloat16", out_dtype="bfloat16")
         found[N] = _resources("rmsnorm_fwd", "bfloat16", N, arch) + (ran_staged(CACHE.used),)
+        launch, rule = forward_launch_of(key)[1], staged_rows(key)
+        assert found[N][3] == (rule is not None) and (rule is None or launch == rule), (N, launch, found[N])
+        assert rule is not None or (N % 4 == 2 and arch != "sm_90a" and launch.num_threads == 1024), (N, launch)
+        ctas = staged_min_ctas(launch) if rule else 0
+        capped += ctas > 0
+        assert not ctas or found[N][1]["registers"] <= 65536 // (ctas * launch.num_threads), (N, launch, found[N])
     spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"]}
     assert not spilled, f"{arch} spills at (launch, resources) {spilled}"
-    assert all(r[3] and r[1]["registers"] > 0 for r in found.values()), found
+    assert all(r[1]["registers"] > 0 for r in found.values()), found
     assert all(1 < L[2] <= 16 for r in found.values() for L in r[0]), found
+    assert capped >= 6, "the rule capped too few launches to be tested"
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_forward_register_cap(keep_cubin, arch, monkeypatch):
-    """``fwd_ctas`` (a sweep's dial) caps the norm forward's registers so that many CTAs fit a SM: RMSNorm's rows of
-    2-element accesses staged, weight late (67810: 256 threads of 17 accesses), 66-72 registers uncapped, at most 51
-    at 5 CTAs a SM, no spill on sm_90a."""
+    """``fwd_ctas`` (a sweep's dial) caps the norm forward's registers so that many CTAs fit a SM, over the staged
+    rule's own cap: RMSNorm's rows of 2-element accesses staged, weight late (67810: 256 threads of 17 accesses),
+    at most 64 registers as the rule has it (4 CTAs), at most 51 at 5 CTAs a SM, no spill on sm_90a."""
     from oink.kernels.profile import compiled_resources
     from oink.kernels.rmsnorm import ForwardKey, compiled_forward
     from tests.helpers import set_dev
@@ -118,7 +128,7 @@ def test_forward_register_cap(keep_cubin, arch, monkeypatch):
     for ctas in (None, 5):
         set_dev(monkeypatch, fwd_stage=True, fwd_late=True, fwd_ctas=ctas)
         found[ctas] = compiled_resources(compiled_forward(key))
-    assert found[None]["registers"] > 65536 // (5 * 256) >= found[5]["registers"], found
+    assert 65536 // (4 * 256) >= found[None]["registers"] > 65536 // (5 * 256) >= found[5]["registers"], found
     assert arch != "sm_90a" or not found[5]["frame_bytes"], found
 
 

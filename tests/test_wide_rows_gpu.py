@@ -54,10 +54,11 @@ RULE_CASES = [(op, N) for op in RULE_OPS for N in (24576, 40968, 53248, 98304, 1
 # takes a cluster; 16380, of 4-element accesses, does not)
 NARROW_CASES = [(op, N) for op in ("rmsnorm_forward", "fused_add_rmsnorm_", "layernorm", "softmax_forward")
                 for N in (4619, 4750, 8077, 16380 if op == "softmax_forward" else 16383)]
-# and the norm forwards' rows of 2-element accesses counted in values: one CTA from 1025 columns (narrow_rows'
-# even_from), CTAs of 256 threads over a cluster past 16384 (reduction.narrow_cluster_rows)
+# and the norm forwards' rows of 2-element accesses counted in values: one CTA up to 16384 columns (narrow_rows'
+# short, which also counts rows of 4 up to 1024 so), CTAs of 256 threads over a cluster past 16384
+# (reduction.narrow_cluster_rows; RMSNorm's staged: rmsnorm.staged_rows)
 NARROW_CASES += [(op, N) for op in ("rmsnorm_forward", "layernorm")
-                 for N in (1030, 3078, 20482, 49474, 67810, 98306, 131750, 180226)]
+                 for N in (210, 644, 746, 1018, 1020, 1030, 3078, 20482, 49474, 67810, 98306, 131750, 180226)]
 
 
 @pytest.mark.gpu
@@ -81,9 +82,9 @@ def test_wide_row_rule_runs_correctly(op, N, dtype, M):
     assert any(L[2] > 1 for L in ran), f"no clustered launch ran: {ran}"
 
 
-# RMSNorm's rows of 4-element accesses past 16384 columns (rmsnorm.staged_rows): staged in shared memory over a cluster
-# of 2-8 CTAs of 256-512 threads, past 196608 columns 16 CTAs of 256 (sm_90a), 8-16 accesses a thread, padded shares
-STAGED_WIDTHS = (16388, 40964, 73124, 123460, 200004, 262140)
+# RMSNorm's rows of 4- and 2-element accesses past 16384 columns (rmsnorm.staged_rows): staged in shared memory over a
+# cluster of 2-16 CTAs of 256-512 threads, 8-32 accesses a thread, registers capped (staged_min_ctas), padded shares
+STAGED_WIDTHS = (16388, 40964, 73124, 123460, 200004, 262140, 16386, 33794, 88002, 150002, 200002, 262142)
 
 
 @pytest.mark.gpu

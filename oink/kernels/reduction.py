@@ -99,21 +99,22 @@ CLUSTER_ROWS_MIN_N = 16384
 
 # Rows of 16-bit values whose width is not a multiple of 8 (accesses narrower than 16 bytes) within these
 # widths count a thread's budget in values, not accesses (``narrow_rows``): measured from 4619 to 8077.
-# Rows of 2-element accesses (widths of 2 x an odd number), with ``even_from``, from that width on: the norm
-# forwards' from 1025 (H200, 1030-3078 columns: 0.65-0.79 of the access-counted launch's time, RMSNorm and
-# LayerNorm; rows of 4-element accesses ran 0.85-1.07x, and stay).
+# With ``short`` (the norm forwards), rows of 2-element accesses (widths of 2 x an odd number) from that width
+# on (H200, 1030-3078 columns: 0.65-0.79 of the access-counted launch's time, RMSNorm and LayerNorm; rows of
+# 4-element accesses ran 0.85-1.07x, and stay), and below it rows of 2- and 4-element accesses: at 210-1020
+# columns RMSNorm ran 0.59-1.00 of that time, LayerNorm 0.64-0.98 (H200, 256 MB a case; a row then fits a warp).
 NARROW_ROWS_N = (4096, CLUSTER_ROWS_MIN_N)
-NARROW_EVEN_FROM_N = 1024
+NARROW_SHORT_N = 1024
 
 
-def narrow_rows(N: int, x_bits: int, units_per_thread: int = 4, even_from: int | None = None) -> RowLaunch | None:
+def narrow_rows(N: int, x_bits: int, units_per_thread: int = 4, short: int | None = None) -> RowLaunch | None:
     """The one-CTA launch for a row of 16-bit values whose accesses are narrower than 16 bytes (``vec`` < 8):
     as many values a thread as an aligned row's ``units_per_thread`` accesses hold, in more, narrower
     accesses, rather than 8 / ``vec`` times the threads (each a few short loads, and a cluster sooner).
-    None where the row is aligned, not 16-bit, or outside ``NARROW_ROWS_N`` (from ``even_from`` columns
-    where the accesses hold 2 elements)."""
+    None where the row is aligned, not 16-bit, or outside ``NARROW_ROWS_N``; with ``short``, rows of 2- and
+    4-element accesses up to ``short`` columns and those of 2 from there on count values too."""
     vec = math.gcd(N, 128 // x_bits)
-    lo = even_from if even_from is not None and vec == 2 else NARROW_ROWS_N[0]
+    lo = 0 if short is not None and (vec == 2 or (vec == 4 and N <= short)) else NARROW_ROWS_N[0]
     if x_bits != 16 or vec == 8 or not lo < N <= NARROW_ROWS_N[1]:
         return None
     scale = 8 // vec

@@ -22,7 +22,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick, staged
-from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, NARROW_EVEN_FROM_N, WIDE_CLUSTER, RowKernelBase,
+from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, NARROW_SHORT_N, WIDE_CLUSTER, RowKernelBase,
                         RowLaunch, add, cluster_rows, fewest_warps, narrow_cluster_rows, narrow_rows, pick_row_launch,
                         shifted_window, whole_warp_rows)
 
@@ -45,9 +45,9 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     SM100 takes the same shapes until a Blackwell card can tune them. Rows wider than
     ``CLUSTER_ROWS_MIN_N`` take the wide-row rule (``reduction.cluster_rows``; 16-bit rows of 2-element
     accesses ``reduction.narrow_cluster_rows``), 16-bit rows whose width is not a multiple of 8 (but a
-    weight wider than x) ``reduction.narrow_rows``, those of 2-element accesses from 1025 columns. A
-    ``residual`` (the fused add: twice the loads, more registers) keeps the access count for rows of 2-element
-    accesses outside 4097-16384: counted in values it ran 0.91-1.16x the time (H200, random seeds 7373-9595).
+    weight wider than x) ``reduction.narrow_rows``, those of 2-element accesses at any width and of 4 up to
+    1024 columns too (``NARROW_SHORT_N``). A ``residual`` (the fused add: twice the loads, more registers)
+    keeps the access count for rows of 2- and 4-element accesses outside 4097-16384: counted in values it ran 0.91-1.16x the time (H200, random seeds 7373-9595).
     A unit is one 128-bit access of x, 4 a thread; a weight or residual wider than x (fp32 with bf16 x:
     ``w_bits``, the widest) costs two accesses a unit, so rows then take 2 units a thread where that still
     covers the row exactly in one CTA (faster there, as at N = 4096; where the tile would not be exact, as at
@@ -69,8 +69,8 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
         # LayerNorm's two reduction rounds: a cluster of 16 cost more than 8
         widest = MAX_CLUSTER if layernorm else WIDE_CLUSTER.get(arch, MAX_CLUSTER)
         return cluster_rows(N, math.gcd(N, 128 // x_bits), widest)
-    even_from = None if residual else NARROW_EVEN_FROM_N
-    narrow = None if w_bits > x_bits else narrow_rows(N, x_bits, FWD_MAX_UNITS, even_from)
+    short = None if residual else NARROW_SHORT_N
+    narrow = None if w_bits > x_bits else narrow_rows(N, x_bits, FWD_MAX_UNITS, short)
     if narrow is not None:
         return narrow
     if layernorm:
@@ -116,6 +116,18 @@ STAGE_MAX_BYTES = 128 * 1024
 # on sm_90a a cluster of 16 CTAs of 256 (512 x 8 at 16 accesses ran 1.2-1.3x its time at 250004-262140). Held in
 # registers, such a thread stopped at 5-6 accesses and the row took 16 CTAs. H200 (bench/RESULTS.md).
 STAGED_MAX_ITERS = 12
+# Rows of 2-element accesses (N % 4 == 2) keep ``narrow_cluster_rows``' CTAs of 256 threads past its 17 accesses,
+# up to this many (on sm_90a every width: 16 CTAs), where it takes CTAs of 512: at 150002-262142, 19-32 accesses
+# over 16 CTAs of 256 ran 0.67-0.93 of 8-16 over 16 CTAs of 512, both staged (H200).
+STAGED_NARROW_MAX_ITERS = 32
+# CTAs of 256 threads a SM the staged kernel keeps room for (``RMSNormForward.min_ctas``), by the row's elements an
+# access and up to how many accesses a thread: ptxas left to itself holds a staged row's values in 66-94 registers
+# (2-3 CTAs a SM), while the loads in flight that hide HBM's latency come from more CTAs. Capped, rows of
+# 2-element accesses ran 0.64-0.86 of the uncapped staged kernel's time, those of 4 (at up to 13 accesses)
+# 0.77-1.00 (H200). Each cap is the most CTAs that compile without a spill on sm_90a and sm_100a (test_spills):
+# 4 CTAs leave 64 registers, and a thread of 16 4-element or 22 2-element accesses spilled there; past 24
+# 2-element accesses 3 CTAs spilled on sm_100a, and on sm_90a ran as fast as 2 (ptxas' own choice there).
+STAGED_CTAS = {2: ((17, 4), (24, 3)), 4: ((13, 4),)}
 
 
 def stage_rows(launch: RowLaunch, x_bits: int, res_bits: int, tuned: bool) -> bool:
@@ -518,19 +530,34 @@ def forward_window(k: ForwardKey) -> int | None:
 
 
 def staged_rows(k: ForwardKey) -> RowLaunch | None:
-    """The staged rule's launch for ``k`` (rows staged in shared memory, the weight loaded late: ``STAGED_MAX_ITERS``),
-    or None where it does not apply: RMSNorm of one head without a residual, 16-bit x, parameters and output, rows of
-    4-element accesses wider than ``CLUSTER_ROWS_MIN_N``, more than ``launch_table.FEW_ROWS`` rows (fewer: not
-    measured), no ``fwd_upt`` setting."""
+    """The staged rule's launch for ``k`` (rows staged in shared memory, the weight loaded late), or None where it
+    does not apply: RMSNorm of one head without a residual, 16-bit x, parameters and output, rows of 4-element
+    accesses (``STAGED_MAX_ITERS``) or 2-element ones (``narrow_cluster_rows``' CTAs of 256 threads up to
+    ``STAGED_NARROW_MAX_ITERS`` accesses) wider than ``CLUSTER_ROWS_MIN_N``, more than ``launch_table.FEW_ROWS``
+    rows (fewer: not measured), no ``fwd_upt`` setting."""
     bits = cute_dtype(k.x_dtype).width
+    vec = math.gcd(k.N, 8)
     if (k.layernorm or k.heads != 1 or k.res_dtype or k.few or bits != 16 or config.get().fwd_upt
             or widest_bits(k.w_dtype, k.b_dtype, k.out_dtype) > bits or k.N <= CLUSTER_ROWS_MIN_N
-            or math.gcd(k.N, 8) != 4):
+            or vec not in (2, 4)):
         return None
+    if vec == 2:
+        launch = narrow_cluster_rows(k.N, bits, WIDE_CLUSTER.get(k.arch, MAX_CLUSTER))
+        held = cluster_rows(k.N, 2, launch.cluster_n, 256, STAGED_NARROW_MAX_ITERS, max_threads=256)
+        if launch.num_threads > 256 and held.iters <= STAGED_NARROW_MAX_ITERS:
+            return held
+        return launch if launch.num_threads <= 512 else None  # (1024 threads staged: not measured)
     launch = cluster_rows(k.N, 4, MAX_CLUSTER, 256, STAGED_MAX_ITERS, max_threads=512)
     if launch.iters > STAGED_MAX_ITERS and k.arch in WIDE_CLUSTER:  # past 196608 columns: 16 CTAs of 256 threads
         launch = cluster_rows(k.N, 4, WIDE_CLUSTER[k.arch], 256, 2 * STAGED_MAX_ITERS, max_threads=256)
     return launch
+
+
+def staged_min_ctas(launch: RowLaunch) -> int:
+    """CTAs a SM the staged rule's kernel on ``launch`` keeps room for (``STAGED_CTAS``), 0 for none."""
+    if launch.num_threads != 256:
+        return 0
+    return next((ctas for most, ctas in STAGED_CTAS.get(launch.vec, ()) if launch.iters <= most), 0)
 
 
 @memo
@@ -559,13 +586,15 @@ def compiled_forward(k: ForwardKey):
     wide = widest_bits(w_dtype, res_dtype, res_out_dtype)
     table_key, launch = forward_launch_of(k)
     # None, or where a staged launch loads its parameters: a trial's or a table entry's staging, else the staged rule's
-    tuned = staged(table_key, arch, launch.N, config.get().fwd_upt, few, "late" if launch == staged_rows(k) else None)
+    ruled = launch == staged_rows(k)
+    tuned = staged(table_key, arch, launch.N, config.get().fwd_upt, few, "late" if ruled else None)
     stage = stage_rows(launch, xd.width, cute_dtype(res_dtype).width if res_dtype else 0,
                        tuned is not None) and launch.N == N  # (never through windows)
     late = config.get().fwd_late
     if late is None:
         late = tuned == "late" if stage and tuned else late_params(launch, layernorm, wide > xd.width, few)
-    ctas = config.get().fwd_ctas or 0  # (a sweep's register cap; none by default)
+    # a register cap: a sweep's setting, else the staged rule's where its kernel runs as the rule has it
+    ctas = config.get().fwd_ctas or (staged_min_ctas(launch) if ruled and stage and late else 0)
     key = (FORWARD_KINDS[layernorm], x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype,
            out_dtype, store_rstd, store_mean, float(weight_offset), heads, N, arch, launch,
            *((("ctas", ctas),) if ctas else ()), late, stage)  # the stage flag last (``ran_staged``)
