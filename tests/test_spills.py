@@ -146,6 +146,18 @@ def test_rows_counted_in_values_do_not_spill(keep_cubin, family, arch):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_layernorm_narrow_rows_take_256_threads_without_spilling(keep_cubin, arch):
+    """LayerNorm's 16-bit rows counted in values past 8192 columns (1- to 4-element accesses) take one CTA of 256
+    threads up to ``rmsnorm.LAYERNORM_NARROW_MAX_VALUES`` (56) values a thread (14330: 28 accesses of 2 elements;
+    9045: 36 of one), else 512 (15100: 60; 16382: 64)."""
+    found = {N: _resources("layernorm_fwd", "bfloat16", N, arch) for N in (8196, 9045, 13004, 14330, 15100, 16382)}
+    spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"]}
+    assert not spilled, f"layernorm_fwd {arch} spills at (launch, resources) {spilled}"
+    threads = {N: {L[1] for L in r[0]} for N, r in found.items()}
+    assert threads == {8196: {256}, 9045: {256}, 13004: {256}, 14330: {256}, 15100: {512}, 16382: {512}}, threads
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_layernorm_fewest_warps_do_not_spill(keep_cubin, dtype, arch):
     """LayerNorm rows no whole-warp tiling covers, over the fewest whole warps (``reduction.fewest_warps``)."""

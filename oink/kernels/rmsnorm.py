@@ -11,7 +11,7 @@ barrier and written after it, by the same thread.
 from __future__ import annotations
 
 import math
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, replace
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -33,6 +33,12 @@ from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, NARROW_SHORT_N, 
 # registers, and a weight wider than x doubles the weight's: those CTAs stop at 640 and 512 threads.
 FWD_MAX_UNITS = 4
 LAYERNORM_MAX_THREADS = 640
+# LayerNorm's rows counted in values (``narrow_rows``) keep one CTA of at most this many threads, up to
+# LAYERNORM_NARROW_MAX_VALUES a thread (else the CTA of 512): CTAs of 512 held 73-77 registers (one CTA a SM), and 256
+# threads ran 0.55-0.64 of their time at 8196-13004 columns, 0.93-1.01 at 10244-15100 (H200, 256 MB a case; 1- to
+# 4-element accesses); at 64 values a thread (16382, 2-element accesses) 1.13x.
+LAYERNORM_NARROW_MAX_THREADS = 256
+LAYERNORM_NARROW_MAX_VALUES = 56
 WIDE_WEIGHT_MAX_THREADS = 512
 WIDE_WEIGHT_NARROW_VALUES = 24  # values of x a thread holds before a narrow row with a wider weight takes a cluster
 
@@ -55,7 +61,8 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     hold as many values a thread, in narrower accesses, and up to ``WIDE_WEIGHT_NARROW_VALUES`` in one CTA
     (counted in accesses, 3151 and 6571 columns took clusters of 512-thread CTAs and ran 2.1-2.4x slower;
     10378 and 11130 at 22 values a thread ran in 0.68 of a cluster of 2's time, 15001 at 30 in 1.11x; H200).
-    LayerNorm rows take whole warps where that tiles them exactly (7168 bf16: 224 threads): its
+    LayerNorm's rows counted in values keep CTAs of 256 threads (``LAYERNORM_NARROW_MAX_THREADS``); its other
+    rows take whole warps where that tiles them exactly (7168 bf16: 224 threads): its
     padded tail costs registers (mask, corrected mean: 105 instead of 80 at 256 threads).
     The ``fwd_upt`` development setting (units a thread, oink.config) overrides, for sweeps."""
     if config.get().fwd_upt:
@@ -71,6 +78,10 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
         return cluster_rows(N, math.gcd(N, 128 // x_bits), widest)
     short = None if residual else NARROW_SHORT_N
     narrow = None if w_bits > x_bits else narrow_rows(N, x_bits, FWD_MAX_UNITS, short)
+    if narrow is not None and layernorm and narrow.num_threads > LAYERNORM_NARROW_MAX_THREADS:
+        fewer = replace(narrow, threads_per_row=LAYERNORM_NARROW_MAX_THREADS, num_threads=LAYERNORM_NARROW_MAX_THREADS)
+        if fewer.iters * fewer.vec <= LAYERNORM_NARROW_MAX_VALUES:
+            return fewer
     if narrow is not None:
         return narrow
     if layernorm:
