@@ -58,7 +58,8 @@ NARROW_CASES = [(op, N) for op in ("rmsnorm_forward", "fused_add_rmsnorm_", "lay
 # short, which also counts rows of 4 up to 1024 so), CTAs of 256 threads over a cluster past 16384
 # (reduction.narrow_cluster_rows; RMSNorm's staged: rmsnorm.staged_rows)
 NARROW_CASES += [(op, N) for op in ("rmsnorm_forward", "layernorm")
-                 for N in (210, 644, 746, 1018, 1020, 1030, 3078, 9044, 11002, 20482, 49474, 67810, 98306, 131750, 180226)]
+                 for N in (210, 644, 746, 1018, 1020, 1030, 3078, 9044, 11002, 20482, 49474, 67810, 98306, 131750,
+                           180226)]
 
 
 @pytest.mark.gpu

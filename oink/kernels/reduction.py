@@ -99,10 +99,9 @@ CLUSTER_ROWS_MIN_N = 16384
 
 # Rows of 16-bit values whose width is not a multiple of 8 (accesses narrower than 16 bytes) within these
 # widths count a thread's budget in values, not accesses (``narrow_rows``): measured from 4619 to 8077.
-# With ``short`` (the norm forwards), rows of 2-element accesses (widths of 2 x an odd number) from that width
-# on (H200, 1030-3078 columns: 0.65-0.79 of the access-counted launch's time, RMSNorm and LayerNorm; rows of
-# 4-element accesses ran 0.85-1.07x, and stay), and below it rows of 2- and 4-element accesses: at 210-1020
-# columns RMSNorm ran 0.59-1.00 of that time, LayerNorm 0.64-0.98 (H200, 256 MB a case; a row then fits a warp).
+# With ``short`` (the norm forwards), rows of 2-element accesses (widths of 2 x an odd number) from that width on
+# (1030-3078 columns: 0.65-0.79 of the access-counted launch's time; rows of 4-element accesses 0.85-1.07x, and
+# stay), below it rows of 2 and 4 too (a row then fits a warp; 138-1020: RMSNorm 0.45-1.02, LayerNorm 0.53-1.10; H200).
 NARROW_ROWS_N = (4096, CLUSTER_ROWS_MIN_N)
 NARROW_SHORT_N = 1024
 

@@ -34,9 +34,9 @@ from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, NARROW_SHORT_N, 
 FWD_MAX_UNITS = 4
 LAYERNORM_MAX_THREADS = 640
 # LayerNorm's rows counted in values (``narrow_rows``) keep one CTA of at most this many threads, up to
-# LAYERNORM_NARROW_MAX_VALUES a thread (else the CTA of 512): CTAs of 512 held 73-77 registers (one CTA a SM), and 256
-# threads ran 0.55-0.64 of their time at 8196-13004 columns, 0.93-1.01 at 10244-15100 (H200, 256 MB a case; 1- to
-# 4-element accesses); at 64 values a thread (16382, 2-element accesses) 1.13x.
+# LAYERNORM_NARROW_MAX_VALUES a thread (else the CTA of 512): CTAs of 512 held 73-77 registers (one CTA a SM), and
+# 256 threads ran 0.55-0.64 of their time at 8196, 8198, 9045 and 13004 columns, 0.93-1.01 at 10244-14330 (H200,
+# 256 MB a case; 1- to 4-element accesses); at 64 values a thread (16382, 2-element accesses) 1.13x.
 LAYERNORM_NARROW_MAX_THREADS = 256
 LAYERNORM_NARROW_MAX_VALUES = 56
 WIDE_WEIGHT_MAX_THREADS = 512
@@ -53,7 +53,8 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     accesses ``reduction.narrow_cluster_rows``), 16-bit rows whose width is not a multiple of 8 (but a
     weight wider than x) ``reduction.narrow_rows``, those of 2-element accesses at any width and of 4 up to
     1024 columns too (``NARROW_SHORT_N``). A ``residual`` (the fused add: twice the loads, more registers)
-    keeps the access count for rows of 2- and 4-element accesses outside 4097-16384: counted in values it ran 0.91-1.16x the time (H200, random seeds 7373-9595).
+    keeps the access count for rows of 2- and 4-element accesses outside 4097-16384: counted in values, rows
+    of 2 ran 0.91-1.16x the time (H200, random seeds 7373-9595).
     A unit is one 128-bit access of x, 4 a thread; a weight or residual wider than x (fp32 with bf16 x:
     ``w_bits``, the widest) costs two accesses a unit, so rows then take 2 units a thread where that still
     covers the row exactly in one CTA (faster there, as at N = 4096; where the tile would not be exact, as at
@@ -79,7 +80,8 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     short = None if residual else NARROW_SHORT_N
     narrow = None if w_bits > x_bits else narrow_rows(N, x_bits, FWD_MAX_UNITS, short)
     if narrow is not None and layernorm and narrow.num_threads > LAYERNORM_NARROW_MAX_THREADS:
-        fewer = replace(narrow, threads_per_row=LAYERNORM_NARROW_MAX_THREADS, num_threads=LAYERNORM_NARROW_MAX_THREADS)
+        most = LAYERNORM_NARROW_MAX_THREADS
+        fewer = replace(narrow, threads_per_row=most, num_threads=most)
         if fewer.iters * fewer.vec <= LAYERNORM_NARROW_MAX_VALUES:
             return fewer
     if narrow is not None:
@@ -129,12 +131,12 @@ STAGE_MAX_BYTES = 128 * 1024
 STAGED_MAX_ITERS = 12
 # Rows of 2-element accesses (N % 4 == 2) keep ``narrow_cluster_rows``' CTAs of 256 threads past its 17 accesses,
 # up to this many (on sm_90a every width: 16 CTAs), where it takes CTAs of 512: at 150002-262142, 19-32 accesses
-# over 16 CTAs of 256 ran 0.67-0.93 of 8-16 over 16 CTAs of 512, both staged (H200).
+# over 16 CTAs of 256 ran 0.75-0.93 of 10-16 over 16 CTAs of 512, both staged (H200).
 STAGED_NARROW_MAX_ITERS = 32
 # CTAs of 256 threads a SM the staged kernel keeps room for (``RMSNormForward.min_ctas``), by the row's elements an
 # access and up to how many accesses a thread: ptxas left to itself holds a staged row's values in 66-94 registers
 # (2-3 CTAs a SM), while the loads in flight that hide HBM's latency come from more CTAs. Capped, rows of
-# 2-element accesses ran 0.64-0.86 of the uncapped staged kernel's time, those of 4 (at up to 13 accesses)
+# 2-element accesses ran 0.84-0.99 of the uncapped staged kernel's time, those of 4 (at up to 13 accesses)
 # 0.77-1.00 (H200). Each cap is the most CTAs that compile without a spill on sm_90a and sm_100a (test_spills):
 # 4 CTAs leave 64 registers, and a thread of 16 4-element or 22 2-element accesses spilled there; past 24
 # 2-element accesses 3 CTAs spilled on sm_100a, and on sm_90a ran as fast as 2 (ptxas' own choice there).
