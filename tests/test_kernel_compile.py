@@ -92,9 +92,9 @@ def test_fused_add_variant_compiles(arch, dtype):
 @pytest.mark.parametrize("residual", [False, True])
 def test_rmsnorm_forward_windows_compile(arch, dtype, w, residual):
     """Rows of odd widths through aligned windows (several rows a CTA, one, a cluster), with and without
-    parameters gathered at the window's offset, bias with the weight. Even widths, narrow_rows' widths, a
-    residual, a weight wider than x, LayerNorm and per-head parameters keep the narrow kernel (the same
-    compile as without a window)."""
+    parameters gathered at the window's offset, bias with the weight; LayerNorm's too. Even widths,
+    narrow_rows' widths, a residual, a weight wider than x and per-head parameters keep the narrow kernel
+    (the same compile as without a window)."""
     from oink.kernels.rmsnorm import forward_window
 
     wd = None if w is None else (dtype if w == "same" else w)
@@ -108,9 +108,12 @@ def test_rmsnorm_forward_windows_compile(arch, dtype, w, residual):
         assert (forward_window(key) is None) == narrow
         fn = compiled_forward(key)
         assert callable(fn) and (fn is compiled_forward(ForwardKey(dtype, N, arch, **flags))) == narrow
-    lay = dict(w_dtype=dtype, b_dtype=dtype, layernorm=True)
-    assert compiled_forward(ForwardKey(dtype, 455, arch, **lay, window=True)) is compiled_forward(
-        ForwardKey(dtype, 455, arch, **lay))
+    lay = dict(w_dtype=dtype, b_dtype=dtype, layernorm=True, store_rstd=True, store_mean=True)
+    for N in (7, 455, 94557):
+        key = ForwardKey(dtype, N, arch, **lay, window=True)
+        assert forward_window(key) is not None
+        assert callable(compiled_forward(key)) and compiled_forward(key) is not compiled_forward(
+            ForwardKey(dtype, N, arch, **lay))
 
 
 def test_row_loads_go_unbranched_where_the_grid_holds_the_rows():
@@ -137,6 +140,29 @@ def test_row_loads_go_unbranched_where_the_grid_holds_the_rows():
         k = RMSNormForward(one, x, w, None, res, x, res, store_rstd=True)
         k.arch = "sm_90a"
         assert k.unbranched == expected, (w, res, x)
+
+
+def test_layernorm_takes_one_round_where_its_fallback_is_uniform():
+    """``pivoted``: LayerNorm's one-round moments for 16-bit x where the threads of a barrier or shuffle take the
+    fallback round alike (one row a CTA or cluster, or rows inside warps, which vote); several rows over several
+    warps a CTA, fp32 x, RMSNorm, and narrow-access rows read again after the round (late parameters, staged)
+    keep two rounds. The compiled kernels of both forms are checked against the references on the GPU."""
+    import cutlass
+
+    from oink.kernels.rmsnorm import RMSNormForward
+
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    one = RowLaunch(N=4096, vec=8, threads_per_row=128, num_threads=128)
+    cluster = RowLaunch(N=65536, vec=8, threads_per_row=256, num_threads=256, cluster_n=8)
+    in_warps = RowLaunch(N=512, vec=8, threads_per_row=16, num_threads=128)
+    over_warps = RowLaunch(N=2048, vec=8, threads_per_row=64, num_threads=128)
+    narrow = RowLaunch(N=21316, vec=4, threads_per_row=128, num_threads=128, cluster_n=8)
+    cases = [(one, bf16, True, False, True), (cluster, bf16, True, True, True), (in_warps, bf16, True, False, True),
+             (over_warps, bf16, True, False, False), (one, f32, True, False, False), (one, bf16, False, False, False),
+             (narrow, bf16, True, False, True), (narrow, bf16, True, True, False)]
+    for launch, x, layernorm, late, expected in cases:
+        k = RMSNormForward(launch, x, x, x if layernorm else None, None, x, None, True, layernorm, late_params=late)
+        assert k.pivoted == expected, (launch, x, layernorm, late)
 
 
 def test_rmsnorm_width_limit():

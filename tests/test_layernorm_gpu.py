@@ -40,6 +40,34 @@ def test_layernorm_forward(dtype, w_fp32, bias, N, M, seed):
     assert_close_poisoned(mean, mean_ref, torch.float32, "mean")
 
 
+# rows off 16-byte boundaries, dense: odd widths through aligned windows (several rows a CTA, one, a cluster; 5135
+# takes narrow_rows'), a window's columns of the rows beside its row never in its mean or variance
+LN_WINDOW_NS = (7, 423, 2147, 3001, 5135, 17001, 94557)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", LN_WINDOW_NS)
+@pytest.mark.parametrize("M", (1, 9, 300, 2000))
+@pytest.mark.parametrize("params", ["w", "w+bias", "w_fp32+bias"])
+def test_layernorm_forward_rows_off_boundaries(dtype, N, M, params, seed):
+    """Dense rows of odd widths (windows; an fp32 weight takes the narrow kernel), each row's mean far from 0
+    and unlike its neighbours' (a neighbour's column let into a row's sums would move its mean and spread).
+    fp32 rows' means stay within 4: the fp32 reference's own mean is ~1e-6 of |mean| off, the bound's size."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    reach = 4 if dtype == torch.float32 else 40
+    offsets = torch.randint(-reach, reach, (M, 1), device="cuda", generator=g).float()
+    x = (random_rows(M, N, torch.float32, False, g) + offsets).to(dtype)
+    wd = torch.float32 if "w_fp32" in params else dtype
+    w = torch.randn(N, device="cuda", generator=g).to(wd)
+    b = torch.randn(N, device="cuda", generator=g).to(wd) if "bias" in params else None
+    poison_allocator(M * N * x.element_size() + 8 * M)
+    out, rstd, mean = kernel("layernorm", x=x, weight=w, bias=b, eps=1e-6, return_rstd=True, return_mean=True)
+    y_ref, rstd_ref, mean_ref = R.layernorm(x, w, b, 1e-6, return_rstd=True, return_mean=True)
+    assert_close_poisoned(out, y_ref, dtype, "y")
+    assert_close_poisoned(rstd, rstd_ref, torch.float32, "rstd")
+    assert_close_poisoned(mean, mean_ref, torch.float32, "mean")
+
+
 def test_layernorm_public_api_routes_to_kernel(seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(3, 7, 6144, device="cuda", generator=g).bfloat16()

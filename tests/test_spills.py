@@ -191,11 +191,11 @@ WINDOW_WIDTHS = (7, 455, 2979, 17409, 45347, 98305, 180225)
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("op", ["rmsnorm", "softmax"])
+@pytest.mark.parametrize("op", ["rmsnorm", "layernorm", "softmax"])
 def test_window_launches_do_not_spill(keep_cubin, op, dtype, arch):
     """The window launches (an aligned row's of the window's width) keep their values in registers; RMSNorm's
     window stops at MAX_N (262143 columns' window of 262152 took sm_100a an access a thread more, which
-    spilled)."""
+    spilled), LayerNorm's at LAYERNORM_WINDOW_MAX_N."""
     from oink.kernels.profile import compiled_resources
     from oink.kernels.rmsnorm import ForwardKey, compiled_forward, forward_window
     from oink.kernels.softmax import SoftmaxKey, compiled_softmax, softmax_window
@@ -207,10 +207,13 @@ def test_window_launches_do_not_spill(keep_cubin, op, dtype, arch):
         widths += [262143] + ([25630, 94558] if sixteen else [])
     elif sixteen:
         widths.append(262137)
+    if op == "layernorm":  # its windows stop at LAYERNORM_WINDOW_MAX_N
+        widths = [N for N in widths if N < 131072]
     found = {}
     for N in widths:
-        if op == "rmsnorm":
-            key = ForwardKey(dtype, N, arch, w_dtype=dtype, store_rstd=True, window=True)
+        if op != "softmax":  # LayerNorm with a bias and both statistics
+            stats = dict(b_dtype=dtype, layernorm=True, store_mean=True) if op == "layernorm" else {}
+            key = ForwardKey(dtype, N, arch, w_dtype=dtype, store_rstd=True, window=True, **stats)
             assert forward_window(key), N
             found[N] = compiled_resources(compiled_forward(key))
         else:
@@ -219,8 +222,9 @@ def test_window_launches_do_not_spill(keep_cubin, op, dtype, arch):
             found[N] = compiled_resources(compiled_softmax(key))
     spilled = {N: r for N, r in found.items() if r["frame_bytes"]}
     assert not spilled, f"{op} {dtype} {arch} windows spill: {spilled}"
-    if op == "rmsnorm":
+    if op != "softmax":
         assert forward_window(ForwardKey(dtype, 262143, arch, w_dtype=dtype, window=True)) is None
+        assert forward_window(ForwardKey(dtype, 131075, arch, w_dtype=dtype, layernorm=True, window=True)) is None
     assert all(r["registers"] > 0 for r in found.values())
 
 

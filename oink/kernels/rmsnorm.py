@@ -22,7 +22,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick, staged
-from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, NARROW_SHORT_N, WIDE_CLUSTER, RowKernelBase,
+from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, NARROW_SHORT_N, WARP, WIDE_CLUSTER, RowKernelBase,
                         RowLaunch, add, cluster_rows, fewest_warps, narrow_cluster_rows, narrow_rows, pick_row_launch,
                         shifted_window, whole_warp_rows)
 
@@ -32,7 +32,13 @@ from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, NARROW_SHORT_N, 
 # takes a cluster rather than more units. LayerNorm's centred values need about 1.5x RMSNorm's
 # registers, and a weight wider than x doubles the weight's: those CTAs stop at 640 and 512 threads.
 FWD_MAX_UNITS = 4
+# LayerNorm's one-round moments (``RMSNormForward.pivot_moments``) hold while mean(x - pivot)^2 <= this times the
+# variance: the variance then keeps all but ~log2(17) bits of its fp32 sums' precision (16-bit outputs)
+PIVOT_LIMIT = 16
 LAYERNORM_MAX_THREADS = 640
+# LayerNorm's windows (``forward_window``) up to this width: past it their CTAs of 512-1024 threads spilled
+# (180225 and 262137 columns, both archs), and 150001 columns' window ran no faster than the narrow kernel (H200)
+LAYERNORM_WINDOW_MAX_N = 131072
 # LayerNorm's rows counted in values (``narrow_rows``) keep one CTA of at most this many threads, up to
 # LAYERNORM_NARROW_MAX_VALUES a thread (else the CTA of 512): CTAs of 512 held 73-77 registers (one CTA a SM), and
 # 256 threads ran 0.55-0.64 of their time at 8196, 8198, 9045 and 13004 columns, 0.93-1.01 at 10244-14330 (H200,
@@ -176,7 +182,7 @@ class RMSNormForward(RowKernelBase):
         """``n``: the row's width where ``launch.N`` is its window's (RMSNorm rows off 16-byte boundaries, every
         row tensor's rows at x's offsets, read and written through aligned windows: ``RowKernelBase.window``;
         the parameters gathered a value at a time, ``load_shifted``; which calls take them: ``forward_window``)."""
-        super().__init__(launch, num_reductions=3 if layernorm else 1, n=n)
+        super().__init__(launch, num_reductions=4 if layernorm else 1, n=n)
         self.x_dtype, self.w_dtype, self.b_dtype = x_dtype, w_dtype, b_dtype
         self.res_dtype, self.out_dtype, self.res_out_dtype = res_dtype, out_dtype, res_out_dtype
         self.store_rstd = store_rstd
@@ -189,8 +195,8 @@ class RMSNormForward(RowKernelBase):
         # x (and the residual) copied into shared memory (cp.async) and read from there again after the
         # reduction, so that no register holds them across its barriers (``stage_rows``)
         self.stage = stage
-        if self.shifted and (layernorm or heads > 1 or stage):
-            raise ValueError(f"shifted rows: RMSNorm, one head, unstaged; got {launch}")
+        if self.shifted and (heads > 1 or stage):
+            raise ValueError(f"shifted rows: one head, unstaged; got {launch}")
 
     @cute.jit
     def weight_values(self, rW: cute.Tensor):
@@ -311,28 +317,12 @@ class RMSNormForward(RowKernelBase):
         self.wait_cluster()
         mean = Float32(0.0)
         if const_expr(self.layernorm):
-            total = h.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-            mean = self.row_allreduce(total, add, Float32(0.0), buf, mbar, 0) / L.N
-            if const_expr(self.late_params or self.stage):
-                h = self.reload(src, rX, rRes, rResO, smem_rows, tXcX)  # rather than held in fp32 across the round
-            h = h - mean
-            if const_expr(not L.even_n):
-                # padding columns hold 0 - mean after centring: zero them before the squares (subtracting
-                # pad * mean^2 afterwards cancels catastrophically when |mean| >> the row's spread)
-                h = self.zero_padding(h, rX, tXcX)
-            # The fp32 row sum leaves the mean a few ulps of |mean| off, which the spread then divides:
-            # the sum of the centred values (nearly exact) corrects it, in the squares' barrier round.
-            dsum = h.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-            ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-            dsum, ss = self.row_allreduce_pair(dsum, ss, add, Float32(0.0), buf, mbar, 1, 2)
-            corr = dsum / L.N
-            mean = mean + corr
-            if const_expr(self.late_params or self.stage):
-                h = self.reload(src, rX, rRes, rResO, smem_rows, tXcX) - mean  # padding columns are not stored
+            again = lambda: self.reload(src, rX, rRes, rResO, smem_rows, tXcX)  # noqa: E731
+            inside = lambda v: self.row_columns(v, rX, tXcX, shift)  # noqa: E731
+            if const_expr(self.pivoted):
+                h, mean, var = self.pivot_moments(h, again, inside, self.pivot(mX, row, M), buf, mbar)
             else:
-                h = h - corr
-            # the clamp keeps a NaN (a row holding NaN or +-inf has no variance)
-            var = cute.arch.fmax(ss / L.N - corr * corr, Float32(0.0), nan=True)
+                h, mean, var = self.centred_moments(h, again, inside, buf, mbar)
         else:
             ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
             var = self.row_allreduce(ss, add, Float32(0.0), buf, mbar, 0) / self.n
@@ -348,6 +338,97 @@ class RMSNormForward(RowKernelBase):
         if const_expr(mB is not None):
             y = y + rB.load().to(Float32)
         return y, rX, rstd, mean
+
+    @property
+    def pivoted(self) -> bool:
+        """Whether LayerNorm's moments take one reduction round about a pivot (``pivot_moments``), not two
+        (``centred_moments``): 16-bit x, and a launch whose threads of one barrier or shuffle all take the
+        fallback round or none: one row a CTA (a cluster's CTAs share their row), or rows inside warps (a
+        warp vote). Several rows over several warps a CTA (a CTA-wide vote: a barrier more) keep two rounds;
+        so does fp32 x (its 1e-5 bound leaves no room for the pivot's cancellation), and so do rows of
+        narrower accesses than 16 bytes whose values are read again after the round (late parameters, staged):
+        there ptxas gave the one round 17-28 registers more a thread, a CTA a SM fewer, and 22094, 45058 and
+        71300 columns ran 1.06-1.34x the two rounds' time (H200)."""
+        L = self.launch
+        again = (self.late_params or self.stage) and L.vec * self.x_dtype.width < 128
+        return (self.layernorm and self.x_dtype.width == 16 and not again
+                and (L.rows_per_cta == 1 or L.threads_per_row <= WARP))
+
+    @cute.jit
+    def pivot(self, mX: cute.Tensor, row, M):
+        """The row's first value in fp32; 0 past M, or where it is not finite (a pivot of +inf would make the
+        mean of a row holding +inf NaN, the reference's +inf)."""
+        p = Float32(0.0)
+        if row < M:
+            v = mX[row, 0].to(Float32)
+            if v - v == Float32(0.0):
+                p = v
+        return p
+
+    @cute.jit
+    def row_columns(self, vals, like: cute.Tensor, tXcX: cute.Tensor, shift):
+        """``vals`` with the register columns outside the row (padding, a window's other rows) set to 0."""
+        if const_expr(self.shifted):
+            return cute.where(self.window_columns(like, tXcX, shift), vals, cute.full_like(vals, 0.0))
+        if const_expr(not self.launch.even_n):
+            return self.zero_padding(vals, like, tXcX)
+        return vals
+
+    @cute.jit
+    def centred_moments(self, h, again, inside, buf, mbar):
+        """(the centred values, mean, variance) in two reduction rounds: the mean, then the sums of the
+        centred values and of their squares. ``again()``: the values once more (late parameters, staged rows);
+        ``inside(v)``: v zero outside the row."""
+        mean = self.row_allreduce(h.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0),
+                                  add, Float32(0.0), buf, mbar, 0) / self.n
+        if const_expr(self.late_params or self.stage):
+            h = again()  # rather than held in fp32 across the round
+        # columns outside the row hold 0 - mean after centring: zeroed before the squares (subtracting
+        # pad * mean^2 afterwards cancels catastrophically when |mean| >> the row's spread)
+        h = inside(h - mean)
+        # The fp32 row sum leaves the mean a few ulps of |mean| off, which the spread then divides:
+        # the sum of the centred values (nearly exact) corrects it, in the squares' barrier round.
+        dsum = h.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        dsum, ss = self.row_allreduce_pair(dsum, ss, add, Float32(0.0), buf, mbar, 1, 2)
+        corr = dsum / self.n
+        mean = mean + corr
+        if const_expr(self.late_params or self.stage):
+            h = again() - mean  # columns outside the row are not stored
+        else:
+            h = h - corr
+        # the clamp keeps a NaN (a row holding NaN or +-inf has no variance)
+        return h, mean, cute.arch.fmax(ss / self.n - corr * corr, Float32(0.0), nan=True)
+
+    @cute.jit
+    def pivot_moments(self, h, again, inside, p, buf, mbar):
+        """``centred_moments`` in one round where the pivot ``p`` (the row's first value) lies near the mean:
+        the sums of d = x - p and of d^2; mean = p + mean(d), variance = mean(d^2) - mean(d)^2. That difference
+        loses the variance's low bits as mean(d)^2 / variance grows: past ``PIVOT_LIMIT`` (a pivot more than 4
+        standard deviations out, an outlier) the row takes a second round, ``centred_moments``' about that mean
+        (the pivot's rounding, ~an ulp of |p|, then corrected)."""
+        L = self.launch
+        d = inside(h - p)
+        s1 = d.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        s2 = (d * d).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        s1, s2 = self.row_allreduce_pair(s1, s2, add, Float32(0.0), buf, mbar, 0, 1)
+        dbar = s1 / self.n
+        var = s2 / self.n - dbar * dbar
+        mean = p + dbar
+        far = dbar * dbar > var * Float32(PIVOT_LIMIT)
+        if const_expr(L.rows_per_cta > 1):  # rows inside warps: the warp's rows take the second round or none
+            far = cute.arch.vote_any_sync(far)
+        if far:
+            c = inside((again() if const_expr(self.late_params or self.stage) else h) - mean)
+            dsum = c.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+            ss = (c * c).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+            dsum, ss = self.row_allreduce_pair(dsum, ss, add, Float32(0.0), buf, mbar, 2, 3)
+            corr = dsum / self.n
+            mean = mean + corr
+            var = ss / self.n - corr * corr
+        if const_expr(self.late_params or self.stage):
+            h = again()  # columns outside the row are not stored
+        return h - mean, mean, cute.arch.fmax(var, Float32(0.0), nan=True)
 
     @cute.jit
     def stage_loads(self, tXgX: cute.Tensor, tXgRes, part, tXcX: cute.Tensor, row: Int32, M: Int32):
@@ -526,20 +607,22 @@ def widest_bits(*dtypes) -> int:
 
 def forward_window(k: ForwardKey) -> int | None:
     """The width of the aligned windows the forward for ``k`` reads its rows through, or None (aligned rows,
-    or no window asked): RMSNorm of one head, without a residual, its parameters of x's width, on rows of an
-    odd width outside ``narrow_rows``' (whose launch stays), the window no wider than ``MAX_N``. Measured on
-    an H200 against the narrow kernel: rows of odd widths ran 0.35-0.9 of its time at most shapes; rows whose
-    accesses already held 4 or 8 bytes ran 1.0-1.3x (the weight gathered a value at a time costs more than the
-    wider accesses save), and so did rows with a residual (its window held 60% more registers a thread) or an
-    fp32 weight."""
+    or no window asked): RMSNorm or LayerNorm of one head, without a residual, its parameters of x's width, on
+    rows of an odd width outside ``narrow_rows``' (whose launch stays), the window no wider than ``MAX_N``
+    (LayerNorm's: ``LAYERNORM_WINDOW_MAX_N``). Measured on an H200 against the narrow kernel: rows of odd widths
+    ran 0.35-0.9 of its time at most shapes (LayerNorm 0.41-0.91 at 423-94557 columns); rows whose accesses
+    already held 4 or 8 bytes ran 1.0-1.3x (the weight gathered a value at a time costs more than the wider
+    accesses save), and so did rows with a residual (its window held 60% more registers a thread) or an fp32
+    weight."""
     bits = cute_dtype(k.x_dtype).width
-    if (not k.window or k.layernorm or k.heads != 1 or k.res_dtype or widest_bits(k.w_dtype, k.b_dtype) > bits
+    if (not k.window or k.heads != 1 or k.res_dtype or widest_bits(k.w_dtype, k.b_dtype) > bits
             or k.N % 2 == 0):
         return None
     width = shifted_window(k.N, bits)
     # a window wider than MAX_N (262143 columns' is 262152) takes an access a thread more: on sm_100a's cluster of
     # 8 CTAs of 1024 threads, 5 where 4 fill the 64 registers such a thread has (200 bytes spilled)
-    return width if narrow_rows(k.N, bits) is None and width <= MAX_N else None
+    widest = LAYERNORM_WINDOW_MAX_N if k.layernorm else MAX_N
+    return width if narrow_rows(k.N, bits) is None and width <= widest else None
 
 
 def staged_rows(k: ForwardKey) -> RowLaunch | None:

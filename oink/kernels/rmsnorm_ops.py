@@ -199,9 +199,11 @@ def plan_layernorm(arch, a: dict):
     params = _params(w, b, 1, vec)
     new_stat = allocator(lead, F32, device) if M else (lambda: torch.empty(lead, device=device, dtype=F32))
     if M:
-        fn = compiled_forward(ForwardKey(dtype_name(x), N, arch, w_dtype=dtype_name(w), b_dtype=dtype_name(b),
-                                         store_rstd=want_rstd, layernorm=True, store_mean=want_mean,
-                                         out_dtype=dtype_name(x), few=few_rows(M)))
+        key = ForwardKey(dtype_name(x), N, arch, w_dtype=dtype_name(w), b_dtype=dtype_name(b), store_rstd=want_rstd,
+                         layernorm=True, store_mean=want_mean, out_dtype=dtype_name(x), few=few_rows(M))
+        if ldx == N:  # rows off 16-byte boundaries through aligned windows (the output's rows at x's offsets)
+            key = window_key(key, M, forward_window, lambda k: forward_launch_of(k)[1], device)
+        fn = compiled_forward(key)
         stream = stream_of(device)
 
     def run(a):
