@@ -65,6 +65,7 @@ class Config:
     bwd_depth: int | None = None
     bwd_split: bool | None = None  # the norm backward's split kernels (forced either way)
     softmax_online: bool | None = None  # the softmax's max and sum in one reduction round (forced either way)
+    ln_pivot: bool | None = None  # LayerNorm forward's moments in one round about a pivot (forced where it can be)
     ce_stream: bool | None = None  # the cross-entropy kernels stream their rows (forced either way)
 
 

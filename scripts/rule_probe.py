@@ -5,7 +5,8 @@ every key a launch (forced in ``oink.tune.trial``), which is gated against the o
 reference (the benchmark gate) and timed (CUDA-graph replay, inputs cycled past L2). ``current`` is
 the library's own choice; ``--peers`` are timed the same way. One JSON line per trial, then a table.
 A rule is ``current``, a name of RULES, a setting of SETTING_RULES (``stream`` / ``held``: cross-entropy's
-streaming forced; ``stage``, ``early`` / ``late``, ``ctasN``: the norm forward's staging, parameters, register cap),
+streaming forced; ``stage``, ``early`` / ``late``, ``ctasN``: the norm forward's staging, parameters, register cap;
+``pivot`` / ``rounds2``: LayerNorm's one-round moments forced either way),
 ``fixed:TxC[xB]`` (T threads a row, a cluster of C, CTAs of B), ``units:U`` (a streamed pass's accesses)
 or ``file:PATH``; ``+`` joins them (``held+fixed:64x1x64``).
 
@@ -93,6 +94,7 @@ RULES = {
 # rules that are a development setting the op reads (oink.config.DEV), its launches its own
 SETTING_RULES = {"stream": {"ce_stream": True}, "held": {"ce_stream": False}, "online": {"softmax_online": True},
                  "early": {"fwd_late": False}, "late": {"fwd_late": True}, "stage": {"fwd_stage": True},
+                 "pivot": {"ln_pivot": True}, "rounds2": {"ln_pivot": False},
                  **{f"ctas{n}": {"fwd_ctas": n} for n in (2, 3, 4, 5, 6)}}
 
 

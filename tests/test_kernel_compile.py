@@ -642,16 +642,23 @@ def test_fp8_groups_stay_on_aligned_lanes():
 
 
 def test_forward_loads_parameters_late_where_registers_limit_it():
-    """``late_params``: the LayerNorm forward from 12288 columns, a wider weight in CTAs of 1024 threads
-    or at few rows of >= 131072 columns; never at few rows below 65536 or for a plain RMSNorm."""
+    """``late_params``: the LayerNorm forward from 12288 columns (rows of narrow accesses past 4096 columns and
+    20 values a thread), a wider
+    weight in CTAs of 1024 threads or at few rows of >= 131072 columns; never at few rows below 65536 or for a
+    plain RMSNorm."""
     from oink.kernels.reduction import RowLaunch
     from oink.kernels.rmsnorm import late_params
 
     def launch(N, threads=512):
-        return RowLaunch(N=N, vec=8, threads_per_row=threads, num_threads=threads)
+        return RowLaunch(N=N, vec=math.gcd(N, 8), threads_per_row=threads, num_threads=threads)
 
     assert late_params(launch(16384), True, False, False)
     assert not late_params(launch(8192), True, False, False)
+    assert late_params(launch(5124, 256), True, False, False, narrow=True)  # 24 values a thread
+    assert not late_params(launch(4100, 256), True, False, False, narrow=True)  # 20
+    assert not late_params(launch(4094, 128), True, False, False, narrow=True)  # past 20, not past 4096 columns
+    assert not late_params(launch(5124, 256), True, False, True, narrow=True)
+    assert not late_params(launch(5124, 256), False, False, False, narrow=True)
     assert not late_params(launch(16384), True, False, True)
     assert late_params(launch(65536), True, False, True)
     assert late_params(launch(16384, 1024), False, True, False)

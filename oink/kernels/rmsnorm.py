@@ -36,6 +36,12 @@ FWD_MAX_UNITS = 4
 # variance: the variance then keeps all but ~log2(17) bits of its fp32 sums' precision (16-bit outputs)
 PIVOT_LIMIT = 16
 LAYERNORM_MAX_THREADS = 640
+# LayerNorm's rows of narrower accesses than 16 bytes past this width, a thread holding more than this many values,
+# load their parameters late (``late_params``; 12288 columns for the others): in CTAs of 256 threads at 21-44 values
+# a thread (5124-12286 columns, 1- to 4-element accesses) late ran 0.53-0.94 of early's time, at 4100 (20) 1.06x
+# (H200); narrower rows not measured
+LAYERNORM_LATE_NARROW_N = 4096
+LAYERNORM_LATE_NARROW_VALUES = 20
 # LayerNorm's windows (``forward_window``) up to this width: past it their CTAs of 512-1024 threads spilled
 # (180225 and 262137 columns, both archs), and 150001 columns' window ran no faster than the narrow kernel (H200)
 LAYERNORM_WINDOW_MAX_N = 131072
@@ -109,18 +115,22 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     return pick_row_launch(N, x_bits, max_units_per_thread=FWD_MAX_UNITS)
 
 
-def late_params(launch: RowLaunch, layernorm: bool, wide: bool, few: bool) -> bool:
+def late_params(launch: RowLaunch, layernorm: bool, wide: bool, few: bool, narrow: bool = False) -> bool:
     """Whether the forward loads weight and bias after the reduction (``RMSNormForward.late_params``):
     it frees their registers (and x's fp32 copy) across the reduction's barriers, so more CTAs fit a SM,
     but exposes the parameters' load latency. Timed both ways over the sweep suite, it pays where
-    registers limit the CTAs a SM holds: the LayerNorm forward from 12288 columns, and a weight or
-    residual wider than x (``wide``) in CTAs of 1024 threads or at few rows of >= 131072 columns. At few
-    rows below 65536 columns, at decode sizes and for RMSNorm with parameters of x's width, the exposed
-    latency costs more than the extra CTAs gain."""
+    registers limit the CTAs a SM holds: the LayerNorm forward from 12288 columns, and from
+    ``LAYERNORM_LATE_NARROW_N`` where its accesses are ``narrow`` (under 16 bytes) and a thread holds more than
+    ``LAYERNORM_LATE_NARROW_VALUES`` values, and a weight or residual
+    wider than x (``wide``) in CTAs of 1024 threads or at few rows of >= 131072 columns. At few rows below
+    65536 columns, at decode sizes and for RMSNorm with parameters of x's width, the exposed latency costs
+    more than the extra CTAs gain."""
     if few and launch.N < 65536:
         return False
     if layernorm:
-        return launch.N >= 12288
+        held = launch.iters * launch.vec  # values a thread
+        return launch.N >= 12288 or (narrow and launch.N > LAYERNORM_LATE_NARROW_N
+                                     and held > LAYERNORM_LATE_NARROW_VALUES)
     return wide and (launch.num_threads == 1024 or (few and launch.N >= 131072))
 
 
@@ -195,6 +205,7 @@ class RMSNormForward(RowKernelBase):
         # x (and the residual) copied into shared memory (cp.async) and read from there again after the
         # reduction, so that no register holds them across its barriers (``stage_rows``)
         self.stage = stage
+        self.pivot_setting = config.get().ln_pivot  # (the compile cache keys on it: ``compiled_forward``)
         if self.shifted and (heads > 1 or stage):
             raise ValueError(f"shifted rows: one head, unstaged; got {launch}")
 
@@ -350,9 +361,11 @@ class RMSNormForward(RowKernelBase):
         there ptxas gave the one round 17-28 registers more a thread, a CTA a SM fewer, and 22094, 45058 and
         71300 columns ran 1.06-1.34x the two rounds' time (H200)."""
         L = self.launch
+        uniform = L.rows_per_cta == 1 or L.threads_per_row <= WARP
+        if self.pivot_setting is not None:  # the ``ln_pivot`` development setting
+            return self.layernorm and uniform and self.pivot_setting
         again = (self.late_params or self.stage) and L.vec * self.x_dtype.width < 128
-        return (self.layernorm and self.x_dtype.width == 16 and not again
-                and (L.rows_per_cta == 1 or L.threads_per_row <= WARP))
+        return self.layernorm and self.x_dtype.width == 16 and not again and uniform
 
     @cute.jit
     def pivot(self, mX: cute.Tensor, row, M):
@@ -688,12 +701,15 @@ def compiled_forward(k: ForwardKey):
                        tuned is not None) and launch.N == N  # (never through windows)
     late = config.get().fwd_late
     if late is None:
-        late = tuned == "late" if stage and tuned else late_params(launch, layernorm, wide > xd.width, few)
+        late = tuned == "late" if stage and tuned else late_params(launch, layernorm, wide > xd.width, few,
+                                                                  launch.vec * xd.width < 128)
     # a register cap: a sweep's setting, else the staged rule's where its kernel runs as the rule has it
     ctas = config.get().fwd_ctas or (staged_min_ctas(launch) if ruled and stage and late else 0)
+    pivot = config.get().ln_pivot if layernorm else None
     key = (FORWARD_KINDS[layernorm], x_dtype, w_dtype, b_dtype, res_dtype, res_out_dtype,
            out_dtype, store_rstd, store_mean, float(weight_offset), heads, N, arch, launch,
-           *((("ctas", ctas),) if ctas else ()), late, stage)  # the stage flag last (``ran_staged``)
+           *((("ctas", ctas),) if ctas else ()), *((("pivot", pivot),) if pivot is not None else ()),
+           late, stage)  # the stage flag last (``ran_staged``)
 
     def build():
         dts = [_cute(d) for d in (w_dtype, b_dtype, res_dtype, res_out_dtype, out_dtype)]
