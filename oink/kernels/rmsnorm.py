@@ -37,8 +37,8 @@ FWD_MAX_UNITS = 4
 PIVOT_LIMIT = 16
 LAYERNORM_MAX_THREADS = 640
 # LayerNorm's rows of narrower accesses than 16 bytes past this width, a thread holding more than this many values,
-# load their parameters late (``late_params``; 12288 columns for the others): in CTAs of 256 threads at 21-44 values
-# a thread (5124-12286 columns, 1- to 4-element accesses) late ran 0.53-0.94 of early's time, at 4100 (20) 1.06x
+# load their parameters late (``late_params``; 12288 columns for the others): in CTAs of 256 threads at 21-48 values
+# a thread (5124-12286 columns, 1- to 4-element accesses) late ran 0.54-0.94 of early's time, at 4100 (20) 1.06x
 # (H200); narrower rows not measured
 LAYERNORM_LATE_NARROW_N = 4096
 LAYERNORM_LATE_NARROW_VALUES = 20
@@ -623,10 +623,10 @@ def forward_window(k: ForwardKey) -> int | None:
     or no window asked): RMSNorm or LayerNorm of one head, without a residual, its parameters of x's width, on
     rows of an odd width outside ``narrow_rows``' (whose launch stays), the window no wider than ``MAX_N``
     (LayerNorm's: ``LAYERNORM_WINDOW_MAX_N``). Measured on an H200 against the narrow kernel: rows of odd widths
-    ran 0.35-0.9 of its time at most shapes (LayerNorm 0.41-0.91 at 423-94557 columns); rows whose accesses
-    already held 4 or 8 bytes ran 1.0-1.3x (the weight gathered a value at a time costs more than the wider
-    accesses save), and so did rows with a residual (its window held 60% more registers a thread) or an fp32
-    weight."""
+    ran 0.35-0.9 of its time at most shapes (LayerNorm 0.41-0.75 at 423-33333 columns, 1.03x at 94557); rows
+    whose accesses already held 4 or 8 bytes ran 1.0-1.3x (the weight gathered a value at a time costs more than
+    the wider accesses save), and so did rows with a residual (its window held 60% more registers a thread) or an
+    fp32 weight."""
     bits = cute_dtype(k.x_dtype).width
     if (not k.window or k.heads != 1 or k.res_dtype or widest_bits(k.w_dtype, k.b_dtype) > bits
             or k.N % 2 == 0):
