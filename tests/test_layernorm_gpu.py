@@ -20,6 +20,17 @@ LN_ODD_NS = (965, 2109, 2120, 4240, 5124, 6571, 11646)
 LN_CASES = [(N, M) for N in LN_NS for M in MS] + [(N, M) for N in LN_ODD_NS for M in (3, 700, 6000)]
 
 
+def check_forward(x, w, b):
+    """The kernel's y, rstd and mean (outputs poisoned first) against the fp32 reference's."""
+    M, N = x.shape
+    poison_allocator(M * N * x.element_size() + 8 * M)
+    out, rstd, mean = kernel("layernorm", x=x, weight=w, bias=b, eps=1e-6, return_rstd=True, return_mean=True)
+    y_ref, rstd_ref, mean_ref = R.layernorm(x, w, b, 1e-6, return_rstd=True, return_mean=True)
+    assert_close_poisoned(out, y_ref, x.dtype, "y")
+    assert_close_poisoned(rstd, rstd_ref, torch.float32, "rstd")
+    assert_close_poisoned(mean, mean_ref, torch.float32, "mean")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("w_fp32", [False, True], ids=["w_same", "w_fp32"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
@@ -33,12 +44,7 @@ def test_layernorm_forward(dtype, w_fp32, bias, N, M, seed):
     wd = torch.float32 if w_fp32 else dtype
     w = torch.randn(N, device="cuda", generator=g).to(wd)
     b = torch.randn(N, device="cuda", generator=g).to(wd) if bias else None
-    poison_allocator(M * N * x.element_size() + 8 * M)
-    out, rstd, mean = kernel("layernorm", x=x, weight=w, bias=b, eps=1e-6, return_rstd=True, return_mean=True)
-    y_ref, rstd_ref, mean_ref = R.layernorm(x, w, b, 1e-6, return_rstd=True, return_mean=True)
-    assert_close_poisoned(out, y_ref, dtype, "y")
-    assert_close_poisoned(rstd, rstd_ref, torch.float32, "rstd")
-    assert_close_poisoned(mean, mean_ref, torch.float32, "mean")
+    check_forward(x, w, b)
 
 
 # rows off 16-byte boundaries, dense: odd widths through aligned windows (several rows a CTA, one, a cluster; 5135
@@ -61,12 +67,7 @@ def test_layernorm_forward_rows_off_boundaries(dtype, N, M, params, seed):
     wd = torch.float32 if "w_fp32" in params else dtype
     w = torch.randn(N, device="cuda", generator=g).to(wd)
     b = torch.randn(N, device="cuda", generator=g).to(wd) if "bias" in params else None
-    poison_allocator(M * N * x.element_size() + 8 * M)
-    out, rstd, mean = kernel("layernorm", x=x, weight=w, bias=b, eps=1e-6, return_rstd=True, return_mean=True)
-    y_ref, rstd_ref, mean_ref = R.layernorm(x, w, b, 1e-6, return_rstd=True, return_mean=True)
-    assert_close_poisoned(out, y_ref, dtype, "y")
-    assert_close_poisoned(rstd, rstd_ref, torch.float32, "rstd")
-    assert_close_poisoned(mean, mean_ref, torch.float32, "mean")
+    check_forward(x, w, b)
 
 
 def test_layernorm_public_api_routes_to_kernel(seed):
