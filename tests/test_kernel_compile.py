@@ -643,9 +643,8 @@ def test_fp8_groups_stay_on_aligned_lanes():
 
 def test_forward_loads_parameters_late_where_registers_limit_it():
     """``late_params``: the LayerNorm forward from 12288 columns (rows of narrow accesses past 4096 columns and
-    20 values a thread), a wider
-    weight in CTAs of 1024 threads or at few rows of >= 131072 columns; never at few rows below 65536 or for a
-    plain RMSNorm."""
+    20 values a thread), a wider weight in CTAs of 1024 threads or at few rows of >= 131072 columns; never at few
+    rows below 65536 or for a plain RMSNorm."""
     from oink.kernels.reduction import RowLaunch
     from oink.kernels.rmsnorm import late_params
 

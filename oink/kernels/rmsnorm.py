@@ -119,12 +119,11 @@ def late_params(launch: RowLaunch, layernorm: bool, wide: bool, few: bool, narro
     """Whether the forward loads weight and bias after the reduction (``RMSNormForward.late_params``):
     it frees their registers (and x's fp32 copy) across the reduction's barriers, so more CTAs fit a SM,
     but exposes the parameters' load latency. Timed both ways over the sweep suite, it pays where
-    registers limit the CTAs a SM holds: the LayerNorm forward from 12288 columns, and from
-    ``LAYERNORM_LATE_NARROW_N`` where its accesses are ``narrow`` (under 16 bytes) and a thread holds more than
-    ``LAYERNORM_LATE_NARROW_VALUES`` values, and a weight or residual
-    wider than x (``wide``) in CTAs of 1024 threads or at few rows of >= 131072 columns. At few rows below
-    65536 columns, at decode sizes and for RMSNorm with parameters of x's width, the exposed latency costs
-    more than the extra CTAs gain."""
+    registers limit the CTAs a SM holds: the LayerNorm forward from 12288 columns (from
+    ``LAYERNORM_LATE_NARROW_N`` where its accesses are ``narrow``, under 16 bytes, and a thread holds more than
+    ``LAYERNORM_LATE_NARROW_VALUES`` values), and a weight or residual wider than x (``wide``) in CTAs of 1024
+    threads or at few rows of >= 131072 columns. At few rows below 65536 columns, at decode sizes and for RMSNorm
+    with parameters of x's width, the exposed latency costs more than the extra CTAs gain."""
     if few and launch.N < 65536:
         return False
     if layernorm:
