@@ -386,6 +386,13 @@ class RMSNormForward(RowKernelBase):
             return self.zero_padding(vals, like, tXcX)
         return vals
 
+    def row_sums(self, c, buf, mbar, slot_a, slot_b):
+        """(the sum of c, the sum of c^2) over the row, in one reduction round (slots ``slot_a``, ``slot_b``); c zero
+        outside the row."""
+        s1 = c.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        s2 = (c * c).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        return self.row_allreduce_pair(s1, s2, add, Float32(0.0), buf, mbar, slot_a, slot_b)
+
     @cute.jit
     def centred_moments(self, h, again, inside, buf, mbar):
         """(the centred values, mean, variance) in two reduction rounds: the mean, then the sums of the
@@ -400,9 +407,7 @@ class RMSNormForward(RowKernelBase):
         h = inside(h - mean)
         # The fp32 row sum leaves the mean a few ulps of |mean| off, which the spread then divides:
         # the sum of the centred values (nearly exact) corrects it, in the squares' barrier round.
-        dsum = h.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-        ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-        dsum, ss = self.row_allreduce_pair(dsum, ss, add, Float32(0.0), buf, mbar, 1, 2)
+        dsum, ss = self.row_sums(h, buf, mbar, 1, 2)
         corr = dsum / self.n
         mean = mean + corr
         if const_expr(self.late_params or self.stage):
@@ -420,10 +425,7 @@ class RMSNormForward(RowKernelBase):
         standard deviations out, an outlier) the row takes a second round, ``centred_moments``' about that mean
         (the pivot's rounding, ~an ulp of |p|, then corrected)."""
         L = self.launch
-        d = inside(h - p)
-        s1 = d.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-        s2 = (d * d).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-        s1, s2 = self.row_allreduce_pair(s1, s2, add, Float32(0.0), buf, mbar, 0, 1)
+        s1, s2 = self.row_sums(inside(h - p), buf, mbar, 0, 1)
         dbar = s1 / self.n
         var = s2 / self.n - dbar * dbar
         mean = p + dbar
@@ -432,9 +434,7 @@ class RMSNormForward(RowKernelBase):
             far = cute.arch.vote_any_sync(far)
         if far:
             c = inside((again() if const_expr(self.late_params or self.stage) else h) - mean)
-            dsum = c.reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-            ss = (c * c).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-            dsum, ss = self.row_allreduce_pair(dsum, ss, add, Float32(0.0), buf, mbar, 2, 3)
+            dsum, ss = self.row_sums(c, buf, mbar, 2, 3)
             corr = dsum / self.n
             mean = mean + corr
             var = ss / self.n - corr * corr
