@@ -118,6 +118,13 @@ def _address(t) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _windowed(key: ForwardKey, M: int, dense: bool, device) -> ForwardKey:
+    """The forward's key asking for aligned windows where its rule reads rows off 16-byte boundaries through them
+    (``forward_window``) and M rows pay for it (``host.window_key``); only ``dense`` rows (x's rows N apart, at the
+    output's offsets)."""
+    return window_key(key, M, forward_window, lambda k: forward_launch_of(k)[1], device) if dense else key
+
+
 def plan_forward(arch, a: dict):
     """RMSNorm forward (with a residual: of x + residual) prepared for ``a``'s layout: x and the
     residual copied to dense rows where the kernel can't read them as they are, per-head or unaligned
@@ -138,9 +145,7 @@ def plan_forward(arch, a: dict):
             dtype_name(x), N, arch, w_dtype=dtype_name(w), b_dtype=dtype_name(b), res_dtype=dtype_name(res),
             res_out_dtype=dtype_name(res_dtype), store_rstd=store_rstd, out_dtype=dtype_name(out_dtype),
             weight_offset=float(a.get("weight_offset", 0.0)), heads=heads, few=few_rows(M))
-        if ldx == N:  # rows off 16-byte boundaries through aligned windows: the output's rows at x's offsets
-            key = window_key(key, M, forward_window, lambda k: forward_launch_of(k)[1], device)
-        fn = compiled_forward(key)
+        fn = compiled_forward(_windowed(key, M, ldx == N, device))
         stream = stream_of(device)
     ldres_out = N if res is not None else 0
 
@@ -201,9 +206,7 @@ def plan_layernorm(arch, a: dict):
     if M:
         key = ForwardKey(dtype_name(x), N, arch, w_dtype=dtype_name(w), b_dtype=dtype_name(b), store_rstd=want_rstd,
                          layernorm=True, store_mean=want_mean, out_dtype=dtype_name(x), few=few_rows(M))
-        if ldx == N:  # rows off 16-byte boundaries through aligned windows (the output's rows at x's offsets)
-            key = window_key(key, M, forward_window, lambda k: forward_launch_of(k)[1], device)
-        fn = compiled_forward(key)
+        fn = compiled_forward(_windowed(key, M, ldx == N, device))
         stream = stream_of(device)
 
     def run(a):
