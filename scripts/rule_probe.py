@@ -6,7 +6,8 @@ reference (the benchmark gate) and timed (CUDA-graph replay, inputs cycled past 
 the library's own choice; ``--peers`` are timed the same way. One JSON line per trial, then a table.
 A rule is ``current``, a name of RULES, a setting of SETTING_RULES (``stream`` / ``held``: cross-entropy's
 streaming forced; ``stage``, ``early`` / ``late``, ``ctasN``: the norm forward's staging, parameters, register cap;
-``pivot`` / ``rounds2``: LayerNorm's one-round moments forced either way),
+``pivot`` / ``rounds2``: LayerNorm's one-round moments forced either way; ``tpsmN`` / ``depthN``: the norm
+backward's threads a SM and pipeline depth),
 ``fixed:TxC[xB]`` (T threads a row, a cluster of C, CTAs of B), ``units:U`` (a streamed pass's accesses)
 or ``file:PATH``; ``+`` joins them (``held+fixed:64x1x64``).
 
@@ -95,7 +96,9 @@ RULES = {
 SETTING_RULES = {"stream": {"ce_stream": True}, "held": {"ce_stream": False}, "online": {"softmax_online": True},
                  "early": {"fwd_late": False}, "late": {"fwd_late": True}, "stage": {"fwd_stage": True},
                  "pivot": {"ln_pivot": True}, "rounds2": {"ln_pivot": False},
-                 **{f"ctas{n}": {"fwd_ctas": n} for n in (2, 3, 4, 5, 6)}}
+                 **{f"ctas{n}": {"fwd_ctas": n} for n in (2, 3, 4, 5, 6)},
+                 **{f"tpsm{n}": {"bwd_tpsm": n} for n in (128, 256, 384, 512, 768, 1024, 1536, 2048)},
+                 **{f"depth{n}": {"bwd_depth": n} for n in (1, 2, 3)}}
 
 
 def _set_rules(names) -> None:

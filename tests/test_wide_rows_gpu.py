@@ -47,7 +47,9 @@ def _gated_launches(op, N, dtype, M) -> set:
 # the wide-row rule (reduction.cluster_rows) at widths no table entry serves: whole-warp tilings of 128-416
 # threads over clusters of 4-16, padded shares (40968 = 8 x 5121; 100008 = 8 x 12501, 7 accesses a thread, whose
 # loads past the row read its last vector: ``RMSNormForward.load_clamped``), and odd widths (one element an access)
-RULE_OPS = ("rmsnorm_forward", "rmsnorm_forward_w32", "fused_add_rmsnorm_", "layernorm", "softmax_forward")
+# (and the softmax backward's: softmax.BWD_WIDE_MIN_N, full-width 16-bit rows on sm_90a)
+RULE_OPS = ("rmsnorm_forward", "rmsnorm_forward_w32", "fused_add_rmsnorm_", "layernorm", "softmax_forward",
+            "softmax_backward")
 RULE_CASES = [(op, N) for op in RULE_OPS for N in (24576, 40968, 53248, 98304, 100008, 180224, 40961, 147457)]
 # reduction.narrow_rows: 16-bit rows whose width is not a multiple of 8, one CTA of many narrow accesses a thread
 # (the softmax reads rows of 1- and 2-element accesses through aligned windows: 16383's, of 16392 columns,
@@ -260,3 +262,18 @@ def test_one_row_backward_writes_dweight_directly(layernorm, weight, N, path):
             torch.testing.assert_close(g.double(), r.double(), rtol=2e-2, atol=2e-2 * r.abs().max().item(), msg=name)
     ran = [k[0][0] for k in CACHE.used if k]
     assert "partial_sum" not in ran and any(kind.endswith("_bwd") for kind in ran), ran
+
+
+# the norm backward's CTAs of several rows whose last access is partly idle: pipeline depth 1
+# (``rmsnorm_bwd.backward_depth``), rows of 8-, 4-, 2- and 1-element accesses
+SEVERAL_ROWS_NS = (200, 300, 368, 424, 469, 578, 680, 750, 904)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm(90, exact=True)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("N", SEVERAL_ROWS_NS)
+def test_backward_of_several_rows_a_cta_runs_correctly(N, dtype):
+    """16-bit rows, enough of them (5000) that the budget counts values (``host.values_pay``): 32-64 threads a row."""
+    ran = _gated_launches("rmsnorm_backward", N, dtype, 5000)
+    assert any(L[1] > L[0] for L in ran), f"no launch of several rows a CTA ran: {ran}"

@@ -147,6 +147,16 @@ def backward_tpsm(N: int, x_bits: int, arch: str, layernorm: bool = False, few: 
     return config.get().bwd_tpsm or grid(key, arch, N, knob, few) or _knobs(layernorm)[1]
 
 
+def backward_depth(launch: RowLaunch, layernorm: bool) -> int:
+    """The pipeline depth of the backward for ``launch``: ``bwd_depth``, else the family's (``TUNING``), but 1 for
+    CTAs of several rows whose last access is partly idle (RMSNorm's rows of 4 or 2 a CTA, ``even_n`` false: its
+    depth 2 ran 1.02-1.64x depth 1's time at 272-788 columns, H200, bench/RESULTS.md)."""
+    depth = _knobs(layernorm)[2]
+    if config.get().bwd_depth or launch.rows_per_cta == 1 or launch.even_n:
+        return depth
+    return 1
+
+
 @memo
 def persistent_ctas(launch: RowLaunch, clusters: int, tpsm: int) -> int:
     """CTAs in x of the persistent grid (clusters of ``launch.cluster_n``): ``tpsm`` threads a SM
@@ -444,7 +454,7 @@ def compiled_backward(k: BackwardKey):
         launch = head_launch(launch, heads)
         if launch is None:
             raise ValueError(f"N={N} with {heads} heads: no backward launch has a whole number of heads a CTA")
-    depth = _knobs(layernorm)[2]
+    depth = backward_depth(launch, layernorm)
     key = ("layernorm_bwd" if layernorm else "rmsnorm_bwd", x_dtype, w_dtype, dout_dtype, dres_dtype, has_db, N,
            arch, launch, depth, float(weight_offset), heads, direct)
 
