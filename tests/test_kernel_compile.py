@@ -273,19 +273,21 @@ def test_backward_depth_one_where_several_rows_leave_an_access_idle():
         assert backward_depth(several[0], False) == 2
 
 
-def test_softmax_backward_wide_rows_take_small_ctas():
-    """Full-width 16-bit backward rows from ``BWD_WIDE_MIN_N`` take 128-thread CTAs over a cluster on sm_90a while
-    a CTA's share stays within ``BWD_WIDE_MAX_UNITS``; fp32, unaligned and sm_100a rows keep the general rule."""
+@pytest.mark.parametrize("mode", ["backward", "fwd_bwd"])
+def test_softmax_backward_wide_rows_take_small_ctas(mode):
+    """Full-width 16-bit rows of the backward modes from ``BWD_WIDE_MIN_N`` take 128-thread CTAs over a cluster on
+    sm_90a while a CTA's share stays within ``BWD_WIDE_MAX_UNITS``; fp32, unaligned and sm_100a rows keep the
+    general rule."""
     from oink.kernels.softmax import BWD_WIDE_MAX_UNITS, BWD_WIDE_MIN_N, softmax_launch
 
     for N in (BWD_WIDE_MIN_N, 57344, 131072):
-        L = softmax_launch(N, 16, "sm_90a", "backward")
+        L = softmax_launch(N, 16, "sm_90a", mode)
         assert (L.num_threads, L.cluster_n > 1) == (128, True), L
-    wide = softmax_launch(180224, 16, "sm_90a", "backward")
+    wide = softmax_launch(180224, 16, "sm_90a", mode)
     assert wide.cluster_n == 16 and wide.num_threads * wide.iters <= BWD_WIDE_MAX_UNITS
-    assert softmax_launch(262144, 16, "sm_90a", "backward").num_threads == 512  # its share past the bound
+    assert softmax_launch(262144, 16, "sm_90a", mode).num_threads == 512  # its share past the bound
     for args in ((57344, 32, "sm_90a"), (57345, 16, "sm_90a"), (57344, 16, "sm_100a"), (8192, 16, "sm_90a")):
-        assert softmax_launch(*args, "backward").num_threads > 128, args
+        assert softmax_launch(*args, mode).num_threads > 128, args
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)

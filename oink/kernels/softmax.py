@@ -34,10 +34,11 @@ def softmax_launch(N: int, x_bits: int, arch: str, mode: str = "forward") -> Row
     not a multiple of 8 ``reduction.narrow_rows``; else at most 4 units a
     thread, wider rows over a cluster; the backward modes hold two rows' values (y and dy, or x
     and dy), so their CTAs stop at 512 threads (128 registers a thread), and where the portable
-    cluster leaves a thread more than ``BWD_MAX_UNITS`` they take the arch's wider cluster."""
+    cluster leaves a thread more than ``BWD_MAX_UNITS`` they take the arch's wider cluster; their full-width
+    16-bit rows from ``BWD_WIDE_MIN_N`` columns take ``cluster_rows`` on sm_90a."""
     if mode == "forward" and N > CLUSTER_ROWS_MIN_N:
         return cluster_rows(N, math.gcd(N, 128 // x_bits), WIDE_CLUSTER.get(arch, MAX_CLUSTER))
-    if mode == "backward" and x_bits == 16 and N % 8 == 0 and N >= BWD_WIDE_MIN_N and arch in WIDE_CLUSTER:
+    if mode != "forward" and x_bits == 16 and N % 8 == 0 and N >= BWD_WIDE_MIN_N and arch in WIDE_CLUSTER:
         wide = cluster_rows(N, 8, WIDE_CLUSTER[arch])
         if wide.num_threads * wide.iters <= BWD_WIDE_MAX_UNITS:
             return wide
@@ -56,11 +57,11 @@ def softmax_launch(N: int, x_bits: int, arch: str, mode: str = "forward") -> Row
 # one over 16 CTAs. Below it 8 CTAs are faster than 16 (timed with scripts/tune_launch.py at fp32
 # 201088 and bf16 262144).
 BWD_MAX_UNITS = 14
-# Full-width 16-bit backward rows of BWD_WIDE_MIN_N columns or more take the wide-row rule on sm_90a (measured
-# there): 128-thread CTAs over a cluster of up to 16, as the cross-entropy dlogits' ``wide_rows``, while a CTA's
-# share of the row is at most BWD_WIDE_MAX_UNITS accesses: 8-35% faster from 16384 to 180224 columns; past it
-# (CTAs of 256 threads x 8 accesses at 262144) 1.2x slower than CTAs of 512 x 8, and at 8192-12288 level
-# (H200, bench/RESULTS.md).
+# Full-width 16-bit rows of the backward modes from BWD_WIDE_MIN_N columns take the wide-row rule on sm_90a
+# (measured there): 128-thread CTAs over a cluster of up to 16, as the cross-entropy dlogits' ``wide_rows``, while
+# a CTA's share of the row is at most BWD_WIDE_MAX_UNITS accesses. The backward ran 8-35% faster from 16384 to
+# 180224 columns, level at 8192-12288, and 1.2x slower past the bound (CTAs of 256 threads x 8 accesses at 262144,
+# against 512 x 8); the fused mode 1.4-1.7x faster at 28672-114688 (H200, bench/RESULTS.md).
 BWD_WIDE_MIN_N = 16384
 BWD_WIDE_MAX_UNITS = 1536
 
