@@ -258,38 +258,6 @@ def test_backward_launch_whole_warp_rows(monkeypatch):
         RowLaunch(N=6144, vec=8, threads_per_row=48, num_threads=96)
 
 
-def test_backward_depth_one_where_several_rows_leave_an_access_idle():
-    """RMSNorm's CTAs of several rows whose last access is partly idle take depth 1; even rows, one row a CTA
-    and LayerNorm keep the family's depth; ``bwd_depth`` still wins."""
-    from oink import config
-    from oink.kernels.rmsnorm_bwd import TUNING, backward_depth, backward_launch
-
-    several = [backward_launch(N, 16, "sm_90a") for N in (368, 578, 904)]
-    assert all(L.rows_per_cta > 1 and not L.even_n and backward_depth(L, False) == 1 for L in several)
-    for N in (512, 1024, 1256, 8192):
-        assert backward_depth(backward_launch(N, 16, "sm_90a"), False) == TUNING["rmsnorm"][2]
-    assert backward_depth(several[0], True) == TUNING["layernorm"][2]
-    with config.override(bwd_depth=2):
-        assert backward_depth(several[0], False) == 2
-
-
-@pytest.mark.parametrize("mode", ["backward", "fwd_bwd"])
-def test_softmax_backward_wide_rows_take_small_ctas(mode):
-    """Full-width 16-bit rows of the backward modes from ``BWD_WIDE_MIN_N`` take 128-thread CTAs over a cluster on
-    sm_90a while a CTA's share stays within ``BWD_WIDE_MAX_UNITS``; fp32, unaligned and sm_100a rows keep the
-    general rule."""
-    from oink.kernels.softmax import BWD_WIDE_MAX_UNITS, BWD_WIDE_MIN_N, softmax_launch
-
-    for N in (BWD_WIDE_MIN_N, 57344, 131072):
-        L = softmax_launch(N, 16, "sm_90a", mode)
-        assert (L.num_threads, L.cluster_n > 1) == (128, True), L
-    wide = softmax_launch(180224, 16, "sm_90a", mode)
-    assert wide.cluster_n == 16 and wide.num_threads * wide.iters <= BWD_WIDE_MAX_UNITS
-    assert softmax_launch(262144, 16, "sm_90a", mode).num_threads == 512  # its share past the bound
-    for args in ((57344, 32, "sm_90a"), (57345, 16, "sm_90a"), (57344, 16, "sm_100a"), (8192, 16, "sm_90a")):
-        assert softmax_launch(*args, mode).num_threads > 128, args
-
-
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("layernorm", [False, True], ids=["rmsnorm", "layernorm"])
 @pytest.mark.parametrize("N", [6144, 7168])
