@@ -37,7 +37,7 @@ def compare(before: str, after: str) -> int:
 
 
 def jobs(arch: str, only: str):
-    from oink.kernels import cross_entropy, fp8, nvfp4, rmsnorm_bwd, softmax
+    from oink.kernels import cross_entropy, fp8, nvfp4, partial_sum, rmsnorm_bwd, softmax
     from oink.kernels.profile import ROW_FAMILIES
     from oink.kernels.rowsumsq import compiled_rowsumsq
 
@@ -114,7 +114,7 @@ def jobs(arch: str, only: str):
     yield "fp8/add_rmsnorm", lambda: rmsnorm_fp8("bfloat16", 131072, "group", 128, False)
     yield "split_bwd/rmsnorm", lambda: split("bfloat16", False, False)
     yield "split_bwd/layernorm", lambda: split("float32", True, True)
-    yield "partial_sum", lambda: rmsnorm_bwd.compiled_partial_sum(7168, 2, "bfloat16", arch)
+    yield "partial_sum", lambda: partial_sum.compiled_partial_sum(7168, 2, "bfloat16", arch)
     yield "rowsumsq", lambda: compiled_rowsumsq("bfloat16", 8192, arch)
 
 

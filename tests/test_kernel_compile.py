@@ -170,15 +170,32 @@ def test_rmsnorm_width_limit():
         compiled_forward(ForwardKey("bfloat16", 262144 * 2, "sm_90a"))
 
 
-from oink.kernels.rmsnorm_bwd import BackwardKey, compiled_backward, compiled_partial_sum  # noqa: E402
+from oink.kernels.partial_sum import compiled_partial_sum, quads_per_cta  # noqa: E402
+from oink.kernels.rmsnorm_bwd import BackwardKey, compiled_backward  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("kinds", [1, 2])
 def test_partial_sum_compiles(arch, dtype, kinds):
-    for N in (*NORM_WIDTHS, 1001):  # 1001: the partial rows are padded to a multiple of 4
+    # 1001: the partial rows are padded to a multiple of 4; 368, 1200, 2342: CTAs of 1, 2 and 4 column quads
+    for N in (*NORM_WIDTHS, 1001, 368, 1200, 2342):
         assert callable(compiled_partial_sum(N, kinds, dtype, arch))
+
+
+def test_partial_sum_spans_the_gpu():
+    """The partials' sum keeps at least ``MIN_CTAS`` CTAs where a CTA of one column quad allows it: a CTA of
+    8 quads at 368 columns made a grid of 12 CTAs."""
+    from oink.kernels.partial_sum import MIN_CTAS, THREADS
+
+    seen = set()
+    for cols in range(1, 4000, 7):
+        q = quads_per_cta(cols)
+        seen.add(q)
+        assert q in (1, 2, 4, 8) and THREADS % q == 0, cols
+        assert -(-cols // q) >= MIN_CTAS or q == 1, (cols, q)
+        assert q == 8 or -(-cols // (2 * q)) < MIN_CTAS, (cols, q)  # the widest CTA that keeps the grid
+    assert seen == {1, 2, 4, 8}
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)

@@ -220,9 +220,9 @@ def _check_backward(dtype, w, N, M, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", (1, 1001, 6144, 262144))
+@pytest.mark.parametrize("N", (1, 368, 1001, 2342, 6144, 262144))  # CTAs of 1, 1-2, 4-8, 8 column quads
 @pytest.mark.parametrize("kinds", (1, 2))
-@pytest.mark.parametrize("P", (1, 45, 133))
+@pytest.mark.parametrize("P", (1, 45, 133, 2112))
 def test_partial_sum_kernel(dtype, N, kinds, P, seed):
     """The dweight/dbias partials' sum: every output element written, padding columns (NaN here)
     never read into an output, the sum in fp32 against a float64 sum."""

@@ -10,7 +10,8 @@ from .host import (allocator, dense, dtype_name, in_place_reason, kernel_ready_r
                    row_layout, values_pay, vec_for, width_reason, window_key)
 from .launch_table import few_rows
 from .rmsnorm import ForwardKey, compiled_forward, forward_launch_of, forward_window
-from .rmsnorm_bwd import (BackwardKey, backward_launch, backward_tpsm, compiled_backward, compiled_partial_sum,
+from .partial_sum import compiled_partial_sum
+from .rmsnorm_bwd import (BackwardKey, backward_launch, backward_tpsm, compiled_backward,
                           compiled_split_backward, direct_sums, head_launch, persistent_ctas, split_groups,
                           split_rows)
 
