@@ -588,6 +588,26 @@ def test_backward_depth_one_where_several_rows_leave_an_access_idle():
         assert backward_depth(several[0], False) == 2
 
 
+def test_backward_pairs_of_narrow_rows_replace_a_cluster():
+    """RMSNorm backward rows of 2-element accesses that the values' budget would split over a cluster take two
+    rows of 128 threads a CTA up to ``NARROW_PAIR_VALUES`` values a thread; wider ones, LayerNorm, rows with a
+    dresidual, fp32 and rows of 4-element accesses keep the rule before."""
+    from oink.kernels.rmsnorm_bwd import NARROW_PAIR_VALUES, backward_launch, split_rows, thread_values
+
+    top = 128 * NARROW_PAIR_VALUES
+    for arch in ("sm_90a", "sm_100a"):
+        for N in (4098, 4702, top - 2):
+            L = backward_launch(N, 16, arch)
+            assert (L.threads_per_row, L.num_threads, L.cluster_n) == (128, 256, 1), (N, L)
+            assert thread_values(L) <= NARROW_PAIR_VALUES
+            assert not split_rows(N, 16, arch, False)  # the split kernels took these rows at 10x the time
+        assert backward_launch(4094, 16, arch).cluster_n == 1 and backward_launch(4094, 16, arch).num_threads == 256
+        for other in (backward_launch(top + 2, 16, arch), backward_launch(4702, 16, arch, layernorm=True),
+                      backward_launch(4702, 16, arch, dres=True), backward_launch(4100, 16, arch)):
+            assert other.threads_per_row != 128, other
+        assert backward_launch(4702, 32, arch).threads_per_row == 512
+
+
 @pytest.mark.parametrize("mode", ["backward", "fwd_bwd"])
 def test_softmax_backward_wide_rows_take_small_ctas(mode):
     """Full-width 16-bit rows of the backward modes from ``BWD_WIDE_MIN_N`` take 128-thread CTAs over a cluster on

@@ -25,6 +25,7 @@ def recorder(monkeypatch):
     import oink.kernels.fp8_ops as fp8_ops
     import oink.kernels.nvfp4 as nvfp4
     import oink.kernels.nvfp4_ops as nvfp4_ops
+    import oink.kernels.partial_sum as partial_sum
     import oink.kernels.rmsnorm as rmsnorm
     import oink.kernels.rmsnorm_bwd as rmsnorm_bwd
     import oink.kernels.rmsnorm_ops as rmsnorm_ops
@@ -36,7 +37,7 @@ def recorder(monkeypatch):
     def fake_compile(kernel, *fake_args, arch):
         return lambda *args: calls.append(args)
 
-    for mod in (rmsnorm, rmsnorm_bwd, softmax, fp8, nvfp4, cross_entropy):
+    for mod in (rmsnorm, rmsnorm_bwd, partial_sum, softmax, fp8, nvfp4, cross_entropy):
         monkeypatch.setattr(mod, "compile_kernel", fake_compile)
     monkeypatch.setattr(rmsnorm_ops, "resident_clusters", lambda index, cluster_n: 132 // cluster_n)
     for mod in (rmsnorm_ops, softmax_ops, fp8_ops, nvfp4_ops, cross_entropy_ops, compile_mod):

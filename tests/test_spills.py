@@ -147,6 +147,25 @@ def test_rows_counted_in_values_do_not_spill(keep_cubin, family, arch):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_rmsnorm_backward_pairs_of_narrow_rows_do_not_spill(keep_cubin, dtype, arch):
+    """RMSNorm backward rows of 2-element accesses past 4096 columns, two rows of 128 threads a CTA
+    (``rmsnorm_bwd.NARROW_PAIR_VALUES``), keep their values in registers; with a dresidual they keep the cluster."""
+    from oink.kernels.profile import compiled_resources
+    from oink.kernels.rmsnorm_bwd import NARROW_PAIR_VALUES, BackwardKey, backward_launch, compiled_backward
+
+    widths = (4098, 4702, 128 * NARROW_PAIR_VALUES - 2)
+    assert {(L.threads_per_row, L.num_threads, L.cluster_n) for L in (backward_launch(N, 16, arch) for N in widths)} \
+        == {(128, 256, 1)}
+    assert all(backward_launch(N, 16, arch, dres=True).cluster_n > 1 for N in widths)
+    for N in widths:
+        for dres in (None, dtype, "float32"):
+            res = compiled_resources(compiled_backward(BackwardKey(dtype, N, arch, dout_dtype=dtype, w_dtype=dtype,
+                                                                   dres_dtype=dres)))
+            assert res["registers"] > 0 and not res["frame_bytes"], (N, dres, res)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_layernorm_narrow_rows_take_256_threads_without_spilling(keep_cubin, arch):
     """LayerNorm's 16-bit rows counted in values past 8192 columns (1- to 4-element accesses) take one CTA of 256
     threads up to ``rmsnorm.LAYERNORM_NARROW_MAX_VALUES`` (56) values a thread (14330: 28 accesses of 2 elements;

@@ -277,3 +277,14 @@ def test_backward_of_several_rows_a_cta_runs_correctly(N, dtype):
     """16-bit rows, enough of them (5000) that the budget counts values (``host.values_pay``): 32-64 threads a row."""
     ran = _gated_launches("rmsnorm_backward", N, dtype, 5000)
     assert any(L[1] > L[0] for L in ran), f"no launch of several rows a CTA ran: {ran}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("N", (4098, 4702, 4862))
+@pytest.mark.parametrize("M", (3, 333, 5000))
+def test_backward_of_narrow_row_pairs_runs_correctly(N, M, dtype):
+    """RMSNorm backward rows of 2-element accesses past 4096 columns, two rows of 128 threads a CTA
+    (``rmsnorm_bwd.NARROW_PAIR_VALUES``; 4862: its widest), also where a CTA's second row lies past M."""
+    ran = _gated_launches("rmsnorm_backward", N, dtype, M)
+    assert any(tuple(L[:3]) == (128, 256, 1) for L in ran), f"no launch of two rows of 128 threads ran: {ran}"

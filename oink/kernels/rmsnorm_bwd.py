@@ -59,6 +59,12 @@ BWD_MAX_VALUES = {"rmsnorm": 16, "layernorm": 32}
 # clusters of 256 at 6571, and LayerNorm's cluster of 2 at 6571 1.7x slower than one CTA (bench/RESULTS.md).
 NARROW_MAX_THREADS = 256
 NARROW_MAX_VALUES = {"rmsnorm": 16, "layernorm": 26}
+# An RMSNorm row of 2-element accesses too wide for that budget in one CTA (past 4096 columns) takes rows of
+# 128 threads holding up to this many values, two rows a CTA, not a cluster of 2 (the DSMEM exchange a row):
+# at 16000 rows 4098-4862 columns ran 0.79-0.81 of the cluster's time (0.80-0.97 of Quack's; 2378 x 4702 the
+# same as the cluster's); 44-48 values (5404, 6002) ran 1.2-1.6x slower, 64 (8190) spilled (H200,
+# bench/RESULTS.md). Not with a dresidual: an fp32 one took 254 registers and spilled at 4702.
+NARROW_PAIR_VALUES = 38
 
 
 def _knobs(layernorm: bool) -> tuple[int, int, int]:
@@ -100,7 +106,7 @@ def _table_key(x_bits: int, layernorm: bool) -> tuple[str, bool]:
 
 @memo
 def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few: bool = False,
-                    values: bool = True) -> RowLaunch:
+                    values: bool = True, dres: bool = False) -> RowLaunch:
     """Launch heuristic for the norm backward (the one place it is chosen); SM100 reuses SM90's, but
     over at most the portable cluster of 8 (``WIDE_CLUSTER`` is SM90's).
     Where a whole number of warps covers a row exactly in at most ``upt`` accesses a thread
@@ -109,8 +115,9 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few
     The launch table's entry for (``rmsnorm_bwd/x<bits>`` or ``layernorm_bwd/x<bits>``, N) wins
     unless a setting (``bwd_upt``) asks for the heuristic's variant; ``few``: for
     calls of ``launch_table.few_rows`` rows (the key's "/few" entry where there is one); ``values``: a
-    narrow row's budget counted in values (``NARROW_MAX_THREADS``), else in accesses (``values_pay``)."""
-    launch, upt, most = _fitted_launch(N, x_bits, arch, layernorm, values)
+    narrow row's budget counted in values (``NARROW_MAX_THREADS``), else in accesses (``values_pay``); ``dres``: a
+    dresidual is added to dx (its registers: no ``NARROW_PAIR_VALUES`` rows)."""
+    launch, upt, most, _ = _fitted_launch(N, x_bits, arch, layernorm, values, dres)
     # whole warps where they tile the row exactly (power-of-two rows otherwise)
     launch = whole_warp_rows(launch, upt, most)
     key, knob = _table_key(x_bits, layernorm)
@@ -119,18 +126,25 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few
 
 @memo
 def _fitted_launch(N: int, x_bits: int, arch: str, layernorm: bool,
-                   values: bool = True) -> tuple[RowLaunch, int, int]:
+                   values: bool = True, dres: bool = False) -> tuple[RowLaunch, int, int, int]:
     """(the heuristic's power-of-two launch, over a cluster of ``WIDE_CLUSTER`` where the portable
-    one would leave a thread more than its budget's values; the most accesses a thread and threads a CTA
-    it was fitted to): the first of ``_budgets`` whose launch holds the row."""
-    for upt, most_upt, most, most_values in _budgets(N, x_bits, layernorm, values):
+    one would leave a thread more than its budget's values; the most accesses a thread, threads a CTA
+    and values a thread it was fitted to): the first of ``_budgets`` whose launch holds the row."""
+    budgets = _budgets(N, x_bits, layernorm, values)
+    for upt, most_upt, most, most_values in budgets:
         fit = dict(units_per_thread=upt, max_units_per_thread=most_upt, max_threads=most)
         launch = pick_row_launch(N, x_bits, **fit)
+        if len(budgets) > 1 and launch.cluster_n > 1 and not (layernorm or dres) and launch.vec == 2 \
+                and N <= 128 * NARROW_PAIR_VALUES:  # the values' budget (the first) would take a cluster
+            accesses = NARROW_PAIR_VALUES // 2
+            pair = pick_row_launch(N, x_bits, units_per_thread=accesses, max_units_per_thread=accesses,
+                                   max_threads=128)
+            return dataclasses.replace(pair, num_threads=256), accesses, 128, NARROW_PAIR_VALUES
         if thread_values(launch) > most_values and arch in WIDE_CLUSTER:
             launch = pick_row_launch(N, x_bits, **fit, max_cluster=WIDE_CLUSTER[arch])
         if thread_values(launch) <= most_values:
             break
-    return launch, most_upt, most
+    return launch, most_upt, most, most_values
 
 
 def thread_values(launch: RowLaunch) -> int:
@@ -449,7 +463,7 @@ def compiled_backward(k: BackwardKey):
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the norm kernels handle 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
-    launch = backward_launch(N, xd.width, arch, layernorm, few, k.values)
+    launch = backward_launch(N, xd.width, arch, layernorm, few, k.values, dres_dtype is not None)
     if heads > 1:
         launch = head_launch(launch, heads)
         if launch is None:
@@ -492,13 +506,14 @@ SPLIT_ROW_GROUPS, SPLIT_DEPTH = 4, 4  # B: CTAs along the rows (partial rows), r
 @memo
 def split_rows(N: int, x_bits: int, arch: str, layernorm: bool) -> bool:
     """Whether the norm backward of rows of N columns takes the split kernels: where a thread of
-    the heuristic's launch would hold more than ``BWD_MAX_VALUES`` (the ``bwd_split`` setting forces it
-    off/on, for A/B runs)."""
+    the heuristic's launch would hold more than ``BWD_MAX_VALUES`` or its budget's values (the ``bwd_split``
+    setting forces it off/on, for A/B runs)."""
     forced = config.get().bwd_split
     if forced is not None:
         return forced
     family = "layernorm" if layernorm else "rmsnorm"
-    return thread_values(_fitted_launch(N, x_bits, arch, layernorm)[0]) > BWD_MAX_VALUES[family]
+    launch, _, _, most_values = _fitted_launch(N, x_bits, arch, layernorm)
+    return thread_values(launch) > max(BWD_MAX_VALUES[family], most_values)
 
 
 def split_groups(M: int) -> int:

@@ -43,7 +43,8 @@ def check_forward(t: dict, arch: str) -> str | None:
 def check_backward(t: dict, arch: str) -> str | None:
     heads = heads_of(t["weight"], None)
     x = t["x"]
-    if heads > 1 and head_launch(backward_launch(x.shape[-1], x.element_size() * 8, arch), heads) is None:
+    launch = backward_launch(x.shape[-1], x.element_size() * 8, arch, dres=t.get("dresidual_out") is not None)
+    if heads > 1 and head_launch(launch, heads) is None:
         return f"{heads} heads of width {x.shape[-1]}: no backward launch holds whole heads a CTA: reference"
     return width_reason(x.shape[-1])
 
@@ -251,7 +252,8 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         new_shares = allocator((M, chunks, 2), F32, device)
     else:
         few = few_rows(M)
-        launch, accesses = (backward_launch(N, bits, arch, layernorm, few, values) for values in (True, False))
+        launch, accesses = (backward_launch(N, bits, arch, layernorm, few, values, dres is not None)
+                            for values in (True, False))
         values = heads > 1 or values_pay(M, launch, accesses, device)  # per-head rows: as check_backward's
         launch = launch if values else accesses
         if heads > 1:
