@@ -33,12 +33,12 @@ def quads_per_cta(cols: int) -> int:
 
 
 class PartialSum:
-    """out_k[n] = the sum over p of part[p, k, n]. A CTA owns ``quads`` float4 columns (16 contiguous
-    bytes each of a partial row) and THREADS / quads streams of threads split the partial rows, so a
-    thread has few, independent loads in flight; the streams' sums meet by warp shuffles, then across
-    the CTA's warps in shared memory, always in one order. With ``pdl`` it is launched as a programmatic
-    dependent of the backward: its launch overlaps the backward's tail and ``griddepcontrol.wait`` holds
-    the loads until the backward's writes are visible."""
+    """out_k[n] = the sum over p of part[p, k, n]. A CTA owns ``per_cta`` float4 columns (16 contiguous
+    bytes each of a partial row; ``quads_per_cta``) and THREADS / per_cta streams of threads split the
+    partial rows, so a thread has few, independent loads in flight; the streams' sums meet by warp
+    shuffles, then across the CTA's warps in shared memory, always in one order. With ``pdl`` it is
+    launched as a programmatic dependent of the backward: its launch overlaps the backward's tail and
+    ``griddepcontrol.wait`` holds the loads until the backward's writes are visible."""
 
     def __init__(self, N: int, kinds: int, out_dtype, pdl: bool = False):
         self.N, self.kinds, self.out_dtype, self.pdl = N, kinds, out_dtype, pdl
