@@ -184,18 +184,23 @@ def test_partial_sum_compiles(arch, dtype, kinds):
 
 
 def test_partial_sum_spans_the_gpu():
-    """The partials' sum keeps at least ``MIN_CTAS`` CTAs where a CTA of one column quad allows it: a CTA of
-    8 quads at 368 columns made a grid of 12 CTAs."""
-    from oink.kernels.partial_sum import MIN_CTAS, THREADS
+    """The partials' sum keeps at least ``MIN_CTAS`` CTAs and a thread at most ``LOADS`` partial rows where a CTA
+    of one column quad allows it: a CTA of 8 quads at 368 columns made a grid of 12 CTAs."""
+    from oink.kernels.partial_sum import LOADS, MIN_CTAS, THREADS
+
+    def fits(cols, parts, q):
+        return -(-cols // q) >= MIN_CTAS and -(-parts // (THREADS // q)) <= LOADS
 
     seen = set()
     for cols in range(1, 4000, 7):
-        q = quads_per_cta(cols)
-        seen.add(q)
-        assert q in (1, 2, 4, 8) and THREADS % q == 0, cols
-        assert -(-cols // q) >= MIN_CTAS or q == 1, (cols, q)
-        assert q == 8 or -(-cols // (2 * q)) < MIN_CTAS, (cols, q)  # the widest CTA that keeps the grid
+        for parts in (0, 1, 66, 264, 528, 2112):
+            q = quads_per_cta(cols, parts)
+            seen.add(q)
+            assert q in (1, 2, 4, 8) and THREADS % q == 0, cols
+            assert fits(cols, parts, q) or q == 1, (cols, parts, q)
+            assert q == 8 or not fits(cols, parts, 2 * q), (cols, parts, q)  # the widest CTA that fits
     assert seen == {1, 2, 4, 8}
+    assert quads_per_cta(1176, 528) == 2  # RMSNorm 4702's pairs: 8 quads left a thread 17 partial rows
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)

@@ -19,15 +19,18 @@ from .reduction import WARP, add
 THREADS = 256
 # CTAs the grid should reach: every SM of an H100/H200 has one (a column's partials are read by one CTA)
 MIN_CTAS = 128
+# partial rows a thread reads, at most, where a CTA of fewer columns allows it: the loop's unroll, one batch
+LOADS = 8
 
 
-def quads_per_cta(cols: int) -> int:
-    """float4 columns a CTA of ``THREADS`` owns: 8 where that leaves ``MIN_CTAS`` CTAs, fewer for narrow
-    rows (down to 1), so that the grid still spans the GPU and each thread has few partial rows to read.
-    With 8 a CTA at 368 columns (12 CTAs over 2112 partial rows, 66 loads a thread) it took 17 us, as long
-    as the backward itself (H200, bench/RESULTS.md)."""
+def quads_per_cta(cols: int, parts: int = 0) -> int:
+    """float4 columns a CTA of ``THREADS`` owns: 8 where that leaves ``MIN_CTAS`` CTAs and a thread at most
+    ``LOADS`` of the ``parts`` partial rows, fewer (down to 1) for narrow rows or many partial rows, so that
+    the grid spans the GPU and each thread's loads go out in one batch. With 8 a CTA at 368 columns (12 CTAs
+    over 2112 partial rows, 66 loads a thread) it took 17 us, as long as the backward itself (H200,
+    bench/RESULTS.md)."""
     q = 8
-    while q > 1 and -(-cols // q) < MIN_CTAS:
+    while q > 1 and (-(-cols // q) < MIN_CTAS or -(-parts // (THREADS // q)) > LOADS):
         q //= 2
     return q
 
@@ -40,11 +43,11 @@ class PartialSum:
     launched as a programmatic dependent of the backward: its launch overlaps the backward's tail and
     ``griddepcontrol.wait`` holds the loads until the backward's writes are visible."""
 
-    def __init__(self, N: int, kinds: int, out_dtype, pdl: bool = False):
+    def __init__(self, N: int, kinds: int, out_dtype, pdl: bool = False, per_cta: int = 8):
         self.N, self.kinds, self.out_dtype, self.pdl = N, kinds, out_dtype, pdl
         self.quads = -(-N // 4)  # float4 columns a kind
         self.cols = kinds * self.quads
-        self.per_cta = quads_per_cta(self.cols)
+        self.per_cta = per_cta
         self.streams = THREADS // self.per_cta
 
     @cute.jit
@@ -105,12 +108,16 @@ class PartialSum:
 
 
 @memo
-def compiled_partial_sum(N: int, kinds: int, out_dtype: str, arch: str):
-    """Compile (or fetch) the partials' sum for (N, kinds, dtype, arch); the partial row count is runtime."""
+def compiled_partial_sum(N: int, kinds: int, out_dtype: str, arch: str, parts: int = 0):
+    """Compile (or fetch) the partials' sum for (N, kinds, dtype, arch) and up to ``parts`` partial rows (the
+    CTA's width, ``quads_per_cta``: the most a call's grid writes, not its M's); the row count is runtime."""
     od = cute_dtype(out_dtype)
+    per_cta = quads_per_cta(kinds * -(-N // 4), parts)
 
     def build():
-        return compile_kernel(PartialSum(N, kinds, od, config.get().pdl), gmem_ptr(Float32), gmem_ptr(od, 2),
-                              gmem_ptr(od, 2) if kinds == 2 else None, Int32(1), fake_stream(), arch=arch)
+        return compile_kernel(PartialSum(N, kinds, od, config.get().pdl, per_cta), gmem_ptr(Float32),
+                              gmem_ptr(od, 2), gmem_ptr(od, 2) if kinds == 2 else None, Int32(1), fake_stream(),
+                              arch=arch)
 
-    return CACHE.get(("partial_sum", N, kinds, out_dtype, arch), build)  # the cache keys on the PDL setting
+    # the cache keys on the PDL setting
+    return CACHE.get(("partial_sum", N, kinds, out_dtype, arch, per_cta), build)

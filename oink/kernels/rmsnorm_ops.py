@@ -59,12 +59,13 @@ def check_fused_add(t: dict, arch: str) -> str | None:
             or in_place_reason("residual", t["residual"], vec))
 
 
-def backward_grid(launch, M: int, device, tpsm: int) -> tuple[int, int]:
-    """(CTAs of the backward's persistent grid, partial rows they write) for M rows, the grid sized
-    for ``tpsm`` threads a SM (``backward_tpsm``) in the clusters the device runs at once."""
+def backward_grid(launch, M: int, device, tpsm: int) -> tuple[int, int, int]:
+    """(CTAs of the backward's persistent grid, partial rows they write, the most any M's grid writes) for M
+    rows, the grid sized for ``tpsm`` threads a SM (``backward_tpsm``) in the clusters the device runs at once."""
     at_once = resident_clusters(device.index, launch.cluster_n)
-    ctas = max(1, min(-(-M // launch.rows_per_cta), persistent_ctas(launch, at_once, tpsm)))
-    return ctas, ctas * launch.rows_per_cta
+    most = persistent_ctas(launch, at_once, tpsm)
+    ctas = max(1, min(-(-M // launch.rows_per_cta), most))
+    return ctas, ctas * launch.rows_per_cta, most * launch.rows_per_cta
 
 
 def partial_width(N: int) -> int:
@@ -80,14 +81,15 @@ def partial_buffers(parts: int, N: int, has_dw: bool, has_db: bool, device, allo
     return buf, (buf[:, 0, :N] if has_dw else None), (buf[:, -1, :N] if has_db else None)
 
 
-def partial_sum(arch: str, parts: int, N: int, has_dw: bool, has_db: bool, dtype, device):
-    """The partials' sum prepared for ``parts`` rows of a ``partial_buffers`` buffer: a function of the
+def partial_sum(arch: str, parts: int, N: int, has_dw: bool, has_db: bool, dtype, device, most: int = 0):
+    """The partials' sum prepared for ``parts`` rows of a ``partial_buffers`` buffer (its kernel fit to ``most``,
+    the most any call of the backward writes, where larger: a new M compiles nothing): a function of the
     buffer's address returning (dweight, dbias) in ``dtype``. The PartialSum kernel, one launch for both
     kinds; each output gets its own storage (a custom op's outputs may not share any)."""
     kinds = int(has_dw) + int(has_db)
     if kinds == 0:
         return lambda address: (None, None)
-    fn = compiled_partial_sum(N, kinds, dtype_name(dtype), arch)
+    fn = compiled_partial_sum(N, kinds, dtype_name(dtype), arch, max(parts, most))
     new_out, stream = allocator((N,), dtype, device), stream_of(device)
 
     def run(address: int):
@@ -248,7 +250,7 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
     direct = False
     if split:
         fn_a, fn, chunks = compiled_split_backward(BackwardKey(dtype_name(x), N, arch, **named))
-        ctas = parts = split_groups(M)
+        ctas = parts = most = split_groups(M)
         new_shares = allocator((M, chunks, 2), F32, device)
     else:
         few = few_rows(M)
@@ -258,7 +260,7 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         launch = launch if values else accesses
         if heads > 1:
             launch = head_launch(launch, heads)
-        ctas, parts = backward_grid(launch, M, device, backward_tpsm(N, bits, arch, layernorm, few))
+        ctas, parts, most = backward_grid(launch, M, device, backward_tpsm(N, bits, arch, layernorm, few))
         direct = M > 0 and direct_sums(launch, ctas, M, heads)
         if M:
             fn = compiled_backward(BackwardKey(dtype_name(x), N, arch, heads=heads, few=few, values=values,
@@ -270,7 +272,7 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
     ldpart = kinds * Np if kinds and not direct else N
     second = (kinds - 1) * Np * 4  # bytes from the dweight partials to the dbias ones (interleaved rows)
     if heads == 1 and not direct:
-        summed = partial_sum(arch, parts, N, has_dw, has_bias, wdtype, device)
+        summed = partial_sum(arch, parts, N, has_dw, has_bias, wdtype, device, most)
     new_out = allocator((N,), wdtype, device)
     stream = stream_of(device)
 
