@@ -131,11 +131,12 @@ def _fitted_launch(N: int, x_bits: int, arch: str, layernorm: bool,
     one would leave a thread more than its budget's values; the most accesses a thread, threads a CTA
     and values a thread it was fitted to): the first of ``_budgets`` whose launch holds the row."""
     budgets = _budgets(N, x_bits, layernorm, values)
-    for upt, most_upt, most, most_values in budgets:
+    for i, (upt, most_upt, most, most_values) in enumerate(budgets):
         fit = dict(units_per_thread=upt, max_units_per_thread=most_upt, max_threads=most)
         launch = pick_row_launch(N, x_bits, **fit)
-        if len(budgets) > 1 and launch.cluster_n > 1 and not (layernorm or dres) and launch.vec == 2 \
-                and N <= 128 * NARROW_PAIR_VALUES:  # the values' budget (the first) would take a cluster
+        values_budget = i == 0 and len(budgets) > 1  # a narrow row's budget counted in values
+        if values_budget and launch.cluster_n > 1 and not (layernorm or dres) and launch.vec == 2 \
+                and N <= 128 * NARROW_PAIR_VALUES:
             accesses = NARROW_PAIR_VALUES // 2
             pair = pick_row_launch(N, x_bits, units_per_thread=accesses, max_units_per_thread=accesses,
                                    max_threads=128)
