@@ -4,7 +4,8 @@ logits [M, V] never exist whole (memory O(chunk x V), never O(M x V)).
 Each chunk of rows: logits = hidden_chunk @ weight.T (+ bias), one cuBLAS matmul into a buffer
 reused across chunks; Oink's fused cross-entropy forward and backward on them in place (one pass:
 the loss, and the dlogits written over the logits); dhidden_chunk = dlogits @ weight;
-dweight += dlogits.T @ hidden_chunk and dbias += dlogits summed over rows. The gradients are
+dweight += dlogits.T @ hidden_chunk (on a second CUDA stream, beside dhidden's matmul: the two only read
+the dlogits) and dbias += dlogits summed over rows. The gradients are
 computed in the forward, as Liger's and Quack's are: the backward only scales them by the incoming
 gradient. With ``reduction="none"`` the forward computes the loss only and the backward runs the
 chunks again with the per-row gradient (per-row factors cannot be applied after the sum over rows
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import checks as c
-from . import ops
+from . import config, ops
 from .reference.cross_entropy import REDUCTIONS
 
 log = logging.getLogger("oink.dispatch")
@@ -172,6 +173,17 @@ def _accumulate_dweight(dw: Tensor, dlogits: Tensor, h: Tensor, first: bool) -> 
         dw.addmm_(a.float(), h.float(), beta=0 if first else 1)
 
 
+def _side_stream(device: torch.device):
+    """A stream for dweight's matmul beside dhidden's (both read the chunk's dlogits: dhidden's output is
+    [chunk, H] over a V-long sum, too few tiles to fill the GPU alone), or None: not CUDA, or turned off."""
+    if device.type != "cuda" or config.get().lce_overlap is False:
+        return None
+    return _streams.setdefault(device, torch.cuda.Stream(device))
+
+
+_streams: dict = {}
+
+
 def fwd_bwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, dloss: Tensor | None,
             ignore_index: int = -100, options: dict | None = None, chunk_size: int | None = None,
             need_dhidden: bool = True, need_dweight: bool = True, need_dbias: bool = True,
@@ -203,12 +215,16 @@ def fwd_bwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
     buf = torch.empty(C, V, device=device, dtype=hidden.dtype) if M else None
     wt = weight.t()
     per_row = dloss is not None and dloss.dim() == 1
+    side = _side_stream(device) if dw is not None and (dh is not None or db is not None) else None
+    main = torch.cuda.current_stream(device) if side is not None else None
     log.debug("linear_cross_entropy: %d rows in chunks of %d, vocabulary %d (%s)", M, C, V,
               "loss and gradients" if grads else "loss only")
     for i, start in enumerate(range(0, M, C)):
         end = min(start + C, M)
         h = hidden[start:end]
         logits = buf[: end - start]
+        if side is not None:  # the buffer is free once the chunk before's dweight has read it
+            main.wait_stream(side)
         if bias is not None:
             torch.addmm(bias, h, wt, out=logits)
         else:
@@ -221,13 +237,19 @@ def fwd_bwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
             z_rows[start:end] = z_c
         if dlogits is None:
             continue
+        if side is not None:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                _accumulate_dweight(dw, dlogits, h, first=i == 0)
+        elif dw is not None:
+            _accumulate_dweight(dw, dlogits, h, first=i == 0)
         if dh is not None:
             torch.mm(dlogits, weight, out=dh[start:end])
-        if dw is not None:
-            _accumulate_dweight(dw, dlogits, h, first=i == 0)
         if db is not None:
             db += dlogits.sum(0, dtype=torch.float32)
         del dlogits
+    if side is not None:  # dweight, the buffer and hidden's chunks are the caller's stream's again
+        main.wait_stream(side)
     if dw is not None and M == 0:
         dw.zero_()
     if dw is not None and dw.dtype != weight.dtype:

@@ -67,6 +67,7 @@ class Config:
     softmax_online: bool | None = None  # the softmax's max and sum in one reduction round (forced either way)
     ln_pivot: bool | None = None  # LayerNorm forward's moments in one round about a pivot (forced where it can be)
     ce_stream: bool | None = None  # the cross-entropy kernels stream their rows (forced either way)
+    lce_overlap: bool | None = None  # linear cross-entropy: dweight's matmul on a side stream (forced either way)
 
 
 DEV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not dataclasses.MISSING}

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import oink
 from oink import chunked_linear_ce as lce
+from oink import config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
 
@@ -80,6 +81,20 @@ def test_options(options):
     hidden, weight, target, _ = _case(2000, 256, 32003)
     _check(_oink(hidden, weight, target, None, chunk_size=512, **options),
            _float64(hidden, weight, target, None, **options), str(options))
+
+
+def test_dweight_on_a_side_stream_changes_no_bit():
+    """dweight's matmul on a second stream beside dhidden's (the default) gives the serial loop's bits:
+    the same products summed in the same order, the streams only let them run at once."""
+    hidden, weight, target, b = _case(3000, 512, 32000, bias=True, seed=3)
+    assert lce._side_stream(hidden.device) is not None
+    ours = _oink(hidden, weight, target, b, "mean", chunk_size=777)
+    with config.override(lce_overlap=False):
+        assert lce._side_stream(hidden.device) is None
+        serial = _oink(hidden, weight, target, b, "mean", chunk_size=777)
+    for name, a, e in zip(("loss", "dhidden", "dweight", "dbias"), ours, serial):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, e), f"{name}: the side stream changed the result"
 
 
 def test_torch_compile_matches_eager():
