@@ -178,7 +178,9 @@ def _side_stream(device: torch.device):
     [chunk, H] over a V-long sum, too few tiles to fill the GPU alone), or None: not CUDA, or turned off."""
     if device.type != "cuda" or config.get().lce_overlap is False:
         return None
-    return _streams.setdefault(device, torch.cuda.Stream(device))
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device)
+    return _streams[device]
 
 
 _streams: dict = {}
@@ -223,8 +225,8 @@ def fwd_bwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
         end = min(start + C, M)
         h = hidden[start:end]
         logits = buf[: end - start]
-        if side is not None:  # the buffer is free once the chunk before's dweight has read it
-            main.wait_stream(side)
+        if side is not None and i:  # the buffer is free once the chunk before's dweight has read it (a wait
+            main.wait_stream(side)  # before the side stream's first use would join no capture: an error in one)
         if bias is not None:
             torch.addmm(bias, h, wt, out=logits)
         else:

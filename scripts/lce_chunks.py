@@ -89,8 +89,9 @@ def main() -> None:
         runs = [(name, chunk, _fwd_bwd(lambda h, w, t, c=c: oink.linear_cross_entropy(h, w, t, chunk_size=c),
                                        hidden, weight, target)) for name, chunk, c in rows]
         runs += [(name, "-", _fwd_bwd(fn, hidden, weight, target)) for name, fn in _peers().items()]
-        runs.append(("torch eager", "-", _fwd_bwd(
-            lambda h, w, t: torch.nn.functional.cross_entropy((h @ w.T).float(), t), hidden, weight, target)))
+        eager = lambda h, w, t: torch.nn.functional.cross_entropy((h @ w.T).float(), t)  # noqa: E731
+        runs.append(("torch eager", "-", _fwd_bwd(eager, hidden, weight, target)))
+        runs.append(("torch.compile", "-", _fwd_bwd(torch.compile(eager), hidden, weight, target)))
         for name, chunk, run in runs:
             if chunk == "default":
                 chunk = f"default ({default_chunk_rows(M, H, V, 2, 1, hidden.device)})"
