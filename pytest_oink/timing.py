@@ -141,6 +141,9 @@ def time_cuda_graph(fn, rotation, calls_per_replay: int | None = None, replays: 
         # calls of tens of ms (a training step's lm head): fewer a replay, so that the replays fit the budget
         per_call = (time.perf_counter() - t0) / max(warmup, len(rotation.sets))
         calls = max(len(rotation.sets), min(calls, math.ceil(budget_s / per_call)))
+    # the graph's private pool takes fresh device memory: blocks the general cache holds free (a gate's fp32
+    # reference, the warm-up calls) are given back first, as an out-of-memory retry may not during a capture
+    torch.cuda.empty_cache()
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
