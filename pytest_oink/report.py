@@ -225,6 +225,29 @@ def best_peer_table(rows) -> list[str]:
             "| of them < 0.92 of copy |", "|---|---|---|---|---|---|---|---|"] + lines + [""]
 
 
+# methods that time a call from the host's side of it (its host work and launch gaps inside the time), where
+# a graph replay times the GPU's work alone
+UNREPLAYED = {"cuda-events": "CUDA events around each call", "capped-synced-perf_counter": "synced host timer"}
+
+
+def timed_apart(op_rows) -> str:
+    """A sentence naming the providers of an op whose rows were not timed by graph replays while others'
+    were (their calls could not be captured: a host read, a sync), "" where every row was timed alike."""
+    ok = [r for r in op_rows if r.status == "ok" and r.median_s]
+    if not any(r.method == "cuda-graph" for r in ok):
+        return ""
+    apart: dict = {}
+    for r in ok:
+        if r.method in UNREPLAYED:
+            apart.setdefault((r.provider, UNREPLAYED[r.method]), []).append(r)
+    if not apart:
+        return ""
+    shapes = {p: sum(1 for r in ok if r.provider == p) for p, _ in apart}
+    parts = [f"{p} by {how} ({len(rs)} of {shapes[p]} shapes)" for (p, how), rs in sorted(apart.items())]
+    return ("Not timed by graph replays (their calls would not capture, so each time holds its host work and "
+            "launch gaps; the other rows' are the GPU's alone): " + ", ".join(parts) + ".")
+
+
 def summary_markdown(rows, roofline=None) -> str:
     lines = ["# Oink benchmark summary", ""]
     runs = sorted({(r.suite, r.seed) for r in rows}, key=str)
@@ -280,6 +303,9 @@ def summary_markdown(rows, roofline=None) -> str:
         if mem:
             lines += ["", "Oink's peak memory over each provider's: " + ", ".join(
                 f"vs {p} {geomean(v):.2f}x (max {max(v):.2f}x, {len(v)} shapes)" for p, v in sorted(mem.items()))]
+        apart = timed_apart(op_rows)
+        if apart:
+            lines += ["", apart]
         if op in sp:
             lines += ["", "Geomean speedup of oink: " + ", ".join(
                 f"vs {p} {geomean(v):.2f}x (min {min(v):.2f}x, {len(v)} shapes)" for p, v in sorted(sp[op].items()))]

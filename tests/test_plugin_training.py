@@ -122,6 +122,22 @@ def test_peak_memory_column(tmp_path):
     assert [b["extra_info"]["peak_mem_bytes"] for b in data["benchmarks"]] == [1536 * 2**20, 9 * 2**30, None]
 
 
+def test_summary_names_rows_not_timed_by_graph_replays():
+    """Liger's calls read a value on the host and cannot be captured: the summary says its rows were timed
+    by events (host work inside) while Oink's were graph replays; nothing is said where all were alike."""
+    rows = [_row(method="cuda-graph"), _row(provider="liger", method="cuda-events"),
+            _row(M=16384, method="cuda-graph"), _row(M=16384, provider="liger", method="cuda-events"),
+            _row(M=16384, provider="torch", method="capped-synced-perf_counter"),
+            _row(M=16384, provider="torch.compile", method="cuda-graph")]
+    md = report.summary_markdown(rows)
+    assert ("Not timed by graph replays (their calls would not capture, so each time holds its host work and launch "
+            "gaps; the other rows' are the GPU's alone): liger by CUDA events around each call (2 of 2 shapes), "
+            "torch by synced host timer (1 of 1 shapes).") in md
+    alike = [_row(method="cuda-events"), _row(provider="liger", method="cuda-events")]
+    assert "Not timed by graph replays" not in report.summary_markdown(alike)
+    assert report.timed_apart([_row(method="cuda-graph"), _row(provider="liger", method="cuda-graph")]) == ""
+
+
 def test_plots_time_and_memory(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [_row(M=M, provider=p, peak_mem_bytes=(M // 4096) * 2**30, median_s=M * 1e-6)
