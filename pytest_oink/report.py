@@ -227,12 +227,14 @@ def best_peer_table(rows) -> list[str]:
 
 # methods that time a call from the host's side of it (its host work and launch gaps inside the time), where
 # a graph replay times the GPU's work alone
-UNREPLAYED = {"cuda-events": "CUDA events around each call", "capped-synced-perf_counter": "synced host timer"}
+UNREPLAYED = {"cuda-events": "CUDA events around each call (its capture failed)",
+              "capped-synced-perf_counter": "a synced host timer (capped: far slower than the fastest row)"}
 
 
 def timed_apart(op_rows) -> str:
     """A sentence naming the providers of an op whose rows were not timed by graph replays while others'
-    were (their calls could not be captured: a host read, a sync), "" where every row was timed alike."""
+    were (a call that would not capture: a host read, a sync; or the eager cap), "" where every row was
+    timed alike."""
     ok = [r for r in op_rows if r.status == "ok" and r.median_s]
     if not any(r.method == "cuda-graph" for r in ok):
         return ""
@@ -243,9 +245,9 @@ def timed_apart(op_rows) -> str:
     if not apart:
         return ""
     shapes = {p: sum(1 for r in ok if r.provider == p) for p, _ in apart}
-    parts = [f"{p} by {how} ({len(rs)} of {shapes[p]} shapes)" for (p, how), rs in sorted(apart.items())]
-    return ("Not timed by graph replays (their calls would not capture, so each time holds its host work and "
-            "launch gaps; the other rows' are the GPU's alone): " + ", ".join(parts) + ".")
+    parts = [f"{p}, {len(rs)} of {shapes[p]} shapes, by {how}" for (p, how), rs in sorted(apart.items())]
+    return ("Not timed by graph replays, so each of these times holds the calls' host work and launch gaps (the "
+            "other rows' are the GPU's alone): " + "; ".join(parts) + ".")
 
 
 def summary_markdown(rows, roofline=None) -> str:

@@ -119,9 +119,10 @@ def time_cuda_graph(fn, rotation, calls_per_replay: int | None = None, replays: 
     """Capture ``calls_per_replay`` calls (cycling the input sets) in one CUDA graph and time its
     replays with events; falls back to event timing if capture fails, or without trying where
     ``capture`` is False (a callable known not to capture: a failed capture keeps its memory pool, and
-    what was allocated in it, to the end of the process in torch without pytorch/pytorch#190348). With ``budget_s``, a
-    graph whose warm-up replay shows that ``replays`` replays would take longer is replayed fewer times
-    (never under ``min_replays``): long rows, whose samples vary least, cost less session time."""
+    what was allocated in it, to the end of the process in torch without pytorch/pytorch#190348).
+    With ``budget_s``, a graph whose warm-up replay shows that ``replays`` replays would take longer is
+    replayed fewer times (never under ``min_replays``): long rows, whose samples vary least, cost less
+    session time."""
     import torch
 
     if not capture:

@@ -130,9 +130,9 @@ def test_summary_names_rows_not_timed_by_graph_replays():
             _row(M=16384, provider="torch", method="capped-synced-perf_counter"),
             _row(M=16384, provider="torch.compile", method="cuda-graph")]
     md = report.summary_markdown(rows)
-    assert ("Not timed by graph replays (their calls would not capture, so each time holds its host work and launch "
-            "gaps; the other rows' are the GPU's alone): liger by CUDA events around each call (2 of 2 shapes), "
-            "torch by synced host timer (1 of 1 shapes).") in md
+    assert ("Not timed by graph replays, so each of these times holds the calls' host work and launch gaps (the other "
+            "rows' are the GPU's alone): liger, 2 of 2 shapes, by CUDA events around each call (its capture failed); "
+            "torch, 1 of 1 shapes, by a synced host timer (capped: far slower than the fastest row).") in md
     alike = [_row(method="cuda-events"), _row(provider="liger", method="cuda-events")]
     assert "Not timed by graph replays" not in report.summary_markdown(alike)
     assert report.timed_apart([_row(method="cuda-graph"), _row(provider="liger", method="cuda-graph")]) == ""
