@@ -726,3 +726,42 @@ def test_gate_compares_each_spec_with_its_own_reference():
     assert not gate(twice, run, case, torch.float32, cpu)["passed"]
     assert gate(thrice, run, case, torch.float32, cpu)["passed"]
     assert not gate(twice, run, case, torch.float32, cpu)["passed"]
+
+
+def test_a_row_whose_capture_failed_is_not_captured_again(monkeypatch):
+    """Once a (op, provider)'s CUDA-graph capture fails (a host read in the call), its later rows are timed by
+    events without another capture: a failed capture can keep its memory pool to the end of the process."""
+    import types
+
+    import torch
+
+    from pytest_oink import bench_runner, timing
+    from pytest_oink.report import Row
+    from pytest_oink.suites import Case
+
+    tried = []
+
+    def fake_graph_timer(run, rot, budget_s=None, capture=True):
+        tried.append((run, capture))
+        captured = capture and run == "capturable"
+        return timing.GraphTiming([1e-3], "cuda-graph" if captured else "cuda-events", 1)
+
+    monkeypatch.setattr(bench_runner, "time_cuda_graph", fake_graph_timer)
+    monkeypatch.setattr(bench_runner, "_inputs", lambda *a: {})
+    monkeypatch.setattr(bench_runner, "UNCAPTURED", set())
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(L2_cache_size=2**25))
+    device = torch.device("cuda", 0)
+
+    def time(provider, run, M):
+        case = Case("training", "linear_cross_entropy_llama3", M, 128256, "bfloat16")
+        row = Row("training", case.op, provider, M, case.N, case.dtype, "GPU", "ok")
+        samples, time_once = bench_runner.row_timer(case, run, None, torch.bfloat16, device, row)
+        return row.method, time_once
+
+    assert time("liger", "syncs", 4096)[0] == "cuda-events"
+    method, again = time("liger", "syncs", 16384)
+    again()  # a re-timing round of the same row
+    assert method == "cuda-events"
+    assert time("oink", "capturable", 4096)[0] == "cuda-graph"
+    assert time("oink", "capturable", 16384)[0] == "cuda-graph"
+    assert tried == [("syncs", True), ("syncs", False), ("syncs", False), ("capturable", True), ("capturable", True)]
