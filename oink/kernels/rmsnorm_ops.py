@@ -43,8 +43,8 @@ def check_forward(t: dict, arch: str) -> str | None:
 def check_backward(t: dict, arch: str) -> str | None:
     heads = heads_of(t["weight"], None)
     x = t["x"]
-    launch = backward_launch(x.shape[-1], x.element_size() * 8, arch, dres=t.get("dresidual_out") is not None)
-    if heads > 1 and head_launch(launch, heads) is None:
+    if heads > 1 and head_launch(backward_launch(x.shape[-1], x.element_size() * 8, arch,
+                                                 dres=t.get("dresidual_out") is not None), heads) is None:
         return f"{heads} heads of width {x.shape[-1]}: no backward launch holds whole heads a CTA: reference"
     return width_reason(x.shape[-1])
 
