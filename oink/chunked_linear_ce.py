@@ -31,12 +31,12 @@ from .reference.cross_entropy import REDUCTIONS
 
 log = logging.getLogger("oink.dispatch")
 
-# One chunk's logits buffer by default: as large as the hidden states, in Liger's rows (M / ceil(V / H) rounded
-# up to a power of two, so never more memory than Liger's at the same shape) or ours (rounded down to whole
-# tiles), whichever is more, within these bounds and a quarter of the free memory. Larger chunks cost memory and
-# save per-chunk work (one read-modify-write of dweight, the matmuls' tails); the floor keeps small batches from
-# splitting into many thin chunks (more memory than Liger's there, for fewer, faster chunks).
-CHUNK_MIN_BYTES = 128 * 2**20
+# One chunk's logits buffer by default: as large as the hidden states, or Liger's rows (M / ceil(V / H) rounded
+# up to a power of two, so never more memory than Liger's at the same shape) where those are more, but never
+# fewer than CHUNK_MIN_ROWS: each chunk reads and writes all of dweight (V x H, whatever its rows), so thin
+# chunks spend their time there (H200: 256-row chunks at 4096 x 2304 x 256000 take 1.26x the time of 512-row
+# ones). At most CHUNK_MAX_BYTES and a quarter of the free memory.
+CHUNK_MIN_ROWS = 512
 CHUNK_MAX_BYTES = 512 * 2**20
 CHUNK_ROW_MULTIPLE = 128  # whole matmul tiles a chunk
 OPTION_DEFAULTS = {"label_smoothing": 0.0, "z_loss": 0.0, "softcap": None}
@@ -143,16 +143,17 @@ def liger_chunk_rows(M: int, H: int, V: int) -> int:
 
 def default_chunk_rows(M: int, H: int, V: int, elem_size: int, buffers: int, device: torch.device) -> int:
     """Rows a chunk: its ``buffers`` [rows, V] buffers within the hidden states' size M x H or Liger's
-    chunk (``liger_chunk_rows``) of V-wide rows, whichever is larger (bounded by CHUNK_MIN_BYTES and
-    CHUNK_MAX_BYTES), and within a quarter of the memory free now (the allocator's cached blocks
+    chunk (``liger_chunk_rows``) of V-wide rows, whichever is larger, CHUNK_MIN_ROWS at least; then
+    within CHUNK_MAX_BYTES and a quarter of the memory free now (the allocator's cached blocks
     included), whole CHUNK_ROW_MULTIPLE tiles (one tile at least), and never more than M."""
-    wanted = max(M * H, liger_chunk_rows(M, H, V) * V) * elem_size
-    budget = min(CHUNK_MAX_BYTES, max(CHUNK_MIN_BYTES, wanted))
+    row_bytes = max(1, V * elem_size * buffers)
+    rows = max(CHUNK_MIN_ROWS, max(M * H, liger_chunk_rows(M, H, V) * V) * elem_size // row_bytes)
+    cap = CHUNK_MAX_BYTES
     if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():  # no driver queries in a capture
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        budget = min(budget, free // 4)
-    rows = budget // max(1, V * elem_size * buffers) // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE
+        cap = min(cap, free // 4)
+    rows = min(rows, cap // row_bytes) // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE
     return max(1, min(M, max(CHUNK_ROW_MULTIPLE, rows)))
 
 

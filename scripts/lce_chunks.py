@@ -4,7 +4,7 @@ and Quack's where installed: the numbers that set ``CHUNK_MIN_BYTES`` / ``CHUNK_
 
     python3 scripts/lce_chunks.py [--shapes 16384x4096x128256,16384x2304x256000] [--chunks 256,512,1024,2048,4096]
 
-Shapes are M x H x V (tokens, hidden, vocabulary), bf16, 10% of the targets ignored, "mean" loss.
+Shapes are M x H x V (tokens, hidden, vocabulary), optionally x S (softcap S, Gemma-2's 30), bf16, 10% of the targets ignored, "mean" loss.
 Per row: the median of CUDA-event timings of forward + backward (torch.autograd.grad, 10 calls after
 3 warm-up calls) and the peak memory allocated during one call beyond the inputs'. "default" is
 Oink's own chunk rule (``oink.chunked_linear_ce.default_chunk_rows``)."""
@@ -49,18 +49,19 @@ def _fwd_bwd(loss_fn, hidden, weight, target):
     return run
 
 
-def _peers():
+def _peers(cap):
     peers = {}
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
 
-        peers["liger"] = lambda h, w, t: liger(h, w, t)
+        peers["liger"] = lambda h, w, t: liger(h, w, t, softcap=cap)
     except ImportError:
         pass
     try:
         from quack.linear_cross_entropy import chunked_linear_cross_entropy as quack
 
-        peers["quack (chunk 4096)"] = lambda h, w, t: quack(h, w, t, chunk_size=4096)
+        if cap is None:  # Quack's takes no softcap
+            peers["quack (chunk 4096)"] = lambda h, w, t: quack(h, w, t, chunk_size=4096)
     except Exception as e:  # quack-kernels 0.6.5's GEMM fails at import under some CuTeDSL versions
         print(f"# quack: {type(e).__name__}: {str(e)[:120]}")
     return peers
@@ -77,19 +78,25 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     torch.ones(8, 8, device="cuda", dtype=torch.bfloat16) @ torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()  # cuBLAS's workspace allocated now: no row's peak counts it
-    print("| M | H | V | provider | chunk rows | ms | peak MiB |\n|---|---|---|---|---|---|---|")
+    print("| M | H | V | softcap | provider | chunk rows | ms | peak MiB |\n|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
-        M, H, V = (int(v) for v in shape.split("x"))
+        M, H, V, *cap = (int(v) for v in shape.split("x"))
+        cap = float(cap[0]) if cap else None
         g = torch.Generator(device="cuda").manual_seed(0)
         hidden = torch.randn(M, H, device="cuda", generator=g).bfloat16()
         weight = (torch.randn(V, H, device="cuda", generator=g) * 4 / H**0.5).bfloat16()
         target = torch.randint(0, V, (M,), device="cuda", generator=g)
         target[torch.rand(M, device="cuda", generator=g) < 0.1] = -100
         rows = [("oink", "default", None)] + [("oink", c, int(c)) for c in args.chunks.split(",")]
-        runs = [(name, chunk, _fwd_bwd(lambda h, w, t, c=c: oink.linear_cross_entropy(h, w, t, chunk_size=c),
+        runs = [(name, chunk, _fwd_bwd(lambda h, w, t, c=c: oink.linear_cross_entropy(h, w, t, chunk_size=c,
+                                                                                             softcap=cap),
                                        hidden, weight, target)) for name, chunk, c in rows]
-        runs += [(name, "-", _fwd_bwd(fn, hidden, weight, target)) for name, fn in _peers().items()]
-        eager = lambda h, w, t: torch.nn.functional.cross_entropy((h @ w.T).float(), t)  # noqa: E731
+        runs += [(name, "-", _fwd_bwd(fn, hidden, weight, target)) for name, fn in _peers(cap).items()]
+
+        def eager(h, w, t, cap=cap):
+            logits = (h @ w.T).float()
+            return torch.nn.functional.cross_entropy(logits if cap is None else cap * torch.tanh(logits / cap), t)
+
         runs.append(("torch eager", "-", _fwd_bwd(eager, hidden, weight, target)))
         runs.append(("torch.compile", "-", _fwd_bwd(torch.compile(eager), hidden, weight, target)))
         for name, chunk, run in runs:
@@ -98,12 +105,12 @@ def main() -> None:
             try:
                 mib = _peak_mib(run)
                 ms = _timed(run)
-                print(f"| {M} | {H} | {V} | {name} | {chunk} | {ms:.2f} | {mib:.0f} |", flush=True)
+                print(f"| {M} | {H} | {V} | {cap} | {name} | {chunk} | {ms:.2f} | {mib:.0f} |", flush=True)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
-                print(f"| {M} | {H} | {V} | {name} | {chunk} | out of memory | - |", flush=True)
+                print(f"| {M} | {H} | {V} | {cap} | {name} | {chunk} | out of memory | - |", flush=True)
             except Exception as e:  # a peer's failure is a row, not the end of the table
-                print(f"| {M} | {H} | {V} | {name} | {chunk} | failed: {type(e).__name__} | - |", flush=True)
+                print(f"| {M} | {H} | {V} | {cap} | {name} | {chunk} | failed: {type(e).__name__} | - |", flush=True)
         del hidden, weight, target
         torch.cuda.empty_cache()
 

@@ -189,17 +189,23 @@ def test_never_makes_the_full_logits(reduction):
 def test_default_chunk_rows():
     cpu = torch.device("cpu")
     V = 128256
-    for M, H in ((16384, 4096), (4096, 4096), (100000, 8192)):
+    for M, H in ((16384, 4096), (4096, 4096), (100000, 8192), (65536, 8192)):
         rows = lce.default_chunk_rows(M, H, V, 2, 1, cpu)
-        wanted = max(M * H, lce.liger_chunk_rows(M, H, V) * V) * 2
-        budget = min(lce.CHUNK_MAX_BYTES, max(lce.CHUNK_MIN_BYTES, wanted))
-        assert rows % lce.CHUNK_ROW_MULTIPLE == 0 and rows * V * 2 <= budget < (rows + 128) * V * 2
-        assert lce.default_chunk_rows(M, H, V, 2, 2, cpu) <= rows // 2 + lce.CHUNK_ROW_MULTIPLE
+        wanted = max(M * H, lce.liger_chunk_rows(M, H, V) * V) * 2 // (V * 2)
+        want = min(max(lce.CHUNK_MIN_ROWS, wanted), lce.CHUNK_MAX_BYTES // (V * 2))
+        assert rows % lce.CHUNK_ROW_MULTIPLE == 0 and rows <= want < rows + lce.CHUNK_ROW_MULTIPLE, (M, H, rows)
+        two = lce.default_chunk_rows(M, H, V, 2, 2, cpu)  # two buffers: the budget halves, the floor stays
+        assert two <= max(lce.CHUNK_MIN_ROWS, rows // 2 + lce.CHUNK_ROW_MULTIPLE)
     assert lce.default_chunk_rows(16384, 4096, V, 2, 1, cpu) == 512  # the logits no larger than the hidden states
-    # the training suite's shapes at 16384 tokens: Liger's rows (its memory), where ours were fewer
+    assert lce.default_chunk_rows(65536, 8192, V, 2, 1, cpu) == 2048  # CHUNK_MAX_BYTES: 512 MiB of logits
+    # the training suite's shapes at 16384 tokens: Liger's rows (its memory), but 512 at least
     assert [lce.default_chunk_rows(16384, H, V, 2, 1, cpu) for H, V in ((3584, 151936), (5120, 151936), (2304, 256000))
-            ] == [512, 1024, 256] == [lce.liger_chunk_rows(16384, H, V) for H, V in ((3584, 151936), (5120, 151936),
-                                                                                     (2304, 256000))]
+            ] == [512, 1024, 512]
+    assert [lce.liger_chunk_rows(16384, H, V) for H, V in ((3584, 151936), (5120, 151936), (2304, 256000))
+            ] == [512, 1024, 256]
+    # 4096 tokens: 512 rows (the floor; Liger's 128-64 rows would read and write dweight 4-8x as often)
+    assert {lce.default_chunk_rows(4096, H, V, 2, 1, cpu) for H, V in ((4096, 128256), (3584, 151936),
+                                                                       (5120, 151936), (2304, 256000))} == {512}
     assert lce.default_chunk_rows(10, 4096, V, 2, 1, cpu) == 10  # never more than M
     assert lce.default_chunk_rows(100000, 4096, 2**31, 4, 2, cpu) == lce.CHUNK_ROW_MULTIPLE  # one tile at least
 
