@@ -114,6 +114,19 @@ class GraphTiming:
     calls_per_replay: int
 
 
+def _end_generators_capture() -> None:
+    """After a capture that raised: torch's CUDA generators are left marked as capturing (the capture's end
+    raised before releasing them), so every later random op outside a capture raises "Offset increment
+    outside graph capture encountered unexpectedly"; one empty capture, which ends, releases them."""
+    import torch
+
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pass
+    except Exception:  # noqa: BLE001  (nothing more to do: the next random op says what is wrong)
+        pass
+
+
 def time_cuda_graph(fn, rotation, calls_per_replay: int | None = None, replays: int = 15, warmup: int = 3,
                     budget_s: float | None = None, min_replays: int = 7, capture: bool = True):
     """Capture ``calls_per_replay`` calls (cycling the input sets) in one CUDA graph and time its
@@ -152,6 +165,7 @@ def time_cuda_graph(fn, rotation, calls_per_replay: int | None = None, replays: 
                 fn(rotation())
     except Exception:  # noqa: BLE001  (uncapturable callable: host syncs, allocations the graph forbids)
         torch.cuda.synchronize()
+        _end_generators_capture()
         return GraphTiming(time_cuda_events(fn, rotation, repeats=replays), "cuda-events", 1)
     t0 = time.perf_counter()
     graph.replay()
