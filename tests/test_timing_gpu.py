@@ -40,3 +40,17 @@ def test_no_capture_is_tried_where_told(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", refuse)
     out = timing.time_cuda_graph(lambda x: x.mul(2.0), rotation, replays=7, capture=False)
     assert out.method == "cuda-events" and len(out.samples) == 7 and all(s > 0 for s in out.samples)
+
+
+def test_captures_share_one_stream_and_leave_nothing_allocated():
+    # a new stream a capture left a cuBLAS workspace behind each time (torch keeps one a stream), each pinning
+    # the cached segment it was cut from: the training suite's rows then ran out of memory
+    a = torch.randn(512, 512, device="cuda")
+    rotation = timing.Rotation([a])
+    timing.time_cuda_graph(lambda x: x @ x, rotation, replays=7)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(4):
+        timing.time_cuda_graph(lambda x: x @ x, rotation, replays=7)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
