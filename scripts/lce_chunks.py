@@ -1,5 +1,5 @@
 """oink.linear_cross_entropy's time and peak memory (forward + backward) per chunk size, beside Liger's
-and Quack's where installed: the numbers that set ``CHUNK_MIN_BYTES`` / ``CHUNK_MAX_BYTES`` (issue #35: peak memory <=
+and Quack's where installed: the numbers that set ``CHUNK_MIN_ROWS`` / ``CHUNK_MAX_BYTES`` (issue #35: peak memory <=
 1/4 of torch eager's at M = 16384, V = 128256 and no more than Liger's; time <= the best peer's).
 
     python3 scripts/lce_chunks.py [--shapes 16384x4096x128256,16384x2304x256000] [--chunks 256,512,1024,2048,4096]
