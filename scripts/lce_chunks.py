@@ -4,9 +4,12 @@ and Quack's where installed: the numbers that set ``CHUNK_MIN_ROWS`` / ``CHUNK_M
 
     python3 scripts/lce_chunks.py [--shapes 16384x4096x128256,16384x2304x256000] [--chunks 256,512,1024,2048,4096]
 
-Shapes are M x H x V (tokens, hidden, vocabulary), optionally x S (softcap S, Gemma-2's 30), bf16, 10% of the targets ignored, "mean" loss.
+Shapes are M x H x V (tokens, hidden, vocabulary), optionally x S (softcap S, Gemma-2's 30), bf16, 10% of the
+targets ignored, "mean" loss.
 Per row: the median of CUDA-event timings of forward + backward (torch.autograd.grad, 10 calls after
-3 warm-up calls) and the peak memory allocated during one call beyond the inputs'. "default" is
+3 warm-up calls; host work inside) or, with ``--graphs``, of CUDA-graph replays (the plugin's timer: the
+GPU's time alone, as the training suite times; a call that does not capture, Liger's, by events), and the
+peak memory allocated during one call beyond the inputs'. "default" is
 Oink's own chunk rule (``oink.chunked_linear_ce.default_chunk_rows``)."""
 from __future__ import annotations
 
@@ -29,6 +32,14 @@ def _timed(fn, iters: int = 10, warmup: int = 3) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def _graph_timed(fn) -> tuple[float, str]:
+    """(median ms, method) of CUDA-graph replays of ``fn`` (events where it does not capture)."""
+    from pytest_oink.timing import Rotation, time_cuda_graph
+
+    out = time_cuda_graph(lambda _: fn(), Rotation([None]), calls_per_replay=3, replays=7)
+    return statistics.median(out.samples) * 1e3, out.method
 
 
 def _peak_mib(fn) -> float:
@@ -74,6 +85,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="16384x4096x128256,4096x4096x128256,16384x2304x256000")
     p.add_argument("--chunks", default="256,512,1024,2048,4096,8192")
+    p.add_argument("--graphs", action="store_true", help="time by CUDA-graph replays (the suite's timer)")
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     torch.ones(8, 8, device="cuda", dtype=torch.bfloat16) @ torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)
@@ -104,8 +116,8 @@ def main() -> None:
                 chunk = f"default ({default_chunk_rows(M, H, V, 2, 1, hidden.device)})"
             try:
                 mib = _peak_mib(run)
-                ms = _timed(run)
-                print(f"| {M} | {H} | {V} | {cap} | {name} | {chunk} | {ms:.2f} | {mib:.0f} |", flush=True)
+                ms, method = _graph_timed(run) if args.graphs else (_timed(run), "events")
+                print(f"| {M} | {H} | {V} | {cap} | {name} | {chunk} | {ms:.2f} ({method}) | {mib:.0f} |", flush=True)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 print(f"| {M} | {H} | {V} | {cap} | {name} | {chunk} | out of memory | - |", flush=True)
