@@ -117,7 +117,16 @@ def gate(spec, run, case, dtype, device) -> dict:
         else:
             if seed == GATE_SEEDS[0]:
                 _EXPECTED.clear()  # one case's outputs at a time
-            expected = spec.reference(_clone(args))
+            try:
+                expected = spec.reference(_clone(args))
+            except Exception as e:  # noqa: BLE001  (re-raised unless the reference ran out of memory)
+                if not out_of_memory(e):
+                    raise
+                oom = _first_line(e)
+            else:
+                oom = None
+            if oom is not None:  # no reference, no gate: the row is not run (raised here, the frames gone)
+                raise Unavailable("the reference: " + refusal(oom))
             _EXPECTED[key] = (spec, expected)
         oom = None
         try:
@@ -233,28 +242,9 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
         against.settle()
     watch = _clock_watch(request.config, device)
     try:
-        row.peak_mem_bytes = peak_memory(run, _inputs(spec, case, dtype, device, 100), device)
-        samples, time_once = _time_row(request, case, provider, run, spec, dtype, device, row,
-                                       wrap=watch.wrap if watch else None)
-    except Exception as e:  # noqa: BLE001  (re-raised unless it is an out-of-memory refusal)
-        if not out_of_memory(e):
-            raise
-        oom = _first_line(e)
-    else:
-        oom = None
-    if oom is not None:
-        pytest.skip(f"{provider}: {refusal(oom)}")
-    retimed = False
-    if watch is not None and watch.last_causes() and time_once is not None:
-        watch.drop_last()  # timed while the card was held down: once more, the first round's samples dropped
-        samples, retimed = time_once(), True
-    row.median_s = median(samples)
-    if against is not None:  # the other tree times this row too, rounds alternating while the gate is unsure
-        samples, row.retimes = against.interleave(request.config, row, case, samples, time_once, device)
-    else:
-        verdict_of = regression.verdict_for(request.config, row)
-        if verdict_of is not None:  # a row the gate is unsure of is timed again before the session decides
-            samples, row.retimes = retime_while_unsure(samples, verdict_of, time_once)
+        samples, retimed = _timing(request, case, provider, run, spec, dtype, device, row, watch, against)
+    except Unavailable as e:
+        pytest.skip(f"{provider}: {e}")
     if watch is not None and watch.rounds:
         row.clocks, row.throttled = watch.record(retimed)
     row.median_s, row.min_s, row.spread = median(samples), min(samples), relative_spread(samples)
@@ -267,6 +257,34 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
         benchmark.extra_info.update(row.extra_info())
     row.wall_s = time.perf_counter() - started
     return row
+
+
+def _timing(request, case, provider, run, spec, dtype, device, row, watch, against):
+    """(samples, retimed): the row's peak memory (set on ``row``) and timing rounds: the first, once more
+    where the clocks were held down, and those --oink-against or the regression gate ask for
+    (``row.retimes``). Out of memory in any of them (a re-timing's capture too) raises Unavailable: a refusal."""
+    try:
+        row.peak_mem_bytes = peak_memory(run, _inputs(spec, case, dtype, device, 100), device)
+        samples, time_once = _time_row(request, case, provider, run, spec, dtype, device, row,
+                                       wrap=watch.wrap if watch else None)
+        retimed = False
+        if watch is not None and watch.last_causes() and time_once is not None:
+            watch.drop_last()  # timed while the card was held down: once more, the first round's samples dropped
+            samples, retimed = time_once(), True
+        row.median_s = median(samples)
+        if against is not None:  # the other tree times this row too, rounds alternating while the gate is unsure
+            samples, row.retimes = against.interleave(request.config, row, case, samples, time_once, device)
+        else:
+            verdict_of = regression.verdict_for(request.config, row)
+            if verdict_of is not None:  # a row the gate is unsure of is timed again before the session decides
+                samples, row.retimes = retime_while_unsure(samples, verdict_of, time_once)
+    except Exception as e:  # noqa: BLE001  (re-raised unless it is an out-of-memory refusal)
+        if not out_of_memory(e):
+            raise
+        oom = _first_line(e)
+    else:
+        return samples, retimed
+    raise Unavailable(refusal(oom))  # outside the except block: the error's frames (and tensors) are gone
 
 
 def _clock_watch(config, device):

@@ -83,6 +83,60 @@ def test_out_of_memory_is_a_refusal():
         _gate("linear_cross_entropy_llama3", oom)
 
 
+def test_a_reference_out_of_memory_is_a_refusal():
+    import dataclasses
+
+    op = "linear_cross_entropy_llama3"
+
+    def oom(a):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB")
+
+    spec = dataclasses.replace(SPECS[op], reference=oom)
+    bench_runner._EXPECTED.clear()
+    with pytest.raises(Unavailable, match="the reference: out of memory at this shape"):
+        bench_runner.gate(spec, build(op, "torch", torch.device("cpu")), _case(op), torch.bfloat16,
+                          torch.device("cpu"))
+
+
+class _HeldDown:
+    """A clocks watch that says the first round was timed while the card was held down (re-time it)."""
+
+    def wrap(self, f):
+        return f
+
+    def last_causes(self):
+        return ["software power cap"]
+
+    def drop_last(self):
+        pass
+
+
+def test_a_retiming_out_of_memory_is_a_refusal(monkeypatch):
+    rounds = []
+
+    def time_once():  # the re-timing's capture needs memory the first round's did not
+        rounds.append(1)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.27 GiB")
+
+    monkeypatch.setattr(bench_runner, "peak_memory", lambda *a: None)
+    monkeypatch.setattr(bench_runner, "_time_row", lambda *a, **k: ([1e-3, 1e-3], time_once))
+    op = "linear_cross_entropy_llama3"
+    case = _case(op)
+    row = report.Row("training", op, "torch", case.M, case.N, case.dtype, "GPU", "ok")
+    with pytest.raises(Unavailable, match="out of memory at this shape"):
+        bench_runner._timing(None, case, "torch", None, SPECS[op], torch.bfloat16, torch.device("cpu"), row,
+                             _HeldDown(), None)
+    assert rounds == [1]
+
+    def broken():
+        raise ValueError("not memory")
+
+    monkeypatch.setattr(bench_runner, "_time_row", lambda *a, **k: ([1e-3], broken))
+    with pytest.raises(ValueError, match="not memory"):  # other errors are not refusals
+        bench_runner._timing(None, case, "torch", None, SPECS[op], torch.bfloat16, torch.device("cpu"), row,
+                             _HeldDown(), None)
+
+
 def test_peak_memory_is_none_off_a_gpu():
     assert bench_runner.peak_memory(lambda a: a, {}, torch.device("cpu")) is None
 
