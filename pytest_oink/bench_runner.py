@@ -75,6 +75,18 @@ def refusal(error_line: str) -> str:
     return f"out of memory at this shape ({error_line[:200]})"
 
 
+def refusing_out_of_memory(call, what: str = ""):
+    """``call()``; out of memory in it raises Unavailable (a refusal, ``what`` before its reason), raised after
+    the ``except`` block so that the error's frames, and the tensors they hold, are gone first."""
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001  (re-raised unless it is an out-of-memory refusal)
+        if not out_of_memory(e):
+            raise
+        oom = _first_line(e)
+    raise Unavailable(what + refusal(oom))
+
+
 def peak_memory(run, args, device) -> int | None:
     """The most memory allocated during one untimed call of ``run`` beyond what was allocated just
     before it (the inputs and everything else held then): the call's workspace and outputs, in
@@ -117,16 +129,8 @@ def gate(spec, run, case, dtype, device) -> dict:
         else:
             if seed == GATE_SEEDS[0]:
                 _EXPECTED.clear()  # one case's outputs at a time
-            try:
-                expected = spec.reference(_clone(args))
-            except Exception as e:  # noqa: BLE001  (re-raised unless the reference ran out of memory)
-                if not out_of_memory(e):
-                    raise
-                oom = _first_line(e)
-            else:
-                oom = None
-            if oom is not None:  # no reference, no gate: the row is not run (raised here, the frames gone)
-                raise Unavailable("the reference: " + refusal(oom))
+            # no reference, no gate: the row is not run
+            expected = refusing_out_of_memory(lambda: spec.reference(_clone(args)), "the reference: ")
             _EXPECTED[key] = (spec, expected)
         oom = None
         try:
@@ -263,7 +267,8 @@ def _timing(request, case, provider, run, spec, dtype, device, row, watch, again
     """(samples, retimed): the row's peak memory (set on ``row``) and timing rounds: the first, once more
     where the clocks were held down, and those --oink-against or the regression gate ask for
     (``row.retimes``). Out of memory in any of them (a re-timing's capture too) raises Unavailable: a refusal."""
-    try:
+
+    def rounds():
         row.peak_mem_bytes = peak_memory(run, _inputs(spec, case, dtype, device, 100), device)
         samples, time_once = _time_row(request, case, provider, run, spec, dtype, device, row,
                                        wrap=watch.wrap if watch else None)
@@ -278,13 +283,9 @@ def _timing(request, case, provider, run, spec, dtype, device, row, watch, again
             verdict_of = regression.verdict_for(request.config, row)
             if verdict_of is not None:  # a row the gate is unsure of is timed again before the session decides
                 samples, row.retimes = retime_while_unsure(samples, verdict_of, time_once)
-    except Exception as e:  # noqa: BLE001  (re-raised unless it is an out-of-memory refusal)
-        if not out_of_memory(e):
-            raise
-        oom = _first_line(e)
-    else:
         return samples, retimed
-    raise Unavailable(refusal(oom))  # outside the except block: the error's frames (and tensors) are gone
+
+    return refusing_out_of_memory(rounds)
 
 
 def _clock_watch(config, device):
