@@ -131,6 +131,32 @@ def test_fused_rmsnorm_within_a_step(dtype, residual, N, mode, seed):
     _assert_fused(q, s, q_ref, s_ref, args)
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["rmsnorm", "add_rmsnorm"])
+@pytest.mark.parametrize("N", [256, 2944, 7168, 11008, 17408, 40960, 131072])
+def test_per_token_scale_is_its_outputs_amax(dtype, residual, N, seed):
+    """Per token the amax rides the norm's one reduction round (max |x * w| times rstd): each row's scale is
+    exactly its own returned y's amax / 448 (floored), rows of zeros, a NaN and an inf included."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    M = 64 if N < 131072 else 9
+    x = (torch.randn(M, N, device="cuda", generator=g) * torch.exp(torch.randn(M, 1, device="cuda", generator=g)))
+    x[1] = 0
+    x[2, N // 2] = float("nan")
+    x[3, N // 3] = float("inf")
+    x = x.to(dtype)
+    w = (torch.randn(N, device="cuda", generator=g) * 2).to(dtype)
+    _poison()
+    if residual:
+        r = torch.randn(M, N, device="cuda", generator=g).to(dtype)
+        q, s, y = kernel("add_rmsnorm_fp8quant", x=x, residual=r, weight=w, eps=1e-6, return_y=True)
+    else:
+        q, s, y = kernel("rmsnorm_fp8quant", x=x, weight=w, eps=1e-6, return_y=True)
+    yf = y.float()
+    amax = torch.where(yf.isnan(), 0, yf.abs()).amax(-1)
+    want = torch.clamp_min(R.fp8._per_e4m3_max(amax), R.fp8.MIN_TOKEN_SCALE)
+    assert torch.equal(s.reshape(-1), want)
+
 def test_odd_inputs():
     from oink.kernels.fp8_ops import CHECKS
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import oink
 from oink import reference as R
@@ -95,3 +97,37 @@ def test_fused_references_are_the_unfused_pair():
 def test_empty_rows():
     q, s = oink.fp8_quantize(torch.randn(0, 128), group_size=128)
     assert q.shape == (0, 128) and s.shape == (0, 1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(N=st.integers(1, 3000), dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       seed=st.integers(0, 2**16), special=st.sampled_from(["none", "nan_x", "inf_x", "inf_w", "zero", "tiny", "huge"]))
+def test_per_token_amax_is_the_largest_product_times_rstd(N, dtype, seed, special):
+    """The per-token fused kernels' amax rides the norm's one reduction round as max |x * w|, times rstd after it:
+    fp32 rounding of p * rstd, then to x's dtype, is monotone in |p|, so a row's max |v| of v = (x * w) * rstd
+    (NaN skipped) is exactly that product rounded (a NaN product, 0), for every dtype and the rows that make
+    rstd NaN, 0 or huge."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, N, generator=g) * torch.exp(3 * torch.randn(4, 1, generator=g))
+    w = torch.randn(N, generator=g) * 2
+    if special == "nan_x":
+        x[1, N // 2] = float("nan")
+    elif special == "inf_x":
+        x[2, N // 3] = float("inf")
+    elif special == "inf_w":
+        w[N // 2] = -float("inf")
+    elif special == "zero":
+        x[0] = 0
+    elif special == "tiny":
+        x[3] *= 1e-20
+    elif special == "huge":
+        x[3] *= 1e30
+    x, w = x.to(dtype), w.to(dtype)
+    p = x.float() * w.float()
+    rstd = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6)
+    v = (p * rstd).to(dtype).float()
+    torch.testing.assert_close(v, R.fp8._normed(x, w, 1e-6, dtype, per_token=True), rtol=0, atol=0, equal_nan=True)
+    want = torch.where(v.isnan(), 0, v.abs()).amax(-1)
+    a = torch.where(p.isnan(), 0, p.abs()).amax(-1, keepdim=True)
+    got = (a * rstd).nan_to_num(nan=0.0, posinf=float("inf")).to(dtype).float().squeeze(-1)  # fmax(0, NaN) = 0
+    assert torch.equal(got, want)

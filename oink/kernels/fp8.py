@@ -24,7 +24,7 @@ from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
 from .launch_table import pick
 from .nvfp4 import _asm, div_rn, f32_bits, f32_from_bits, fp4_launch
-from .reduction import MAX_N, RowKernelBase, RowLaunch, fmax
+from .reduction import MAX_N, RowKernelBase, RowLaunch, add, fmax
 from .rmsnorm import RMSNormForward
 
 UNIT = 16  # values a thread unit holds: its codes are one 128-bit store
@@ -127,6 +127,13 @@ def finite_or_zero(s: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def f16_round(a: Float32, *, loc=None, ip=None) -> Float32:
+    """a rounded to float16 (nearest even) and back."""
+    return Float32(_asm(T.f32(), "{ .reg .b16 h; cvt.rn.f16.f32 h, $1; cvt.f32.f16 $0, h; }", "=f,f",
+                        [Float32(a).ir_value(loc=loc, ip=ip)], loc, ip))
+
+
+@dsl_user_op
 def bf16_round2(a: Float32, b: Float32, *, loc=None, ip=None) -> Uint32:
     """a and b rounded to bfloat16 (nearest even) in one cvt: a in the low half, b in the high."""
     return Uint32(_asm(T.i32(), "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f",
@@ -145,9 +152,10 @@ class Fp8Epilogue:
 
     @cute.jit
     def quantize_store(self, rV: cute.Tensor, tXcX: cute.Tensor, row: Int32, M: Int32, cy, mScale, mUb,
-                       mQ: cute.Tensor, mS, buf, mbar):
+                       mQ: cute.Tensor, mS, buf, mbar, row_amax=None):
         """rV: this thread's fp32 values, shape (16, 1, units); mQ: codes as uint32 words [M, N/4];
-        mS: the scales out (per token [M], per group [M, N/G] in its layout)."""
+        mS: the scales out (per token [M], per group [M, N/G] in its layout). ``row_amax``: per token, the
+        row's amax where the caller has it (else reduced here from rV)."""
         L = self.launch
         units = cute.size(rV, mode=[2])
         rQ = cute.make_rmem_tensor(cute.make_layout((UNIT // 4,)), Uint32)
@@ -159,10 +167,12 @@ class Fp8Epilogue:
         if const_expr(self.mode == "static"):
             inv = div_rn(Float32(1.0), mScale[0])
         if const_expr(self.mode == "token"):
-            amax = Float32(0.0)
-            for j in cutlass.range_constexpr(cute.size(rV)):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(rV[j], -rV[j]))  # max.f32 skips NaN
-            amax = self.row_allreduce(amax, fmax, Float32(0.0), buf, mbar, self.amax_slot)
+            amax = row_amax
+            if const_expr(row_amax is None):
+                amax = Float32(0.0)
+                for j in cutlass.range_constexpr(cute.size(rV)):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(rV[j], -rV[j]))  # max.f32 skips NaN
+                amax = self.row_allreduce(amax, fmax, Float32(0.0), buf, mbar, self.amax_slot)
             if const_expr(mUb is not None):
                 amax = cute.arch.fmin(amax, mUb[0])
             s_row = cute.arch.fmax(div_rn(amax, Float32(E4M3_MAX)), Float32(MIN_TOKEN_SCALE))
@@ -263,8 +273,8 @@ class Fp8Quantize(Fp8Epilogue, RowKernelBase):
 
 class RMSNormFp8(Fp8Epilogue, RMSNormForward):
     """rmsnorm_fp8quant, and with a residual add_rmsnorm_fp8quant (residual <- x + residual in
-    place): v = x's dtype(rmsnorm(h) * weight), quantized; optionally y = v. The RMSNorm
-    forward's ``normalize``; the per-token amax takes reduction slot 1."""
+    place): v = x's dtype(rmsnorm(h) * weight), quantized; optionally y = v. One reduction round
+    (``weighted``): per token the amax rides it in slot 1."""
 
     amax_slot = 1
 
@@ -299,7 +309,7 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         row = tXcX[0][0]
         # the residual output aliases the residual: each element is read before it is written
         view = lambda m: part(m, bidx)  # noqa: E731
-        v, rX, _, _ = self.normalize(mX, mW, None, mRes, mRes, eps, view, buf, mbar, part, tXcX, row, M, None)
+        v, rX, amax = self.weighted(mX, mRes, mW, eps, view, buf, mbar, part, tXcX, row, M)
         rV = cute.make_rmem_tensor_like(rX, Float32)
         if const_expr(mY is None and self.x_dtype == cutlass.BFloat16):
             # rounded to bf16 two values a cvt (the conversion below takes one cvt a value)
@@ -315,8 +325,68 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
                 if row < M:
                     self.copy_row(rY, part(mY, bidx), tXcX, self.x_dtype)
             rV.store(rY.load().to(Float32))
-        self.quantize_store(rV, tXcX, row, M, cy, mScale, mUb, mQ, mS, buf, mbar)
+        if const_expr(amax is not None):
+            amax = self.rounded(amax)
+        self.quantize_store(rV, tXcX, row, M, cy, mScale, mUb, mQ, mS, buf, mbar, amax)
         self.launch_dependents()
+
+    @cute.jit
+    def weighted(self, mX: cute.Tensor, mRes: Optional[cute.Tensor], mW: cute.Tensor, eps: Float32, view, buf,
+                 mbar, part, tXcX: cute.Tensor, row: Int32, M: Int32):
+        """``normalize``'s loads and residual sum, then v. Per token v = (h * w) * rstd: h * w (exact for 16-bit h
+        and w) taken before the reduction round, the weight's registers free across it, and max |h * w| rides the
+        round beside the sum of squares; fp32 rounding of p * rstd is monotone in |p|, so that max times rstd is
+        the row's max |v| exactly (max.f32 skips NaN, as the amax does; a NaN product, from a NaN rstd or
+        inf * 0, is a row of NaN or zero values: 0), and the amax needs no second round. Static and per group
+        v = (h * rstd) * w. -> (v in fp32, the x registers, the per-token amax or None)."""
+        tXgX = view(mX)
+        rX = cute.make_rmem_tensor_like(tXgX)
+        rX.fill(0)
+        tXgRes, rRes, rResO = None, None, None
+        if const_expr(mRes is not None):
+            tXgRes = view(mRes)
+            rRes = cute.make_rmem_tensor_like(tXgRes)
+            rRes.fill(0)
+            rResO = cute.make_rmem_tensor_like(rRes, self.res_out_dtype)
+        if const_expr(self.unbranched):
+            self.load_inputs(tXgX, rX, tXgRes, rRes, tXcX, None)
+        elif row < M:
+            self.load_inputs(tXgX, rX, tXgRes, rRes, tXcX, None)
+        rW = self.load_param(mW, part, tXcX, row, None, self.w_dtype)
+        h = self.row_values(rX, rRes, rResO, None, tXcX)
+        if const_expr(mRes is not None):
+            if row < M:  # the residual output aliases the residual: each element read before it is written
+                self.store_slice(rResO, tXgRes, tXcX, self.res_out_dtype, None)
+        self.wait_cluster()
+        ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        a, p = None, None
+        if const_expr(self.mode == "token"):
+            rP = cute.make_rmem_tensor_like(rX, Float32)
+            rP.store(h * self.weight_values(rW))
+            a = Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(rP)):
+                a = cute.arch.fmax(a, cute.arch.fmax(rP[j], -rP[j]))
+            p = rP.load()
+        ss, a = self.row_allreduce_pair(ss, a, add, Float32(0.0), buf, mbar, 0, self.amax_slot, op_b=fmax,
+                                        init_b=Float32(0.0))
+        rstd = cute.math.rsqrt(ss / self.n + eps, fastmath=False)
+        amax = None
+        if const_expr(self.mode == "token"):
+            amax = cute.arch.fmax(Float32(0.0), a * rstd)
+            return p * rstd, rX, amax
+        # static and per group: (h * rstd) * w, the RMSNorm forward's order (h * w, which ptxas may take before
+        # the round, ran up to 1.15x slower at some widths: H200)
+        return (h * rstd) * self.weight_values(rW), rX, None
+
+    @cute.jit
+    def rounded(self, a: Float32) -> Float32:
+        """a rounded to x's dtype as the values are (nearest even; rounding is monotone, so the row's amax of the
+        rounded values is its amax rounded)."""
+        if const_expr(self.x_dtype == cutlass.BFloat16):
+            return f32_from_bits(Int32(bf16_round2(a, a) & 0xFFFF0000))
+        if const_expr(self.x_dtype == cutlass.Float16):
+            return f16_round(a)
+        return a
 
 
 def _check_width(N: int, group_size: int) -> None:

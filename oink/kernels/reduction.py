@@ -611,20 +611,22 @@ class RowKernelBase:
 
     @cute.jit
     def row_allreduce_pair(self, a: Float32, b, op: cutlass.Constexpr, init: Float32, buf, mbar, slot_a,
-                           slot_b, phase=0):
+                           slot_b, phase=0, op_b: cutlass.Constexpr = None, init_b=None):
         """``row_allreduce`` of two independent values (b may be None) sharing one barrier round,
-        each through its own slot. -> (a, b) reduced."""
+        each through its own slot; b combined by ``op_b`` from ``init_b`` where given, else as a. -> (a, b)."""
         L = self.launch
         group = min(L.threads_per_row, WARP)
+        op_b = op if const_expr(op_b is None) else op_b
+        init_b = init if const_expr(init_b is None) else init_b
         a = cute.arch.warp_reduction(a, op, threads_in_group=group)
         if const_expr(b is not None):
-            b = cute.arch.warp_reduction(b, op, threads_in_group=group)
+            b = cute.arch.warp_reduction(b, op_b, threads_in_group=group)
         width = const_expr(L.warps_per_row * L.cluster_n)
         if const_expr(width > 1):
             buf_a, buf_b, row, lane = self._publish(a, b, buf, mbar, slot_a, slot_b, phase)
             a = self._combine(buf_a, row, lane, width, op, init)
             if const_expr(b is not None):
-                b = self._combine(buf_b, row, lane, width, op, init)
+                b = self._combine(buf_b, row, lane, width, op_b, init_b)
         return a, b
 
     @cute.jit

@@ -17,7 +17,8 @@ does; e4m3 rounds to nearest even. An all-zero row or group gets the floor scale
 ``q`` is float8_e4m3fn in x's shape (leading dims of a scale's M flattened).
 
 Fused ops quantize v as follows (the unrounded path differs by at most one code step):
-- ``rmsnorm_fp8quant``: v = x's dtype(x_hat * weight), x_hat = x * rsqrt(mean(x^2) + eps);
+- ``rmsnorm_fp8quant``: v = x's dtype(x_hat * weight), x_hat = x * rsqrt(mean(x^2) + eps), in fp32 as
+  (x * rstd) * weight, or per token (x * weight) * rstd (its amax then rides the norm's reduction);
 - ``add_rmsnorm_fp8quant``: residual <- residual's dtype(x + residual) in place, then as above
   on that stored sum (vLLM's fused_add_rms_norm semantics);
 - ``silu_mul_fp8quant``: v = silu(x[..., :K]) * x[..., K:] in fp32 (not rounded).
@@ -127,18 +128,21 @@ def fp8_quantize(x: Tensor, scale: Tensor | None = None, group_size: int = 0, *,
     return q.reshape(x.shape), s
 
 
-def _normed(h: Tensor, weight: Tensor, eps: float, dtype) -> Tensor:
-    """x's dtype(h * rsqrt(mean(h^2) + eps) * weight), back in fp32: [M, N]."""
+def _normed(h: Tensor, weight: Tensor, eps: float, dtype, per_token: bool) -> Tensor:
+    """x's dtype(h * rstd * weight), rstd = rsqrt(mean(h^2) + eps), back in fp32: [M, N]; ``per_token``
+    (h * weight) * rstd, as the kernels take it (their amax is then max |h * weight| times rstd, exactly), else
+    (h * rstd) * weight."""
     hf = h.reshape(-1, h.shape[-1]).float()
     rstd = torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)
-    return (hf * rstd * weight.float()).to(dtype).float()
+    v = (hf * weight.float()) * rstd if per_token else (hf * rstd) * weight.float()
+    return v.to(dtype).float()
 
 
 def rmsnorm_fp8quant(x: Tensor, weight: Tensor, eps: float = 1e-6, scale: Tensor | None = None,
                      group_size: int = 0, *, column_major_scales: bool = False, ue8m0: bool = False,
                      scale_ub: Tensor | None = None, return_y: bool = False):
     check_args(x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
-    v = _normed(x, weight, eps, x.dtype)
+    v = _normed(x, weight, eps, x.dtype, scale is None and not group_size)
     q, s = quantize_rows(v, scale, group_size, column_major_scales, ue8m0, scale_ub)
     q = q.reshape(x.shape)
     return (q, s, v.to(x.dtype).reshape(x.shape)) if return_y else (q, s)
@@ -149,7 +153,7 @@ def add_rmsnorm_fp8quant(x: Tensor, residual: Tensor, weight: Tensor, eps: float
                          ue8m0: bool = False, scale_ub: Tensor | None = None, return_y: bool = False):
     check_args(x.shape[-1], scale, group_size, column_major_scales, ue8m0, scale_ub)
     r = (x.float() + residual.float()).to(residual.dtype)
-    v = _normed(r, weight, eps, x.dtype)
+    v = _normed(r, weight, eps, x.dtype, scale is None and not group_size)
     q, s = quantize_rows(v, scale, group_size, column_major_scales, ue8m0, scale_ub)
     q = q.reshape(x.shape)
     residual.copy_(r)  # last: nothing written if anything before it raised
