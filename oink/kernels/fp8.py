@@ -307,7 +307,6 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         M = cute.size(mX, mode=[0])
         tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
         row = tXcX[0][0]
-        # the residual output aliases the residual: each element is read before it is written
         view = lambda m: part(m, bidx)  # noqa: E731
         v, rX, amax = self.weighted(mX, mRes, mW, eps, view, buf, mbar, part, tXcX, row, M)
         rV = cute.make_rmem_tensor_like(rX, Float32)
@@ -370,7 +369,6 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         ss, a = self.row_allreduce_pair(ss, a, add, Float32(0.0), buf, mbar, 0, self.amax_slot, op_b=fmax,
                                         init_b=Float32(0.0))
         rstd = cute.math.rsqrt(ss / self.n + eps, fastmath=False)
-        amax = None
         if const_expr(self.mode == "token"):
             amax = cute.arch.fmax(Float32(0.0), a * rstd)
             return p * rstd, rX, amax
