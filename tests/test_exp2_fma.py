@@ -1,4 +1,4 @@
-"""``reduction.exp2_fma`` and ``exp2_affine_fma``, the exp2s the softcapped cross-entropy kernels take on the FMA
+"""``fma_exp2.exp2_fma`` and ``exp2_affine_fma``, the exp2s the softcapped cross-entropy kernels take on the FMA
 pipe for part of their logits: each polynomial degree, with and without the clamp below, compiled for both archs on
 CPU, and on a GPU against float64 over its whole input range (-inf, NaN, the integers, where 2^j's bits are built,
 and the underflow edge included; without the clamp, the range its callers promise: z >= -126.5); the affine form
@@ -15,7 +15,8 @@ import torch
 from cutlass import Float32, Int32
 
 from oink.kernels.compile import compile_kernel, fake_stream, gmem_ptr
-from oink.kernels.reduction import LOG2E, exp2_affine_fma, exp2_fma
+from oink.kernels.fma_exp2 import exp2_affine_fma, exp2_fma
+from oink.kernels.reduction import LOG2E
 
 THREADS = 128
 
