@@ -273,8 +273,8 @@ class Fp8Quantize(Fp8Epilogue, RowKernelBase):
 
 class RMSNormFp8(Fp8Epilogue, RMSNormForward):
     """rmsnorm_fp8quant, and with a residual add_rmsnorm_fp8quant (residual <- x + residual in
-    place): v = x's dtype(rmsnorm(h) * weight), quantized; optionally y = v. One reduction round
-    (``weighted``): per token the amax rides it in slot 1."""
+    place): v = x's dtype(rmsnorm(h) * weight), quantized; optionally y = v. The RMSNorm forward's
+    ``normalize``; per token ``weighted``, whose amax rides the norm's one round in slot 1."""
 
     amax_slot = 1
 
@@ -308,7 +308,11 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
         row = tXcX[0][0]
         view = lambda m: part(m, bidx)  # noqa: E731
-        v, rX, amax = self.weighted(mX, mRes, mW, eps, view, buf, mbar, part, tXcX, row, M)
+        amax = None  # per token: the row's amax, from the norm's one round (``weighted``)
+        if const_expr(self.mode == "token"):
+            v, rX, amax = self.weighted(mX, mRes, mW, eps, view, buf, mbar, part, tXcX, row, M)
+        else:
+            v, rX, _, _ = self.normalize(mX, mW, None, mRes, mRes, eps, view, buf, mbar, part, tXcX, row, M, None)
         rV = cute.make_rmem_tensor_like(rX, Float32)
         if const_expr(mY is None and self.x_dtype == cutlass.BFloat16):
             # rounded to bf16 two values a cvt (the conversion below takes one cvt a value)
@@ -332,49 +336,24 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
     @cute.jit
     def weighted(self, mX: cute.Tensor, mRes: Optional[cute.Tensor], mW: cute.Tensor, eps: Float32, view, buf,
                  mbar, part, tXcX: cute.Tensor, row: Int32, M: Int32):
-        """``normalize``'s loads and residual sum, then v. Per token v = (h * w) * rstd: h * w (exact for 16-bit h
-        and w) taken before the reduction round, the weight's registers free across it, and max |h * w| rides the
-        round beside the sum of squares; fp32 rounding of p * rstd is monotone in |p|, so that max times rstd is
-        the row's max |v| exactly (max.f32 skips NaN, as the amax does; a NaN product, from a NaN rstd or
-        inf * 0, is a row of NaN or zero values: 0), and the amax needs no second round. Static and per group
-        v = (h * rstd) * w. -> (v in fp32, the x registers, the per-token amax or None)."""
-        tXgX = view(mX)
-        rX = cute.make_rmem_tensor_like(tXgX)
-        rX.fill(0)
-        tXgRes, rRes, rResO = None, None, None
-        if const_expr(mRes is not None):
-            tXgRes = view(mRes)
-            rRes = cute.make_rmem_tensor_like(tXgRes)
-            rRes.fill(0)
-            rResO = cute.make_rmem_tensor_like(rRes, self.res_out_dtype)
-        if const_expr(self.unbranched):
-            self.load_inputs(tXgX, rX, tXgRes, rRes, tXcX, None)
-        elif row < M:
-            self.load_inputs(tXgX, rX, tXgRes, rRes, tXcX, None)
-        rW = self.load_param(mW, part, tXcX, row, None, self.w_dtype)
-        h = self.row_values(rX, rRes, rResO, None, tXcX)
-        if const_expr(mRes is not None):
-            if row < M:  # the residual output aliases the residual: each element read before it is written
-                self.store_slice(rResO, tXgRes, tXcX, self.res_out_dtype, None)
-        self.wait_cluster()
+        """The per-token ``normalize``: v = (h * w) * rstd, h * w (exact for 16-bit h and w) taken before the
+        reduction round, the weight's registers free across it, and max |h * w| rides the round beside the sum
+        of squares. fp32 rounding of p * rstd is monotone in |p|, so that max times rstd is the row's max |v|
+        exactly (max.f32 skips NaN, as the amax does; a NaN product, from a NaN rstd or inf * 0, is a row of NaN
+        or zero values: 0), and the amax needs no second round. -> (v in fp32, the x registers, that amax)."""
+        h, rX, _, _, _, _, rW, _ = self.norm_inputs(mX, mW, None, mRes, mRes, view, part, tXcX, row, M, None)
         ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
-        a, p = None, None
-        if const_expr(self.mode == "token"):
-            rP = cute.make_rmem_tensor_like(rX, Float32)
-            rP.store(h * self.weight_values(rW))
-            a = Float32(0.0)
-            for j in cutlass.range_constexpr(cute.size(rP)):
-                a = cute.arch.fmax(a, cute.arch.fmax(rP[j], -rP[j]))
-            p = rP.load()
+        rP = cute.make_rmem_tensor_like(rX, Float32)
+        rP.store(h * self.weight_values(rW))
+        a = Float32(0.0)
+        for j in cutlass.range_constexpr(cute.size(rP)):
+            a = cute.arch.fmax(a, cute.arch.fmax(rP[j], -rP[j]))
+        p = rP.load()
         ss, a = self.row_allreduce_pair(ss, a, add, Float32(0.0), buf, mbar, 0, self.amax_slot, op_b=fmax,
                                         init_b=Float32(0.0))
         rstd = cute.math.rsqrt(ss / self.n + eps, fastmath=False)
-        if const_expr(self.mode == "token"):
-            amax = cute.arch.fmax(Float32(0.0), a * rstd)
-            return p * rstd, rX, amax
-        # static and per group: (h * rstd) * w, the RMSNorm forward's order (h * w, which ptxas may take before
-        # the round, ran up to 1.15x slower at some widths: H200)
-        return (h * rstd) * self.weight_values(rW), rX, None
+        amax = cute.arch.fmax(Float32(0.0), a * rstd)
+        return p * rstd, rX, amax
 
     @cute.jit
     def rounded(self, a: Float32) -> Float32:

@@ -288,43 +288,8 @@ class RMSNormForward(RowKernelBase):
         sum, reduce, and return (y in fp32, the x registers, rstd, mean); traced into the kernel.
         ``view(m)``: this thread's slice of a row tensor; ``shift``: a shifted row's first column in its
         window (None for aligned rows)."""
-        L = self.launch
-        tXgX = view(mX)
-
-        # Loads: rows past M load nothing (their values stay 0, or staged, undefined; never stored).
-        rX = cute.make_rmem_tensor_like(tXgX)
-        rRes, tXgRes = None, None
-        if const_expr(mRes is not None):
-            tXgRes = view(mRes)
-            rRes = cute.make_rmem_tensor_like(tXgRes)
-        smem_rows = None
-        if const_expr(self.stage):
-            smem_rows = self.stage_loads(tXgX, tXgRes, part, tXcX, row, M)
-        else:
-            rX.fill(0)
-            if const_expr(mRes is not None):
-                rRes.fill(0)
-            if const_expr(self.unbranched):
-                self.load_inputs(tXgX, rX, tXgRes, rRes, tXcX, shift)
-            elif row < M:
-                self.load_inputs(tXgX, rX, tXgRes, rRes, tXcX, shift)
-        if const_expr(not self.late_params):
-            rW, rB = self.load_params(mW, mB, part, tXcX, row, shift)
-
-        rResO = None
-        if const_expr(mRes is not None):
-            rResO = cute.make_rmem_tensor_like(rRes, self.res_out_dtype)
-        h = self.row_values(rX, rRes, rResO, smem_rows, tXcX)
-        if const_expr(mResO is not None):
-            tXgResO = view(mResO)
-            if row < M:
-                self.store_slice(rResO, tXgResO, tXcX, self.res_out_dtype, shift)
-        # what the values are computed from again after a reduction round (``reload``)
-        src = rX if const_expr(mRes is None) else rResO
-        if const_expr(self.stage):
-            src = None
-
-        self.wait_cluster()
+        h, rX, rRes, rResO, smem_rows, src, rW, rB = self.norm_inputs(mX, mW, mB, mRes, mResO, view, part, tXcX,
+                                                                        row, M, shift)
         mean = Float32(0.0)
         if const_expr(self.layernorm):
             again = lambda: self.reload(src, rX, rRes, rResO, smem_rows, tXcX)  # noqa: E731
@@ -348,6 +313,52 @@ class RMSNormForward(RowKernelBase):
         if const_expr(mB is not None):
             y = y + rB.load().to(Float32)
         return y, rX, rstd, mean
+
+    @cute.jit
+    def norm_inputs(self, mX: cute.Tensor, mW: Optional[cute.Tensor], mB: Optional[cute.Tensor],
+                    mRes: Optional[cute.Tensor], mResO: Optional[cute.Tensor], view, part, tXcX: cute.Tensor,
+                    row: Int32, M: Int32, shift):
+        """``normalize``'s loads, up to its reduction: this thread's slice of its row (and residual) in fp32 h, the
+        residual sum stored, the weight and bias (None where loaded late), the cluster waited for. -> (h, the x
+        registers, the residual's and its sum's, the staged rows, what ``reload`` converts again, rW, rB)."""
+        tXgX = view(mX)
+
+        # Loads: rows past M load nothing (their values stay 0, or staged, undefined; never stored).
+        rX = cute.make_rmem_tensor_like(tXgX)
+        rRes, tXgRes = None, None
+        if const_expr(mRes is not None):
+            tXgRes = view(mRes)
+            rRes = cute.make_rmem_tensor_like(tXgRes)
+        smem_rows = None
+        if const_expr(self.stage):
+            smem_rows = self.stage_loads(tXgX, tXgRes, part, tXcX, row, M)
+        else:
+            rX.fill(0)
+            if const_expr(mRes is not None):
+                rRes.fill(0)
+            if const_expr(self.unbranched):
+                self.load_inputs(tXgX, rX, tXgRes, rRes, tXcX, shift)
+            elif row < M:
+                self.load_inputs(tXgX, rX, tXgRes, rRes, tXcX, shift)
+        rW, rB = None, None
+        if const_expr(not self.late_params):
+            rW, rB = self.load_params(mW, mB, part, tXcX, row, shift)
+
+        rResO = None
+        if const_expr(mRes is not None):
+            rResO = cute.make_rmem_tensor_like(rRes, self.res_out_dtype)
+        h = self.row_values(rX, rRes, rResO, smem_rows, tXcX)
+        if const_expr(mResO is not None):
+            tXgResO = view(mResO)
+            if row < M:
+                self.store_slice(rResO, tXgResO, tXcX, self.res_out_dtype, shift)
+        # what the values are computed from again after a reduction round (``reload``)
+        src = rX if const_expr(mRes is None) else rResO
+        if const_expr(self.stage):
+            src = None
+
+        self.wait_cluster()
+        return h, rX, rRes, rResO, smem_rows, src, rW, rB
 
     @property
     def pivoted(self) -> bool:
