@@ -23,8 +23,11 @@ VLLM_SWITCHES = ("VLLM_USE_OINK_OPS", "VLLM_USE_OINK_RMSNORM")
 def register(force: bool = False) -> bool:
     """vLLM general-plugin hook: registers ``torch.ops.oink.*`` when vLLM's switch is on.
 
-    Registers ``torch.ops.oink.rmsnorm`` and ``torch.ops.oink.fused_add_rms_norm`` (and the other
-    ops) when ``VLLM_USE_OINK_OPS`` or ``VLLM_USE_OINK_RMSNORM`` is truthy (1/true/yes/on).
+    Registers ``torch.ops.oink.rmsnorm`` and ``torch.ops.oink.fused_add_rms_norm``, vLLM's fused
+    RMSNorm + FP8 ops under vLLM's names and schemas (``rms_norm_static_fp8_quant``,
+    ``fused_add_rms_norm_static_fp8_quant``, ``rms_norm_dynamic_per_token_quant``,
+    ``rms_norm_per_block_quant``, ``per_token_group_fp8_quant``; see docs/vllm-ops.md), and the other
+    ops when ``VLLM_USE_OINK_OPS`` or ``VLLM_USE_OINK_RMSNORM`` is truthy (1/true/yes/on).
     Idempotent; never imports vllm. vLLM calls it unguarded at start-up, so it never raises: a
     failure is logged as a warning (logger ``oink``) and vLLM runs on with its own kernels.
 
@@ -68,10 +71,10 @@ def __getattr__(name: str):
     ops = importlib.import_module(".ops", __name__)  # the declarations: each public op, by its name
     declared = ops.PUBLIC
     if name == "__all__":
-        return [*declared, "explain", *_NN, "reference", "register"]
-    if name == "explain":
-        globals()[name] = ops.explain
-        return ops.explain
+        return [*declared, "explain", "batch_invariant", *_NN, "reference", "register"]
+    if name in ("explain", "batch_invariant"):
+        globals()[name] = getattr(ops, name)
+        return globals()[name]
     if name in declared:
         globals()[name] = getattr(ops, name)
         return globals()[name]

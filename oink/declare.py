@@ -96,9 +96,10 @@ class Op:
                  fake: Callable | None,
                  route: str | None = None, fixed: dict | None = None, to_public: Callable | None = None,
                  check_values: Callable | None = None, public: bool = True, backward: tuple | None = None,
-                 autograd: bool = True, eager_unfixed: bool = False):
+                 autograd: bool = True, eager_unfixed: bool = False, batch_invariant: bool = True):
         self.name = check.__name__
         self.check = check
+        self.batch_invariant = batch_invariant  # see ``batch_invariant`` below
         self.signature = inspect.signature(check)
         self.route = route or self.name
         self.fixed = fixed or {}
@@ -312,3 +313,34 @@ def explain(op: str, *args, **kwargs) -> str:
     if op not in PUBLIC:
         raise ValueError(f"unknown op {op!r}; known: {', '.join(PUBLIC)}")
     return PUBLIC[op].explain(*args, **kwargs)
+
+
+ROW_BYTES = 16  # a row's bytes must be a multiple of this for the batch-invariance contract (see below)
+
+
+def batch_invariant(op: str, N: int | None = None, dtype: torch.dtype | None = None) -> bool:
+    """Whether ``oink.<op>`` (or ``torch.ops.oink.<op>``) promises batch invariance: each row's outputs bit for
+    bit the same whatever the batch it runs in (alone, with any number of other rows, anywhere in it), for
+    the same row, N, dtypes and arch. The launch never depends on the row count, so the promise holds on the
+    kernel path and on the CPU's reference; it covers the row-wise outputs, not sums over the rows (the norm
+    backwards' dweight and dbias, a cross-entropy loss reduced by "mean" or "sum").
+
+    Args:
+        op: a public op's name or a custom op's (``"rms_norm_static_fp8_quant"``).
+        N, dtype: the rows' width and dtype, to ask about them: the promise needs rows of a multiple of 16 bytes
+            (every model's hidden size). Rows of other widths start off 16-byte boundaries, which some kernels
+            read by the row's address and some calls leave to the reference, whose reductions on a GPU are
+            torch's (split by the batch's size).
+
+    Returns:
+        True where promised (docs/ops.md, "Batch invariance").
+
+    Raises:
+        ValueError: ``op`` is not an op of Oink's.
+    """
+    found = PUBLIC.get(op) or OPS.get(op)
+    if found is None:
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(sorted({*PUBLIC, *OPS}))}")
+    if N is not None and dtype is not None and (N * torch.empty((), dtype=dtype).element_size()) % ROW_BYTES:
+        return False
+    return found.batch_invariant

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import checks as c
-from .declare import PUBLIC, declare, explain  # noqa: F401
+from .declare import PUBLIC, batch_invariant, declare, explain  # noqa: F401
 from .declare import absent as _absent
 from .reference.cross_entropy import REDUCTIONS
 
@@ -565,6 +565,8 @@ def cross_entropy_fwd_bwd_(dloss, logits, target, ignore_index=-100, label_smoot
 from .ops_quant import (add_rmsnorm_fp4quant, add_rmsnorm_fp8quant, add_rmsnorm_mxfp4quant,  # noqa: E402,F401
                         fp8_quantize, mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize, nvfp4_quantize,
                         rmsnorm_fp8quant, silu_mul_fp4quant, silu_mul_fp8quant, silu_mul_mxfp4quant)
+# vLLM's fused RMSNorm + FP8 ops under vLLM's names: torch.ops.oink.<name> only (not public oink.<name>)
+from . import ops_vllm  # noqa: E402,F401
 
 
 __all__ = list(PUBLIC)

@@ -222,6 +222,8 @@ def _tune(ap, a) -> int:
                     else (False,)
                 trials = []
                 for L in launch_table.candidates(default, a.max_iters, lanes, clusters):
+                    if key.endswith("/few") and not launch_table.same_order(L, default):
+                        continue  # a few rows' launch keeps the rows' order (batch invariance)
                     for stage in stages:
                         shape = (L.threads_per_row, L.num_threads, L.cluster_n)
                         # the heuristic's own shape is forced too: unforced, the op would take the table's entry

@@ -11,7 +11,7 @@ from .gate import compare
 from .providers import LABELS, SPECS, Unavailable, build
 from .report import Row
 from .state import ROWS, STATE
-from .suites import HOST_TIMED
+from .suites import CHECKS_INVARIANCE, HOST_TIMED
 from .timing import (Rotation, copies_for_cold_cache, eager_calls_for, feed_benchmark, median, relative_spread,
                      time_cuda_graph, time_eager_calls, time_host)
 from .tolerances import tolerance
@@ -173,6 +173,24 @@ def gate(spec, run, case, dtype, device) -> dict:
     return worst
 
 
+def _check_invariance(config, row, spec, run, dtype, device) -> None:
+    """``row.batch_invariant``: the batch-invariance check's verdict for (op, provider, N, dtype), run once a
+    session; a row of the provider "oink" whose spec promises invariance fails with the verdict's report."""
+    from . import invariance
+
+    seen = config.stash[STATE].setdefault("invariance", {})
+    key = (row.op, row.provider, row.N, row.dtype, str(device))
+    if key not in seen:
+        seen[key] = refusing_out_of_memory(
+            lambda: invariance.check(spec, run, row.N, dtype, device, op=row.op), "the batch-invariance check: ")
+    verdict = seen[key]
+    row.batch_invariant = verdict.held
+    promised = spec.batch_invariant(row.N, dtype) if callable(spec.batch_invariant) else spec.batch_invariant
+    if not verdict.held and row.provider == "oink" and promised:
+        row.status = "failed"
+        row.gate = dict(row.gate, passed=False, report=verdict.report())
+
+
 # A row's timed replays take about this long at most: 15 replays of 10 calls, fewer (down to 7)
 # for calls over ~1 ms, which vary least and cost a suite most of its time.
 REPLAY_BUDGET_S = 0.15
@@ -242,6 +260,10 @@ def run_case(case, provider, device, roofline, benchmark, request, spec=None, ru
     if not row.gate["passed"]:
         row.status = "failed"
         return row
+    if options.get(request.config, "--oink-batch-invariance") or case.suite in CHECKS_INVARIANCE:
+        _check_invariance(request.config, row, spec, run, dtype, device)
+        if row.status != "ok":
+            return row
     if against is not None:  # the other tree's gate done too: nothing of it runs while this one times
         against.settle()
     watch = _clock_watch(request.config, device)

@@ -24,6 +24,7 @@ OPTIONS = [
     ("--oink-allow-missing", "oink_allow_missing", "let the regression gate pass when some gated rows have no baseline entry (they are still listed; a gate that compared nothing still fails)", False, True),
     ("--oink-gate-cpu", "oink_gate_cpu", "gate CPU-timed rows too (off by default: CPU timings are too noisy to gate)", False, True),
     ("--oink-history", "oink_history", "append this run (commit, machine, versions, time, each row's median and gate verdict) as one JSON file to DIR, and draw DIR/plots/OP.svg: time over the runs, one line per shape, verdicts marked (plots need matplotlib)", None, False),
+    ("--oink-batch-invariance", "oink_batch_invariance", "check each (op, provider, width) once for batch invariance: rows alone, batches of 1-4096 rows (vLLM's 255/256/300 among them) and slices mid-batch, each bit for bit against one batch of up to 16384 rows; an Oink row that breaks it fails, a peer's is reported (summary, CSV, JSON)", False, True),
     ("--oink-profile", "oink_profile", "add per-kernel resource usage (registers, spills, smem, occupancy) to results", False, True),
     ("--oink-run-on-cpu", "oink_run_on_cpu", "run a GPU-sized suite on a CPU anyway (skipped there by default)", False, True),
     ("--oink-list", "oink_list", "list the suites, ops and providers, then exit", False, True),

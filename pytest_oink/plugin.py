@@ -223,6 +223,26 @@ def oink_roofline(oink_device):
 
 
 @pytest.fixture
+def oink_batch_invariance(oink_device):
+    """``oink_batch_invariance(spec, fn, N, dtype="bfloat16", sizes=None, big=None)``: fails the test unless
+    ``fn`` (the inputs' dict -> outputs, as for ``oink_measure``) gives every row-wise output bit for bit the
+    same whatever the batch: rows alone, batches of ``sizes`` rows and slices mid-batch against one batch of
+    ``big`` rows (``pytest_oink.invariance``: its SIZES and BIG by default); returns the verdict."""
+    import torch
+
+    from . import invariance
+
+    def check(spec, fn, N: int, dtype: str = "bfloat16", sizes=None, big=None, name: str = "custom"):
+        verdict = invariance.check(spec, fn, N, getattr(torch, dtype), oink_device, sizes=sizes or invariance.SIZES,
+                                   big=big or invariance.BIG, op=name)
+        if not verdict.held:
+            pytest.fail(verdict.report(), pytrace=False)
+        return verdict
+
+    return check
+
+
+@pytest.fixture
 def oink_assert_close():
     """``oink_assert_close(actual, expected, family=..., dtype=...)``: the gate, with error stats."""
     from .gate import assert_close

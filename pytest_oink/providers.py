@@ -36,6 +36,10 @@ class OpSpec:
     oink: Callable = None  # (oink module, args) -> outputs: the op through Oink's public API
     block: int = 1  # N must be a multiple of it (the FP4 blocks, FP8 groups)
     only_in: tuple = ()  # the suites that run it (empty: every suite)
+    # whether the provider "oink" promises batch invariance for it, or (N, torch dtype) -> that promise at a width
+    # (oink.batch_invariant): with --oink-batch-invariance an Oink row that breaks a promise fails; any other
+    # provider's verdict, and one not promised, is reported
+    batch_invariant: bool | Callable = False
 
     def __post_init__(self):
         # a misspelt family would silently gate with the dtype's default bounds
@@ -110,7 +114,12 @@ def spec_of(b) -> OpSpec:
             raise ValueError(f"unknown gate view {b.gate_view!r}; known: {', '.join(GATE_VIEWS)}")
         view = GATE_VIEWS[b.gate_view]
     return OpSpec(b.family, b.inputs, lambda a: b.call(_R(), a), b.nbytes, mutates=b.mutates, gate_view=view,
-                  oink=b.oink or b.call, block=b.block, only_in=b.only_in)
+                  oink=b.oink or b.call, block=b.block, only_in=b.only_in, batch_invariant=_aligned_rows)
+
+
+def _aligned_rows(N: int, dtype) -> bool:
+    """Oink's promise of batch invariance at a width: rows of a multiple of 16 bytes (oink.batch_invariant)."""
+    return N * dtype.itemsize % 16 == 0
 
 
 def specs() -> dict:

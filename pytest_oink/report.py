@@ -16,7 +16,7 @@ from .modes import describe as describe_modes
 CSV_FIELDS = ("suite", "seed", "op", "provider", "label", "M", "N", "dtype", "device", "status", "method", "mode",
               "median_ms", "min_ms", "spread", "bytes", "tbs", "roofline_frac", "max_abs_err", "rel_l2_err",
               "p99_abs_err", "registers", "spill_bytes", "static_smem", "occupancy", "test", "sm_mhz_min", "throttled",
-              "peak_mem_mib")
+              "peak_mem_mib", "batch_invariant")
 PEAK_MEMORY = ("memory allocated during one untimed call beyond what was allocated before it (the inputs and all "
                "else held): the call's workspace and outputs; n/a where not measured (CPU rows: torch counts CUDA "
                "allocations only)")
@@ -51,6 +51,7 @@ class Row:
     clocks: dict = field(default_factory=dict)  # SM clocks and clock-event reasons around its rounds (clocks.Watch)
     throttled: bool = False  # timed while the GPU was held down, after one re-timing: never SLOWER in the gate
     peak_mem_bytes: int | None = None  # PEAK_MEMORY of one call, in bytes; None where not measured (CPU)
+    batch_invariant: bool | None = None  # --oink-batch-invariance's verdict at this width; None where not checked
 
     @property
     def key(self):
@@ -70,7 +71,8 @@ class Row:
              "roofline_tbs": self.roofline_tbs, "roofline_frac": self.roofline_frac, "method": self.method,
              "mode": self.mode,
              "spread": self.spread, "gate": self.gate, "samples": list(self.samples), "retimes": self.retimes,
-             "clocks": self.clocks, "throttled": self.throttled, "peak_mem_bytes": self.peak_mem_bytes}
+             "clocks": self.clocks, "throttled": self.throttled, "peak_mem_bytes": self.peak_mem_bytes,
+             "batch_invariant": self.batch_invariant}
         if self.profile:
             d["profile"] = self.profile
         return d
@@ -93,6 +95,7 @@ class Row:
             "sm_mhz_min": min((m for m in self.clocks.get("sm_mhz", ()) if m), default=""),
             "throttled": int(self.throttled) if self.clocks else "",
             "peak_mem_mib": mib(self.peak_mem_bytes),
+            "batch_invariant": "" if self.batch_invariant is None else int(self.batch_invariant),
         }
 
 
@@ -127,7 +130,8 @@ def read_csv(path) -> list:
                             test=d["test"], seed=int(d["seed"]) if d.get("seed") else None,
                             throttled=d.get("throttled") == "1",
                             clocks={"sm_mhz": [int(d["sm_mhz_min"])]} if d.get("sm_mhz_min") else {},
-                            peak_mem_bytes=from_mib(d.get("peak_mem_mib"))))
+                            peak_mem_bytes=from_mib(d.get("peak_mem_mib")),
+                            batch_invariant=None if d.get("batch_invariant", "") == "" else d["batch_invariant"] == "1"))
     return rows
 
 
@@ -231,6 +235,26 @@ UNREPLAYED = {"cuda-events": "CUDA events around each call (its capture failed)"
               "capped-synced-perf_counter": "a synced host timer (capped: far slower than the fastest row)"}
 
 
+def invariance_table(rows) -> list[str]:
+    """Which providers held batch invariance on this run (``--oink-batch-invariance``), per op: a provider's
+    widths that held out of those checked, and the widths where it broke."""
+    checked = [r for r in rows if r.batch_invariant is not None]
+    if not checked:
+        return []
+    lines = ["## Batch invariance", "",
+             "Each (op, provider, width) checked once: rows alone, batches of 1-4096 rows and slices mid-batch, bit "
+             "for bit against one large batch (`--oink-batch-invariance`).", "",
+             "| op | provider | widths held | broke at N |", "|---|---|---|---|"]
+    seen: dict = {}
+    for r in checked:
+        seen.setdefault((r.op, r.provider), {})[(r.N, r.dtype)] = r.batch_invariant
+    for (op, prov), by_n in sorted(seen.items(), key=lambda kv: (kv[0][0], kv[0][1] != "oink", kv[0][1])):
+        broke = sorted(n for (n, _), held in by_n.items() if not held)
+        lines.append(f"| {op} | {prov} | {len(by_n) - len(broke)} of {len(by_n)} | "
+                     f"{', '.join(map(str, broke)) or '-'} |")
+    return lines + [""]
+
+
 def timed_apart(op_rows) -> str:
     """A sentence naming the providers of an op whose rows were not timed by graph replays while others'
     were (a call that would not capture: a host read, a sync; or the eager cap), "" where every row was
@@ -271,6 +295,7 @@ def summary_markdown(rows, roofline=None) -> str:
     if spent:
         lines += [f"Session time by provider: {spent}.", ""]
     lines += best_peer_table(rows)
+    lines += invariance_table(rows)
     sp = speedups(rows)
     ops = sorted({r.op for r in rows})
     for op in ops:

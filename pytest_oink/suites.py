@@ -131,6 +131,12 @@ def _random_shapes(op: str, seed: int, dtype: str = "bfloat16"):
     return sorted(shapes)
 
 
+# The batch-invariance suite: the random suite's widths (drawn from --oink-seed) at one row each, every row also
+# checked for batch invariance (bench_runner; its batches are the check's own, pytest_oink.invariance)
+def _invariance_shapes(op: str, seed: int, dtype: str = "bfloat16"):
+    return [(1, N) for N in random_widths(op, seed)]
+
+
 # The training suite: lm heads of real models and their loss (linear cross-entropy, forward and
 # backward). op -> (model, vocabulary V, hidden H, logit softcap or None, tokens M a step). A case's N
 # is V (--oink-configs MxN: M tokens, vocabulary N, the op's hidden size). The largest M only where
@@ -150,7 +156,7 @@ def _training_shapes(op: str):
 
 DEDICATED = ("fp8", "training")  # suites that run only the ops whose spec names them (OpSpec.only_in)
 HOST_TIMED = ("launch",)  # suites timed as eager calls on the host (bench_runner), not as kernels
-SEEDED = ("random",)  # suites whose shapes are drawn from --oink-seed: called (op, seed, dtype)
+SEEDED = ("random", "invariance")  # suites whose shapes are drawn from --oink-seed: called (op, seed, dtype)
 SUITES = {
     "quack": lambda op: _quack_shapes(),
     "nvfp4": _nvfp4_shapes,
@@ -161,7 +167,9 @@ SUITES = {
     "smoke": lambda op: [(4, 128), (64, 1024)],
     "random": _random_shapes,
     "training": _training_shapes,
+    "invariance": _invariance_shapes,
 }
+CHECKS_INVARIANCE = ("invariance",)  # suites whose rows are checked for batch invariance without the option
 # what each suite is, and whether it is sized for a GPU (skipped on a CPU unless asked)
 ABOUT = {
     "quack": ("Quack's benchmark shapes: N = 4096, M = batch x seq up to 2^31 / N", True),
@@ -174,6 +182,9 @@ ABOUT = {
     "random": ("random widths 256-262144 drawn from --oink-seed per op (vocabularies 3072-262144 for "
                "cross-entropy; odd and non-power-of-two widths), rows moving >= 64 MB, plus decode rows 1-1024 "
                "at the 3 narrowest", True),
+    "invariance": ("batch invariance of every op: the random suite's widths (drawn from --oink-seed), each checked "
+                   "bit for bit alone, in batches of 1-4096 rows and as slices of up to 16384 (one timed row each)",
+                   True),
     "training": ("lm head + loss, forward and backward (linear cross-entropy): Llama-3, Qwen-2.5 7B/14B, Gemma-2 "
                  "(softcap 30) vocabularies and hidden sizes, M 4096-32768 tokens; time and peak memory", True),
 }
@@ -188,6 +199,7 @@ DURATION = {
     "nvfp4": None,
     "random": None,
     "training": None,
+    "invariance": None,
     "sweep": "7.5 min on one H100 for its 12 norm, softmax and cross-entropy ops with every peer (1663 rows,"
              " before its 2048 x 131072 and 1024 x 262144 shapes)",
 }

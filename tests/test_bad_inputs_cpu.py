@@ -159,6 +159,7 @@ def test_cross_entropy_nan_logit_stays_nan():
 
 # ---------------------------------------------------------------- 3, 4. in-place ops refuse before writing
 GS = torch.tensor([10.0])
+FP8 = torch.float8_e4m3fn
 
 
 def _inplace_cases():
@@ -173,6 +174,11 @@ def _inplace_cases():
         return dict(dloss=torch.rand(3), logits=torch.randn(3, N), target=torch.tensor([1, 2, 3]),
                     lse=torch.rand(3) + 5)
 
+    def vllm(extra):
+        return lambda: dict(result=torch.zeros(3, N, dtype=FP8), input=torch.randn(3, N), weight=torch.rand(N) + 0.5,
+                            epsilon=1e-6, **{k: v.clone() if isinstance(v, torch.Tensor) else v
+                                             for k, v in extra.items()})
+
     return {
         "fused_add_rmsnorm_": (norm(), ("x", "residual")),
         "add_rmsnorm_fp8quant": (norm(dict(group_size=64)), ("residual",)),
@@ -180,6 +186,19 @@ def _inplace_cases():
         "add_rmsnorm_mxfp4quant": (norm(), ("residual",)),
         "cross_entropy_backward_": (ce, ("logits",)),
         "cross_entropy_fwd_bwd_": (lambda: {k: v for k, v in ce().items() if k != "lse"}, ("logits",)),
+        # vLLM's ops (torch.ops.oink only); outputs zeroed: torch.equal of uninitialised fp8 may meet NaN
+        "rms_norm_static_fp8_quant": (vllm(dict(scale=GS)), ("result",)),
+        "fused_add_rms_norm_static_fp8_quant": (vllm(dict(scale=GS, residual=torch.randn(3, N))),
+                                                ("result", "residual")),
+        "rms_norm_dynamic_per_token_quant": (vllm(dict(scale=torch.zeros(3, 1), scale_ub=None,
+                                                       residual=torch.randn(3, N))), ("result", "scale", "residual")),
+        "rms_norm_per_block_quant": (vllm(dict(scale=torch.zeros(3, 1), scale_ub=None, residual=torch.randn(3, N),
+                                               group_size=64, is_scale_transposed=False)),
+                                     ("result", "scale", "residual")),
+        "per_token_group_fp8_quant": (lambda: dict(input=torch.randn(3, N), output_q=torch.zeros(3, N, dtype=FP8),
+                                                   output_s=torch.zeros(3, 1), group_size=64, eps=1e-10,
+                                                   fp8_min=-448.0, fp8_max=448.0, scale_ue8m0=False),
+                                      ("output_q", "output_s")),
     }
 
 
@@ -265,6 +284,12 @@ BAD_OTHERS = {  # (the argument named, arguments replaced): one that is read, no
                                 ("weight", dict(weight=torch.ones(63)))],
     "cross_entropy_fwd_bwd_": [("target", dict(target=torch.tensor([1, 64, 3]))),
                                ("dloss", dict(dloss=torch.rand(2))), ("softcap", dict(softcap=-1.0))],
+    "rms_norm_static_fp8_quant": [("scale", dict(scale=torch.tensor([1.0, 2.0]))),
+                                  ("weight", dict(weight=torch.ones(64, dtype=torch.float16)))],
+    "fused_add_rms_norm_static_fp8_quant": [("weight", dict(weight=torch.ones(63)))],
+    "rms_norm_dynamic_per_token_quant": [("scale_ub", dict(scale_ub=torch.tensor([1.0, 2.0])))],
+    "rms_norm_per_block_quant": [("group_size", dict(group_size=32)), ("input", dict(input=torch.randn(3, 96)))],
+    "per_token_group_fp8_quant": [("group_size", dict(group_size=48))],
 }
 
 

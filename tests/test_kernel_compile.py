@@ -665,28 +665,39 @@ def test_fp8_groups_stay_on_aligned_lanes():
 
 def test_forward_loads_parameters_late_where_registers_limit_it():
     """``late_params``: the LayerNorm forward from 12288 columns (rows of narrow accesses past 4096 columns and
-    20 values a thread), a wider weight in CTAs of 1024 threads or at few rows of >= 131072 columns; never at few
-    rows below 65536 or for a plain RMSNorm."""
+    20 values a thread), a wider weight in CTAs of 1024 threads; never for a plain RMSNorm, and never by the row
+    count (it takes none: batch invariance)."""
     from oink.kernels.reduction import RowLaunch
     from oink.kernels.rmsnorm import late_params
 
     def launch(N, threads=512):
         return RowLaunch(N=N, vec=math.gcd(N, 8), threads_per_row=threads, num_threads=threads)
 
-    assert late_params(launch(16384), True, False, False)
-    assert not late_params(launch(8192), True, False, False)
-    assert late_params(launch(5124, 256), True, False, False, narrow=True)  # 24 values a thread
-    assert not late_params(launch(4100, 256), True, False, False, narrow=True)  # 20
-    assert not late_params(launch(4094, 128), True, False, False, narrow=True)  # past 20, not past 4096 columns
-    assert not late_params(launch(5124, 256), True, False, True, narrow=True)
-    assert not late_params(launch(5124, 256), False, False, False, narrow=True)
-    assert not late_params(launch(16384), True, False, True)
-    assert late_params(launch(65536), True, False, True)
-    assert late_params(launch(16384, 1024), False, True, False)
-    assert not late_params(launch(18432, 576), False, True, False)
-    assert late_params(launch(262144), False, True, True)
-    assert not late_params(launch(65536), False, True, True)
-    assert not late_params(launch(16384, 1024), False, False, False)
+    assert late_params(launch(16384), True, False)
+    assert not late_params(launch(8192), True, False)
+    assert late_params(launch(5124, 256), True, False, narrow=True)  # 24 values a thread
+    assert not late_params(launch(4100, 256), True, False, narrow=True)  # 20
+    assert not late_params(launch(4094, 128), True, False, narrow=True)  # past 20, not past 4096 columns
+    assert not late_params(launch(5124, 256), False, False, narrow=True)
+    assert late_params(launch(16384, 1024), False, True)
+    assert not late_params(launch(18432, 576), False, True)
+    assert not late_params(launch(262144), False, True)
+    assert not late_params(launch(16384, 1024), False, False)
+
+
+def test_a_residual_is_never_staged(monkeypatch):
+    """``stage_rows``: a tile with a residual is never staged, whatever the table or the ``fwd_stage`` setting asks
+    (staged with its fp32 residual, the forward gave other bits at identical calls on an H100); without one, the
+    table's choice or the setting."""
+    from oink import config
+    from oink.kernels.reduction import RowLaunch
+    from oink.kernels.rmsnorm import stage_rows
+
+    launch = RowLaunch(N=131072, vec=8, threads_per_row=128, num_threads=128, cluster_n=8)
+    assert stage_rows(launch, 16, 0, True) and not stage_rows(launch, 16, 0, False)
+    assert not stage_rows(launch, 16, 32, True) and not stage_rows(launch, 16, 16, True)
+    with config.override(fwd_stage=True):
+        assert not stage_rows(launch, 16, 32, False) and stage_rows(launch, 16, 0, False)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)

@@ -54,11 +54,14 @@ def test_few_rows_take_their_own_entry_else_the_keys_choice(override, monkeypatc
     assert (tuned.threads_per_row, tuned.cluster_n) == (1024, 4)
     assert list(override.seen) == [("test/k/few", "sm_90a", 131072)]  # the search tunes the few key
     assert override.seen[("test/k/few", "sm_90a", 131072)] == tuned  # against the key's choice
-    monkeypatch.setattr(launch_table, "table", lambda: {"sm_90a": {"test/k": {131072: {"launch": [1024, 1024, 4]}},
-                                                                   "test/k/few": {131072: {"launch": [256, 256, 16]}}}})
-    few = launch_table.pick("test/k", "sm_90a", default, few=True)
-    assert (few.threads_per_row, few.num_threads, few.cluster_n) == (256, 256, 16)
-    assert launch_table.pick("test/k", "sm_90a", default).cluster_n == 4  # more rows: the key's entry
+    # a "/few" entry that splits a row otherwise is ignored (batch invariance); one packing other rows a CTA serves
+    for few_launch, served in (([128, 128, 16], False), ([256, 512, 16], True)):
+        monkeypatch.setattr(launch_table, "table", lambda: {"sm_90a": {
+            "test/k": {131072: {"launch": [256, 256, 16]}}, "test/k/few": {131072: {"launch": few_launch}}}})
+        few = launch_table.pick("test/k", "sm_90a", default, few=True)
+        assert (few.threads_per_row, few.num_threads, few.cluster_n) == (tuple(few_launch) if served else
+                                                                          (256, 256, 16))
+        assert launch_table.pick("test/k", "sm_90a", default).num_threads == 256  # more rows: the key's entry
     assert launch_table.pick("test/k", "sm_100a", default, few=True) == default
 
 

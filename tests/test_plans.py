@@ -342,41 +342,24 @@ def test_typed_launcher_types_each_address_as_compiled():
     assert int(stream) == 0 and type(stream).__name__ == "CUstream"
 
 
-@pytest.mark.parametrize("M,few", [(32, True), (33, False)])
-@pytest.mark.parametrize("op", ["rmsnorm_forward", "softmax_forward", "rmsnorm_backward", "rmsnorm_backward_split"])
-def test_few_rows_take_the_few_rows_launch(recorder, op, M, few):
-    """At most ``launch_table.FEW_ROWS`` rows take the key's "/few" entry (a launch is prepared for one
-    shape); one row more, the key's own entry. The norm backward takes its split kernels at a width too
-    wide for one kernel either way (``rmsnorm_bwd.split_rows``)."""
+@pytest.mark.parametrize("rows_only", [True, False])
+def test_a_few_rows_entry_serves_only_where_it_keeps_the_order(monkeypatch, rows_only):
+    """A "/few" launch-table entry (calls of at most ``launch_table.FEW_ROWS`` rows) serves only where it packs
+    other rows a CTA with the key's own threads, accesses and cluster a row (``launch_table.same_order``); one
+    that splits a row otherwise is ignored, as its rows' bits would differ from the same rows in a larger batch."""
     from oink.kernels import launch_table
-    from oink.kernels.compile import CACHE
-    from oink.kernels.rmsnorm_bwd import backward_launch, split_launches
+    from oink.kernels.reduction import RowLaunch
 
-    N = 262144 if op == "rmsnorm_backward_split" else 131072
-    shape = lambda L: (L.threads_per_row, L.num_threads, L.cluster_n)  # noqa: E731
-    if op == "rmsnorm_backward_split":
-        op, expected = "rmsnorm_backward", {shape(L) for L in split_launches(N, 16)}
-    elif op == "rmsnorm_backward":
-        expected = {shape(backward_launch(N, 16, "sm_90a", False, few))}
-    else:
-        key = {"rmsnorm_forward": "rmsnorm_fwd/x16w16", "softmax_forward": "softmax/forward/x16"}[op]
-        entry = launch_table.table().get("sm_90a", {}).get(f"{key}/few" if few else key, {}).get(N)
-        if entry is None:  # the key's own choice: the heuristic's, where the table has no entry
-            pytest.skip(f"no {key} entry at {N} for {M} rows in the table")
-        expected = {tuple(entry["launch"])}
-    x = _x(M, N)
-    args = {"rmsnorm_forward": dict(x=x, weight=torch.randn(N, dtype=torch.bfloat16), eps=1e-6),
-            "softmax_forward": dict(x=x),
-            "rmsnorm_backward": dict(x=x, weight=torch.randn(N, dtype=torch.bfloat16), dout=_x(M, N),
-                                     rstd=torch.rand(M), dresidual_out=None, has_bias=False, has_residual=False,
-                                     weight_offset=0.0)}[op]
-    CACHE.clear_used()  # a launch looks its kernels up when it is prepared, and launches them as prepared
-    launch = dispatch.prepare(op, "sm_90a", args)
-    prepared = CACHE.used_launches()
-    CACHE.clear_used()
-    launch(args)
-    assert expected <= prepared, prepared
-    assert CACHE.used_launches() == set()
+    N, key = 4096, "rmsnorm_fwd/x16w16"
+    default = RowLaunch(N=N, vec=8, threads_per_row=128, num_threads=128, cluster_n=1)
+    few = [128, 512, 1] if rows_only else [256, 256, 1]
+    tables = {"sm_90a": {f"{key}/few": {N: {"launch": few, "n": [N, N]}}}}
+    monkeypatch.setattr(launch_table, "table", lambda: tables)
+    chosen = launch_table.pick(key, "sm_90a", default, few=True)
+    assert launch_table.pick(key, "sm_90a", default) == default
+    assert (chosen.threads_per_row, chosen.num_threads, chosen.cluster_n) == (tuple(few) if rows_only else
+                                                                                (128, 128, 1))
+    assert launch_table.same_order(chosen, default)
 
 
 def _launch_widths() -> set:
@@ -393,14 +376,17 @@ def _launch_widths() -> set:
     return found
 
 
+@pytest.mark.parametrize("windows", [True, False])
 @pytest.mark.parametrize("case", ["rmsnorm", "softmax", "strided", "residual", "fp32_weight", "aligned"])
-def test_rows_off_boundaries_take_windows_where_measured_faster(recorder, case):
-    """Dense rows off 16-byte boundaries launch as their aligned windows (455 columns: a window of 464) for
-    the softmax forward and an RMSNorm of x's weight dtype; rows at another stride than the output's, a
-    residual and an fp32 weight (measured slower through windows) keep the narrow launch, as aligned rows do
-    theirs."""
+def test_rows_off_boundaries_take_windows_where_asked(recorder, monkeypatch, case, windows):
+    """With ``OINK_WINDOWS=1``, dense rows off 16-byte boundaries launch as their aligned windows (455 columns: a
+    window of 464) for the softmax forward and an RMSNorm of x's weight dtype; rows at another stride than the
+    output's, a residual and an fp32 weight (measured slower through windows) keep the narrow launch, as aligned
+    rows do theirs. Without it (the default: a window splits a row by its address), every row the narrow one."""
     from oink.kernels.compile import CACHE
 
+    monkeypatch.setenv("OINK_WINDOWS", "1" if windows else "0")
+    config.reload()
     N = 4096 if case == "aligned" else 455
     x = _x(600, N, stride=N + 3 if case == "strided" else None)
     w = torch.randn(N, dtype=torch.float32 if case == "fp32_weight" else torch.bfloat16)
@@ -411,61 +397,87 @@ def test_rows_off_boundaries_take_windows_where_measured_faster(recorder, case):
         args.update(residual=_x(600, N))
     CACHE.clear_used()
     dispatch.prepare(op, "sm_90a", args)
-    assert _launch_widths() == ({464} if case in ("rmsnorm", "softmax") else {N})
+    assert _launch_widths() == ({464} if windows and case in ("rmsnorm", "softmax") else {N})
 
 
-def test_a_window_packing_rows_must_still_fill_the_sms(monkeypatch):
-    """A window's launch that packs more rows a CTA than the narrow one is taken only where its CTAs still
-    give every SM one (``host.window_pays``); one packing no more rows always; off a GPU, always."""
-    from oink.kernels import host
-    from oink.kernels.reduction import RowLaunch
-
-    monkeypatch.setattr(host, "sm_count", lambda index: 132)
-    packed = RowLaunch(N=392, vec=8, threads_per_row=16, num_threads=128, cluster_n=1)
-    one = RowLaunch(N=391, vec=1, threads_per_row=128, num_threads=128, cluster_n=1)
-    gpu = torch.device("cuda", 0)
-    assert packed.rows_per_cta == 8 and one.rows_per_cta == 1
-    assert not host.window_pays(180, packed, one, gpu)
-    assert host.window_pays(8 * 132, packed, one, gpu)
-    assert host.window_pays(5, one, one, gpu) and host.window_pays(180, packed, one, torch.device("cpu"))
+# vLLM's batch sizes and the few-rows bound's both sides: no launch may be chosen by them (batch invariance)
+INVARIANCE_ROWS = (1, 3, 16, 32, 33, 255, 256, 300, 1024, 4096)
 
 
-@pytest.mark.parametrize("pays", [True, False])
-def test_narrow_backward_rows_count_values_where_they_fill_the_gpu(recorder, monkeypatch, pays):
-    """The norm backward of rows off 16-byte boundaries takes the launch whose budget counts values where
-    ``host.values_pay`` says it pays, else the one counting accesses."""
-    from oink.kernels import rmsnorm_ops
+def _prepared_kernels(op, M, N, make) -> set:
+    """The compile keys of the row kernels ``op``'s launch for M rows looks up (the partials' sum, a sum over
+    the rows, and the backward's ``direct`` flag, which only says where dweight goes, left out)."""
     from oink.kernels.compile import CACHE
-    from oink.kernels.rmsnorm_bwd import backward_launch
 
-    monkeypatch.setattr(rmsnorm_ops, "values_pay", lambda M, values, accesses, device: pays)
-    M, N = 700, 763
-    args = dict(x=_x(M, N), weight=torch.randn(N, dtype=torch.bfloat16), dout=_x(M, N), rstd=torch.rand(M),
-                dresidual_out=None, has_bias=False, has_residual=False, weight_offset=0.0)
     CACHE.clear_used()
-    dispatch.prepare("rmsnorm_backward", "sm_90a", args)
-    assert backward_launch(N, 16, "sm_90a", values=pays) in {L for k in CACHE.used for L in _launches(k)}
-    assert backward_launch(N, 16, "sm_90a") != backward_launch(N, 16, "sm_90a", values=False)
+    dispatch.prepare(op, "sm_90a", make(M, N))
+    keys = set()
+    for k in CACHE.used:
+        k = k[0] if isinstance(k, tuple) and isinstance(k[0], tuple) else k
+        if isinstance(k, tuple) and k and k[0] in ("rmsnorm_bwd", "layernorm_bwd"):
+            k = k[:-1]  # direct
+        if not (isinstance(k, tuple) and k and str(k[0]).startswith("partial")):
+            keys.add(k)
+    return keys
 
 
-def _launches(key) -> list:
-    """The RowLaunches in a compile key (nested tuples)."""
-    if isinstance(key, tuple):
-        return [L for part in key for L in _launches(part)]
-    return [key] if hasattr(key, "threads_per_row") else []
+def _norm_args(M, N, **extra):
+    return dict(x=_x(M, N), weight=torch.randn(N, dtype=torch.bfloat16), eps=1e-6, **extra)
 
 
-def test_values_pay_where_the_rows_fill_the_sms(monkeypatch):
-    """The values' launch (fewer threads a row) is taken where M rows of it hold ``VALUES_MIN_THREADS`` threads
-    a SM, or where the accesses' launch takes a cluster; off a GPU, always."""
-    from oink.kernels import host
-    from oink.kernels.reduction import RowLaunch
+INVARIANCE_OPS = {
+    "rmsnorm_forward": _norm_args,
+    "rmsnorm_forward_res32": lambda M, N: _norm_args(M, N, residual=_x(M, N).float()),
+    "layernorm": lambda M, N: dict(x=_x(M, N), weight=torch.randn(N, dtype=torch.bfloat16), bias=None, eps=1e-6),
+    "softmax_forward": lambda M, N: dict(x=_x(M, N)),
+    "rmsnorm_backward": lambda M, N: dict(x=_x(M, N), weight=torch.randn(N, dtype=torch.bfloat16), dout=_x(M, N),
+                                          rstd=torch.rand(M), dresidual_out=None, has_bias=False, has_residual=False,
+                                          weight_offset=0.0),
+}
 
-    monkeypatch.setattr(host, "sm_count", lambda index: 132)
-    values = RowLaunch(N=763, vec=1, threads_per_row=64, num_threads=128)
-    accesses = RowLaunch(N=763, vec=1, threads_per_row=512, num_threads=512)
-    clustered = RowLaunch(N=763, vec=1, threads_per_row=256, num_threads=256, cluster_n=2)
-    gpu = torch.device("cuda", 0)
-    fill = host.VALUES_MIN_THREADS * 132 // 64
-    assert not host.values_pay(fill - 1, values, accesses, gpu) and host.values_pay(fill, values, accesses, gpu)
-    assert host.values_pay(3, values, clustered, gpu) and host.values_pay(3, values, accesses, torch.device("cpu"))
+
+@pytest.mark.parametrize("N", [763, 3584, 14336, 20234, 32768, 131072])
+@pytest.mark.parametrize("case", sorted(INVARIANCE_OPS))
+def test_no_launch_is_chosen_by_the_row_count(recorder, monkeypatch, case, N):
+    """Batch invariance: the kernels a call launches (their launch shapes, parameter loads, staging) are the same
+    at every row count, so a row's reduction order never depends on how many rows came with it. The few-rows
+    launch-table entries, windows chosen by the rows, the backward's budget chosen by the rows and the forward's
+    late parameters at few rows each broke it (found on an H100: LayerNorm 20234 at 16 rows, the fp32-residual
+    RMSNorm at 131072, the backward at 131072)."""
+    from oink.kernels import launch_table
+
+    monkeypatch.setattr(launch_table, "CARD", "NVIDIA H100 80GB HBM3")  # the shipped table's entries apply
+    op = "rmsnorm_forward" if case == "rmsnorm_forward_res32" else case
+    first = _prepared_kernels(op, INVARIANCE_ROWS[0], N, INVARIANCE_OPS[case])
+    for M in INVARIANCE_ROWS[1:]:
+        assert _prepared_kernels(op, M, N, INVARIANCE_OPS[case]) == first, f"{case} N={N}: M={M} launches otherwise"
+
+
+
+
+@pytest.mark.parametrize("layout", ["row", "column", "tma"])
+def test_vllm_group_quant_writes_its_out_parameters(recorder, layout):
+    """vLLM's ``per_token_group_fp8_quant`` through the FP8 group kernel: the codes straight into output_q, the
+    scales straight into output_s where its layout is the kernel's (row-major, or column-major with strides (1, T)),
+    else into the kernel's and copied (TMA-aligned: strides (1, round_up(T, 4))); other bounds, eps or UE8M0 scales
+    take the reference, saying why."""
+    from oink.kernels import fp8_ops
+
+    M, N, g = 6, 256, 128
+    G = N // g
+    x, q = _x(M, N), torch.empty(M, N, dtype=torch.float8_e4m3fn)
+    s = {"row": lambda: torch.empty(M, G), "column": lambda: torch.empty(G, M).t(),
+         "tma": lambda: torch.empty_strided((M, G), (1, 8))}[layout]()
+    args = dict(input=x, output_q=q, output_s=s, group_size=g, eps=1e-10, fp8_min=-448.0, fp8_max=448.0,
+                scale_ue8m0=False, dummy_is_scale_transposed=False, dummy_is_tma_aligned=False)
+    assert fp8_ops.check_group_quant(args, "sm_90a") is None
+    for bad, why in ((dict(scale_ue8m0=True), "UE8M0"), (dict(fp8_max=240.0), "bounds"), (dict(eps=1e-6), "eps"),
+                     (dict(group_size=32), "group_size")):
+        assert why in (fp8_ops.check_group_quant({**args, **bad}, "sm_90a") or ""), bad
+    run = dispatch.prepare("per_token_group_fp8_quant", "sm_90a", args)
+    recorder.clear()
+    s.fill_(-1.0)
+    run(args)
+    (call,) = recorder
+    assert call[0] == x.data_ptr() and call[3] == q.data_ptr() and call[5:7] == (M, N)
+    assert (call[4] == s.data_ptr()) == (layout != "tma")

@@ -17,8 +17,9 @@ CHECK = """
 import sys, oink
 first, second = oink.register(), oink.register()
 import torch
-print(first, second, hasattr(torch.ops.oink, 'rmsnorm') and hasattr(torch.ops.oink, 'fused_add_rms_norm'),
-      'vllm' in sys.modules)
+names = ('rmsnorm', 'fused_add_rms_norm', 'rms_norm_static_fp8_quant', 'fused_add_rms_norm_static_fp8_quant',
+         'rms_norm_dynamic_per_token_quant', 'rms_norm_per_block_quant', 'per_token_group_fp8_quant')
+print(first, second, all(hasattr(torch.ops.oink, n) for n in names), 'vllm' in sys.modules)
 """
 
 

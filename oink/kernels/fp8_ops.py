@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference.fp8 import empty_scales, mode_of
+from ..reference.fp8 import E4M3_MAX, GROUP_EPS, GROUP_SIZES, empty_scales, mode_of
 from .compile import stream_of
 from .fp8 import UNIT, Fp8Key, RMSNormFp8Key, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch
 from .host import allocator, dense, dtype_name, in_place_reason, kernel_ready_rows, row_layout, width_reason
@@ -102,8 +102,52 @@ def _plan(kind: str):
     return make
 
 
+# ---- vLLM's per_token_group_fp8_quant (oink.ops_vllm): the group kernel writing vLLM's out-parameters
+def check_group_quant(t: dict, arch: str) -> str | None:
+    if (float(t["fp8_min"]), float(t["fp8_max"]), float(t["eps"])) != (-E4M3_MAX, E4M3_MAX, GROUP_EPS):
+        return "fp8_min, fp8_max and eps other than -448, 448 and 1e-10: the FP8 kernels' bounds and floor"
+    if t["scale_ue8m0"]:  # the kernel floors amax, vLLM the scale: all-zero groups' scales differ (2^-42, 2^-33)
+        return "UE8M0 scales: vLLM floors the scale at 1e-10 before rounding, the FP8 kernel the amax"
+    if t["group_size"] not in GROUP_SIZES:
+        return f"group_size {t['group_size']}: the FP8 kernels' groups are {GROUP_SIZES}"
+    return _launch_reason(t["input"].shape[-1], t["group_size"], "quantize", arch)
+
+
+def plan_group_quant(arch, a: dict):
+    """vLLM's group quant through the group kernel: codes straight into output_q where it is 16-byte aligned (else
+    through a copy), scales straight into output_s where its layout is the kernel's (row-major, or column-major
+    with strides (1, T)), else into the kernel's layout and copied (TMA-aligned columns: their pad rows untouched)."""
+    x, out_q, out_s, g = a["input"], a["output_q"], a["output_s"], a["group_size"]
+    N = x.shape[-1]
+    M = x.numel() // N
+    col = out_s.dim() == 2 and out_s.stride(0) < out_s.stride(1)
+    direct_s = out_s.data_ptr() % 16 == 0 and (out_s.stride() == (1, M) if col else out_s.is_contiguous())
+    direct_q = out_q.data_ptr() % 16 == 0
+    copy_x, ldx = row_layout(x, UNIT)
+    if not M:
+        return lambda a: None
+    fn = compiled_fp8(Fp8Key("quantize", dtype_name(x), N, arch, mode="group", group_size=g, column_major=col,
+                             ue8m0=False, ub=False))
+    stream = stream_of(x.device)
+
+    def run(a):
+        x, q, s = a["input"], a["output_q"], a["output_s"]
+        if copy_x:
+            x = dense(x)
+        codes = q if direct_q else torch.empty_like(q)
+        scales = s if direct_s else empty_scales(x, M, N, None, g, col)
+        fn(x.data_ptr(), None, None, codes.data_ptr(), scales.data_ptr(), M, ldx, stream())
+        if not direct_q:
+            q.copy_(codes)
+        if not direct_s:
+            s.copy_(scales)
+
+    return run
+
+
 PLANS = {"fp8_quantize": _plan("quantize"), "silu_mul_fp8quant": _plan("silu_mul"),
-         "rmsnorm_fp8quant": _plan("add_rmsnorm"), "add_rmsnorm_fp8quant": _plan("add_rmsnorm")}
+         "rmsnorm_fp8quant": _plan("add_rmsnorm"), "add_rmsnorm_fp8quant": _plan("add_rmsnorm"),
+         "per_token_group_fp8_quant": plan_group_quant}
 
 CHECKS = {"fp8_quantize": check_quantize, "silu_mul_fp8quant": check_silu_mul, "rmsnorm_fp8quant": check_rmsnorm,
-          "add_rmsnorm_fp8quant": check_rmsnorm}
+          "add_rmsnorm_fp8quant": check_rmsnorm, "per_token_group_fp8_quant": check_group_quant}

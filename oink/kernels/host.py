@@ -7,8 +7,9 @@ import functools
 
 import torch
 
+from .. import config
 from .compile import driver_checked
-from .reduction import MAX_N, RowLaunch
+from .reduction import MAX_N
 
 
 def dtype_name(t: torch.Tensor | torch.dtype | None) -> str | None:
@@ -117,37 +118,13 @@ def _sms(device: torch.device) -> int:
     return sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def window_pays(M: int, window: RowLaunch, narrow: RowLaunch, device: torch.device) -> bool:
-    """Whether M rows off 16-byte boundaries take the launch of their aligned windows
-    (``RowKernelBase.window``) rather than the narrow one: a window's launch may pack more rows a CTA, which
-    left SMs idle at a few hundred rows (52 and 180 rows of 391 columns ran 1.2-1.3x the narrow kernel's time,
-    H200), so it must pack no more rows a CTA than the narrow launch, or still give every SM a CTA."""
-    if window.rows_per_cta <= narrow.rows_per_cta or device.type != "cuda":
-        return True
-    return -(-M // window.rows_per_cta) >= _sms(device)
-
-
-def values_pay(M: int, values: RowLaunch, accesses: RowLaunch, device: torch.device) -> bool:
-    """Whether M rows in narrow accesses take the launch whose budget counts values (fewer threads a row, more
-    accesses each) rather than accesses: where the latter takes a cluster a row, or M rows of the former hold
-    at least ``VALUES_MIN_THREADS`` threads a SM. Fewer, they leave SMs short of loads in flight: the norm
-    backward at 600-1000 rows of 564-965 columns ran 1.09-1.74x the accesses' time with 140-490 threads a SM,
-    and 0.23-0.74x from 4700 threads a SM (H200)."""
-    if values == accesses or accesses.cluster_n > 1 or device.type != "cuda":
-        return True
-    return M * values.threads_per_row * values.cluster_n >= VALUES_MIN_THREADS * _sms(device)
-
-
-VALUES_MIN_THREADS = 1024  # half a SM's 2048 threads: between the slower (<= 490) and faster (>= 4700) rows
-
-
-def window_key(key, M: int, window_of, launch_of, device: torch.device):
-    """``key`` asking for aligned windows (its ``window`` field) where the family's rule ``window_of`` gives the
-    asking key one and that key's launch (``launch_of``) pays for M rows (``window_pays``); else ``key``."""
+def window_key(key, window_of):
+    """``key`` asking for aligned windows (its ``window`` field) where ``OINK_WINDOWS`` is on and the family's rule
+    ``window_of`` gives the asking key one; else ``key``. Off by default: a window's threads split a row by the
+    row's offset from a 16-byte boundary, which depends on its index in the batch, so a row's bits would depend on
+    where it sits (batch invariance). Nothing here depends on the row count, for the same reason."""
     asked = dataclasses.replace(key, window=True)
-    if window_of(asked) and window_pays(M, launch_of(asked), launch_of(key), device):
-        return asked
-    return key
+    return asked if config.get().windows and window_of(asked) else key
 
 
 # An empty kernel; with a SM's whole shared memory its occupancy is one CTA a SM. PTX for sm_90, the

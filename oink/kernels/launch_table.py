@@ -124,10 +124,16 @@ def scaled(at: int, e: dict, default: RowLaunch) -> RowLaunch | None:
     return RowLaunch(N=N, vec=vec, threads_per_row=t, num_threads=t * rows, cluster_n=cluster_n)
 
 
-# A call of at most this many rows looks up its key's "/few" entry first: a few rows fill the GPU
-# only when each row's CTAs are many and short (e.g. 16 CTAs of 128 threads a row, where 4096 rows
-# are fastest over 4 CTAs of 1024); without one, the key's choice.
+# A call of at most this many rows looks up its key's "/few" entry first, which may only pack fewer or more
+# rows a CTA (``same_order``); without one, the key's choice.
 FEW_ROWS = 32
+
+
+def same_order(a: RowLaunch, b: RowLaunch) -> bool:
+    """Whether a row's values meet in the same order under both launches: the same accesses, threads and
+    CTAs a row (rows a CTA may differ). Batch invariance: a launch chosen by the row count may change no
+    more than that, or a row's bits would depend on how many rows came with it."""
+    return (a.vec, a.threads_per_row, a.cluster_n) == (b.vec, b.threads_per_row, b.cluster_n)
 
 
 def few_rows(M: int) -> bool:
@@ -137,12 +143,14 @@ def few_rows(M: int) -> bool:
 def pick(key: str, arch: str, default: RowLaunch, knob: int | None = None, few: bool = False) -> RowLaunch:
     """The launch for ``key`` at ``default.N``: the tuner's trial, the table's entry, or ``default``
     (also where a sweep's setting such as ``fp4_upt`` is set: ``knob``, which ``default`` obeys). With
-    ``few`` (``few_rows(M)``) the key is ``key + "/few"``, whose default is ``key``'s choice."""
+    ``few`` (``few_rows(M)``) the key is ``key + "/few"``, whose default is ``key``'s choice, and whose entry
+    serves only where it keeps that choice's order (``same_order``)."""
     if few:
         default, key = _resolved(key, arch, default, knob), f"{key}/few"
     if TRIAL is not None:
         TRIAL.seen[(key, arch, default.N)] = default
-    return _resolved(key, arch, default, knob)
+    chosen = _resolved(key, arch, default, knob)
+    return chosen if not few or same_order(chosen, default) else default
 
 
 def _resolved(key: str, arch: str, default: RowLaunch, knob) -> RowLaunch:

@@ -115,22 +115,20 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     return pick_row_launch(N, x_bits, max_units_per_thread=FWD_MAX_UNITS)
 
 
-def late_params(launch: RowLaunch, layernorm: bool, wide: bool, few: bool, narrow: bool = False) -> bool:
+def late_params(launch: RowLaunch, layernorm: bool, wide: bool, narrow: bool = False) -> bool:
     """Whether the forward loads weight and bias after the reduction (``RMSNormForward.late_params``):
     it frees their registers (and x's fp32 copy) across the reduction's barriers, so more CTAs fit a SM,
     but exposes the parameters' load latency. Timed both ways over the sweep suite, it pays where
     registers limit the CTAs a SM holds: the LayerNorm forward from 12288 columns (from
     ``LAYERNORM_LATE_NARROW_N`` where its accesses are ``narrow``, under 16 bytes, and a thread holds more than
     ``LAYERNORM_LATE_NARROW_VALUES`` values), and a weight or residual wider than x (``wide``) in CTAs of 1024
-    threads or at few rows of >= 131072 columns. At few rows below 65536 columns, at decode sizes and for RMSNorm
-    with parameters of x's width, the exposed latency costs more than the extra CTAs gain."""
-    if few and launch.N < 65536:
-        return False
+    threads. Never chosen by the row count: the two forms are two compiled kernels, whose arithmetic ptxas may
+    contract differently, so a row's bits would depend on the batch (batch invariance)."""
     if layernorm:
         held = launch.iters * launch.vec  # values a thread
         return launch.N >= 12288 or (narrow and launch.N > LAYERNORM_LATE_NARROW_N
                                      and held > LAYERNORM_LATE_NARROW_VALUES)
-    return wide and (launch.num_threads == 1024 or (few and launch.N >= 131072))
+    return wide and launch.num_threads == 1024
 
 
 # The most bytes of a row tile (x and residual) the forward stages in shared memory: a SM has 227 KB, so
@@ -162,9 +160,13 @@ def stage_rows(launch: RowLaunch, x_bits: int, res_bits: int, tuned: bool) -> bo
     """Whether the forward stages x (and the residual) in shared memory (``RMSNormForward.stage``):
     the ``fwd_stage`` setting where set, else the launch table's choice (``tuned``; without an entry, not: it
     pays only with a launch searched for it, and was slower with the heuristic's launch);
-    never for too big a tile (a padded tile's vectors past N are not copied)."""
+    never for too big a tile (a padded tile's vectors past N are not copied), nor with a residual: staged with
+    its fp32 residual, 131072 columns over 8 CTAs of 128 threads gave other bits at each identical call (H100,
+    the launch table's entry for an fp32 weight, which the residual's key shares; unstaged, the same launch gave
+    the same bits every time, and so did the fp32 weight's staged rows). The staged rule
+    (``staged_rows``) never takes a residual."""
     tile_bytes = launch.rows_per_cta * launch.cols_per_cta * (x_bits + res_bits) // 8
-    if tile_bytes > STAGE_MAX_BYTES:
+    if tile_bytes > STAGE_MAX_BYTES or res_bits:
         return False
     forced = config.get().fwd_stage
     return tuned if forced is None else forced
@@ -652,11 +654,11 @@ def staged_rows(k: ForwardKey) -> RowLaunch | None:
     """The staged rule's launch for ``k`` (rows staged in shared memory, the weight loaded late), or None where it
     does not apply: RMSNorm of one head without a residual, 16-bit x, parameters and output, rows of 4-element
     accesses (``STAGED_MAX_ITERS``) or 2-element ones (``narrow_cluster_rows``' CTAs of 256 threads up to
-    ``STAGED_NARROW_MAX_ITERS`` accesses) wider than ``CLUSTER_ROWS_MIN_N``, more than ``launch_table.FEW_ROWS``
-    rows (fewer: not measured), no ``fwd_upt`` setting."""
+    ``STAGED_NARROW_MAX_ITERS`` accesses) wider than ``CLUSTER_ROWS_MIN_N``, no ``fwd_upt`` setting; at any row count
+    (its launch may split a row otherwise than the forward's rule: batch invariance)."""
     bits = cute_dtype(k.x_dtype).width
     vec = math.gcd(k.N, 8)
-    if (k.layernorm or k.heads != 1 or k.res_dtype or k.few or bits != 16 or config.get().fwd_upt
+    if (k.layernorm or k.heads != 1 or k.res_dtype or bits != 16 or config.get().fwd_upt
             or widest_bits(k.w_dtype, k.b_dtype, k.out_dtype) > bits or k.N <= CLUSTER_ROWS_MIN_N
             or vec not in (2, 4)):
         return None
@@ -711,7 +713,7 @@ def compiled_forward(k: ForwardKey):
                        tuned is not None) and launch.N == N  # (never through windows)
     late = config.get().fwd_late
     if late is None:
-        late = tuned == "late" if stage and tuned else late_params(launch, layernorm, wide > xd.width, few,
+        late = tuned == "late" if stage and tuned else late_params(launch, layernorm, wide > xd.width,
                                                                   launch.vec * xd.width < 128)
     # a register cap: a sweep's setting, else the staged rule's where its kernel runs as the rule has it
     ctas = config.get().fwd_ctas or (staged_min_ctas(launch) if ruled and stage and late else 0)

@@ -7,9 +7,9 @@ import torch
 
 from .compile import stream_of
 from .host import (allocator, dense, dtype_name, in_place_reason, kernel_ready_rows, prepare_vector, resident_clusters,
-                   row_layout, values_pay, vec_for, width_reason, window_key)
+                   row_layout, vec_for, width_reason, window_key)
 from .launch_table import few_rows
-from .rmsnorm import ForwardKey, compiled_forward, forward_launch_of, forward_window
+from .rmsnorm import ForwardKey, compiled_forward, forward_window
 from .partial_sum import compiled_partial_sum
 from .rmsnorm_bwd import (BackwardKey, backward_launch, backward_tpsm, compiled_backward,
                           compiled_split_backward, direct_sums, head_launch, persistent_ctas, split_groups,
@@ -122,11 +122,10 @@ def _address(t) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _windowed(key: ForwardKey, M: int, dense: bool, device) -> ForwardKey:
+def _windowed(key: ForwardKey, dense: bool) -> ForwardKey:
     """The forward's key asking for aligned windows where its rule reads rows off 16-byte boundaries through them
-    (``forward_window``) and M rows pay for it (``host.window_key``); only ``dense`` rows (x's rows N apart, at the
-    output's offsets)."""
-    return window_key(key, M, forward_window, lambda k: forward_launch_of(k)[1], device) if dense else key
+    (``forward_window``, ``host.window_key``); only ``dense`` rows (x's rows N apart, at the output's offsets)."""
+    return window_key(key, forward_window) if dense else key
 
 
 def plan_forward(arch, a: dict):
@@ -149,7 +148,7 @@ def plan_forward(arch, a: dict):
             dtype_name(x), N, arch, w_dtype=dtype_name(w), b_dtype=dtype_name(b), res_dtype=dtype_name(res),
             res_out_dtype=dtype_name(res_dtype), store_rstd=store_rstd, out_dtype=dtype_name(out_dtype),
             weight_offset=float(a.get("weight_offset", 0.0)), heads=heads, few=few_rows(M))
-        fn = compiled_forward(_windowed(key, M, ldx == N, device))
+        fn = compiled_forward(_windowed(key, ldx == N))
         stream = stream_of(device)
     ldres_out = N if res is not None else 0
 
@@ -210,7 +209,7 @@ def plan_layernorm(arch, a: dict):
     if M:
         key = ForwardKey(dtype_name(x), N, arch, w_dtype=dtype_name(w), b_dtype=dtype_name(b), store_rstd=want_rstd,
                          layernorm=True, store_mean=want_mean, out_dtype=dtype_name(x), few=few_rows(M))
-        fn = compiled_forward(_windowed(key, M, ldx == N, device))
+        fn = compiled_forward(_windowed(key, ldx == N))
         stream = stream_of(device)
 
     def run(a):
@@ -254,10 +253,10 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         new_shares = allocator((M, chunks, 2), F32, device)
     else:
         few = few_rows(M)
-        launch, accesses = (backward_launch(N, bits, arch, layernorm, few, values, dres is not None)
-                            for values in (True, False))
-        values = heads > 1 or values_pay(M, launch, accesses, device)  # per-head rows: as check_backward's
-        launch = launch if values else accesses
+        # a narrow row's budget counted in values whatever the rows (batch invariance: the launch counting
+        # accesses, faster at a few hundred rows, splits a row otherwise)
+        values = True
+        launch = backward_launch(N, bits, arch, layernorm, few, values, dres is not None)
         if heads > 1:
             launch = head_launch(launch, heads)
         ctas, parts, most = backward_grid(launch, M, device, backward_tpsm(N, bits, arch, layernorm, few))

@@ -6,7 +6,7 @@ import torch
 from .compile import stream_of
 from .host import dense, dtype_name, row_layout, vec_for, width_reason, window_key
 from .launch_table import few_rows
-from .softmax import SoftmaxKey, compiled_softmax, softmax_launch_of, softmax_window
+from .softmax import SoftmaxKey, compiled_softmax, softmax_window
 
 DENSE = torch.contiguous_format
 
@@ -37,7 +37,7 @@ def _plan(mode: str, first: str, second: str | None):
             ldb = lda
         key = SoftmaxKey(mode, dtype_name(x), N, arch, few=few_rows(M))
         if lda == N:  # rows off 16-byte boundaries through aligned windows: the output's rows at x's offsets
-            key = window_key(key, M, softmax_window, softmax_launch_of, x.device)
+            key = window_key(key, softmax_window)
         fn = compiled_softmax(key)
         stream = stream_of(x.device)
 

@@ -12,6 +12,7 @@ from .fp8 import *  # noqa: F401,F403
 from .norms import *  # noqa: F401,F403
 from .nvfp4 import *  # noqa: F401,F403
 from .softmax import *  # noqa: F401,F403
+from .vllm_fp8 import *  # noqa: F401,F403  (vLLM's ops: torch.ops.oink.<name> only, not in __all__)
 
 __all__ = [*norms.__all__, *softmax.__all__, *cross_entropy.__all__, *nvfp4.__all__, *fp8.__all__]
 # every op's bench entry, by name (each family module's, beside its references; see .bench)

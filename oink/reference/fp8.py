@@ -174,7 +174,7 @@ def silu_mul_fp8quant(x: Tensor, scale: Tensor | None = None, group_size: int = 
 
 # ---- bench entries (``.bench``: pytest_oink builds each op's benchmark spec from its own) ----
 # (e4m3 codes, fp32 scales): the fp8 suite's ops
-FP8_SUITES = ("fp8", "smoke", "launch", "random")
+FP8_SUITES = ("fp8", "smoke", "launch", "random", "invariance")
 
 
 def _x_inputs(M, N, dtype, device, gen):
@@ -189,7 +189,7 @@ def _silu_inputs(M, N, dtype, device, gen):
 # rmsnorm(x) * weight of the entries' normal inputs (x and weight) reaches about 18 at the suite's sizes, codes
 # of about 350 at this scale: they span e4m3's range without saturating
 STATIC_SCALE = 0.05
-STATIC_SUITES = ("fp8", "random")  # the static entries' suites: the fp8 suite (FlashInfer's peers) and random
+STATIC_SUITES = ("fp8", "random", "invariance")  # the static entries' suites: fp8 (FlashInfer's peers), random
 
 
 def _with_static_scale(inputs):

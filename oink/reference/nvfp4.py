@@ -222,7 +222,7 @@ def mxfp4_dequantize(q: Tensor, sf: Tensor, swizzled: bool = False) -> Tensor:
 # ---- bench entries (``.bench``: pytest_oink builds each op's benchmark spec from its own) ----
 # FP4 ops have no peer kernel in the quack and dsv3 suites (Quack's, DeepSeek's shapes for the norms,
 # softmax and cross-entropy): their numbers at scale are the nvfp4 suite's
-FP4_SUITES = ("nvfp4", "sweep", "smoke", "launch", "random")
+FP4_SUITES = ("nvfp4", "sweep", "smoke", "launch", "random", "invariance")
 MX_FUSED_GATE = ("mxfp4_block_ratio", "nvfp4_code_step")  # (code ratios, scale bytes)
 
 
