@@ -16,3 +16,7 @@ SCALED_SILU = OpSpec(
 def test_scaled_silu(oink_measure, M, N):
     row = oink_measure(SCALED_SILU, lambda a: (torch.nn.functional.silu(a["x"]) * 2,), M, N, name="scaled_silu")
     assert row.status == "ok" and row.median_s > 0
+
+
+def test_scaled_silu_is_batch_invariant(oink_batch_invariance):
+    oink_batch_invariance(SCALED_SILU, lambda a: (torch.nn.functional.silu(a["x"]) * 2,), 1024)
