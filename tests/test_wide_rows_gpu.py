@@ -222,6 +222,7 @@ def test_one_row_backward_writes_dweight_directly(layernorm, weight, N, path):
     import torch
 
     import oink
+    import oink.ops  # noqa: F401  (the declarations name each op's kernels to dispatch.launch)
     from oink.dispatch import launch
     from oink.kernels.compile import CACHE
     from oink.reference import norms
@@ -274,7 +275,8 @@ SEVERAL_ROWS_NS = (200, 300, 368, 424, 469, 578, 680, 750, 904)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("N", SEVERAL_ROWS_NS)
 def test_backward_of_several_rows_a_cta_runs_correctly(N, dtype):
-    """16-bit rows, enough of them (5000) that the budget counts values (``host.values_pay``): 32-64 threads a row."""
+    """16-bit rows whose budget counts values (at every row count: batch invariance), 5000 of them: 32-64 threads a
+    row."""
     ran = _gated_launches("rmsnorm_backward", N, dtype, 5000)
     assert any(L[1] > L[0] for L in ran), f"no launch of several rows a CTA ran: {ran}"
 

@@ -50,7 +50,7 @@ def softcap_form(mode: str, options: CEOptions, stream: bool) -> str | None:
 
 # A register-held forward row takes one CTA of this many threads, each holding up to HELD_MAX_UNITS
 # accesses: few threads a row, each with many loads in flight, many CTAs a SM (Quack's rule holds rows
-# so too); wider forward rows stream (bench/RESULTS.md, "Cross-entropy forward")
+# so too); wider forward rows stream (CHANGELOG.md)
 HELD_THREADS = 64
 HELD_MAX_UNITS = 18
 # fp32 forward rows stream past this many accesses: held over the older rule's CTAs up to here, they were as
