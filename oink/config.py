@@ -54,10 +54,6 @@ class Config:
     # host (the cross-entropy target range: one sync a call, costlier than the rest of the call). Off by
     # default: the kernels give a bad target's row a NaN loss and NaN dlogits; the reference raises.
     check_values: bool
-    # OINK_WINDOWS=1: rows off 16-byte boundaries (widths not a multiple of 16 bytes) read through aligned
-    # windows where the rule gives one: faster at many rows, but a window's threads split a row by its offset
-    # from a 16-byte boundary, which depends on the row's index in the batch, so ops give up batch invariance
-    windows: bool
     # ---- development settings (``override``; DEV_DEFAULTS): None or the default is the rule's choice
     fwd_upt: int | None = None  # norm forward units a thread (a sweep's dial)
     fwd_late: bool | None = None  # norm forward loads weight/bias after the reduction (forced either way)
@@ -72,6 +68,9 @@ class Config:
     ln_pivot: bool | None = None  # LayerNorm forward's moments in one round about a pivot (forced where it can be)
     ce_stream: bool | None = None  # the cross-entropy kernels stream their rows (forced either way)
     lce_overlap: bool | None = None  # linear cross-entropy: dweight's matmul on a side stream (forced either way)
+    # rows off 16-byte boundaries read through aligned windows where the rule has one (on); off by default: a
+    # window's threads split a row by its offset from a 16-byte boundary, its index in the batch (batch invariance)
+    windows: bool | None = None
 
 
 DEV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not dataclasses.MISSING}
@@ -104,8 +103,7 @@ def _from_env() -> Config:
         force_reference=truthy(env("OINK_FORCE_REFERENCE")), arch=env("OINK_ARCH") or None,
         keep_cubin=truthy(env("OINK_KEEP_CUBIN")), pdl=env("OINK_PDL", "1") != "0",
         tvm_ffi=env("OINK_TVM_FFI", "1") != "0" and importlib.util.find_spec("tvm_ffi") is not None,
-        cache_dir=_cache_dir(), check_values=truthy(env("OINK_CHECK_VALUES")), windows=truthy(env("OINK_WINDOWS")),
-        **DEV)
+        cache_dir=_cache_dir(), check_values=truthy(env("OINK_CHECK_VALUES")), **DEV)
 
 
 CONFIG = _from_env()

@@ -35,20 +35,19 @@ class Route:
         return f"{self.op}: {self.backend} ({self.reason})"
 
 
-# op -> a function returning the kernel module serving it (``kernels=`` of the op declarations in
-# ``oink.ops``, which imports the module there). A kernel module (imported only on a supported GPU,
-# since it imports cutlass) exposes CHECKS[op](args, arch) -> None | reason, and PLANS[op](arch, args)
-# -> the launch prepared for the layout of ``args`` (dtypes, shapes, strides, alignment, scalar values):
-# a function of the arguments (any of that layout) returning the op's outputs. It is the only launch.
+# op -> a function returning the kernel module serving it: the table the declarations fill (``kernels=``
+# of each op's declaration, ``oink.declare``; Oink's are in ``oink.ops``, which imports the module there)
+# and the routes read. Dispatch never imports the declarations: a caller that launches by op name before
+# calling any op (``launch``, ``prepare``: tests, tools) imports ``oink.ops`` first. A kernel module
+# (imported only on a supported GPU, since it imports cutlass) exposes CHECKS[op](args, arch) -> None |
+# reason, and PLANS[op](arch, args) -> the launch prepared for the layout of ``args`` (dtypes, shapes,
+# strides, alignment, scalar values): a function of the arguments (any of that layout) returning the
+# op's outputs. It is the only launch.
 KERNEL_MODULES: dict[str, Callable[[], ModuleType]] = {}
 
 
 def _kernel_module(op: str) -> ModuleType | None:
     load = KERNEL_MODULES.get(op)
-    if load is None and not KERNEL_MODULES:  # a launch (tests, tools) before any op was declared
-        from . import ops  # noqa: F401  (the declarations fill KERNEL_MODULES)
-
-        load = KERNEL_MODULES.get(op)
     return None if load is None else load()
 
 
@@ -108,7 +107,11 @@ def _route_device(op: str, device: torch.device, args: dict) -> Route:
 def prepare(op: str, arch: str, args: dict) -> Callable:
     """``op``'s kernel launch on ``arch`` prepared for the layout of ``args`` (its compiled functions,
     grid, copies and output layouts chosen once): call it with ``args`` or any of the same layout."""
-    return _kernel_module(op).PLANS[op](arch, args)
+    module = _kernel_module(op)
+    if module is None:
+        raise LookupError(f"no kernel module for {op!r}: no declaration names one"
+                          + ("" if KERNEL_MODULES else " (none imported yet: import oink.ops first)"))
+    return module.PLANS[op](arch, args)
 
 
 def launch(op: str, arch: str, **args):

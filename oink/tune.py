@@ -3,7 +3,7 @@
 ``python -m oink.tune --ops ... --widths ...`` writes the user's overlay (``launch_table.overlay_path``,
 beside the compiled kernels' cache), which the library reads at import over the shipped table;
 ``scripts/tune_launch.py`` writes the shipped table (``oink/kernels/launch_table.json``). Needs a CUDA GPU
-and the plugin's stack (``pip install 'oink[test]'``): every trial passes the benchmark's gate first.
+(not the plugin's stack): every trial passes the benchmark's gate first (``oink.measure``, the plugin's too).
 The table is written once, whole, when the search ends: a failed or interrupted search leaves it as it
 was (what it found so far is in ``<out>.partial``, and every trial in ``--log``).
 
@@ -44,18 +44,27 @@ from pathlib import Path
 import torch
 
 import oink
+import oink.ops  # noqa: F401  (the declarations name each op's kernels to dispatch: scripts prepare launches by name)
 from oink import config
 from oink.kernels import launch_table
 from oink.kernels.compile import CACHE
 from oink.kernels.fp8 import UNIT as FP8_UNIT
 from oink.kernels.rmsnorm import ran_staged
-from pytest_oink.bench_runner import _inputs, gate
-from pytest_oink.providers import SPECS, build
-from pytest_oink.suites import Case
-from pytest_oink.timing import Rotation, copies_for_cold_cache, median, time_cuda_graph
+from oink.measure.gate import Case, gate, spec_of
+from oink.measure.gate import inputs as _inputs
+from oink.measure.timer import Rotation, copies_for_cold_cache, median, time_cuda_graph
 
 ODD_ROWS = 37  # a partial last CTA for every rows-per-CTA the candidates use
 ODD_FEW_ROWS = 29  # the same within launch_table.FEW_ROWS (the "/few" keys)
+
+
+def spec_and_run(op: str):
+    """``op``'s bench spec (from its entry in ``oink.reference.BENCH``) and its Oink call: what the benchmark's
+    provider "oink" gates and times."""
+    from oink.reference import BENCH
+
+    spec = spec_of(BENCH[op])
+    return spec, lambda a: spec.oink(oink, a)
 
 
 def time_op(spec, run, case, dtype, device) -> float:
@@ -201,7 +210,7 @@ def _tune(ap, a) -> int:
     data.setdefault("runs", []).append(record)
     searched = {}  # (key, arch, width) -> the op that searched it in this run
     for op in a.ops.split(","):
-        spec, run = SPECS[op], build(op, "oink", device)
+        spec, run = spec_and_run(op)
         for N in (int(n) for n in a.widths.split(",")):
             for (key, arch, width), default in keys_of(spec, run, rows[0], N, dtype, device).items():
                 if not first_search(searched, (key, arch, width), op):

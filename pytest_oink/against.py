@@ -123,7 +123,10 @@ class OtherTree:
         if cache is not None:  # its compiles are its own (the cache off stays off)
             env["OINK_CACHE_DIR"] = str(cache)
         harness = str(Path(__file__).resolve().parents[1])
-        code = f"import sys; sys.path.insert(0, {harness!r}); from pytest_oink.against import worker_main; worker_main()"
+        # this session's Oink imported first, from its tree (the harness's modules import oink.measure from it),
+        # then the harness, pytest_oink, from this file's tree
+        code = (f"import os, sys; sys.path.insert(0, os.environ['OINK_AGAINST_THIS']); import oink; "
+                f"sys.path[0] = {harness!r}; from pytest_oink.against import worker_main; worker_main()")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, text=True)
         clocks.own_pid(self.proc.pid)  # its rounds on the GPU do not make this session's rows shared
@@ -290,6 +293,7 @@ def worker_main() -> None:
     more; {"cmd": "done"} frees the row; {"cmd": "quit"} ends."""
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # kernels' and libraries' prints must not break the protocol
+    from . import bench_runner  # noqa: F401  (the gate and the timers: this tree's oink.measure, bound before the swap)
     from .providers import specs
 
     clocks.own_pid(os.getppid())  # the session times on the same GPU: its work does not make a row shared

@@ -1,90 +1,24 @@
-"""One benchmark row: correctness gate on 3 independently seeded inputs, then timing."""
+"""One benchmark row: correctness gate on 3 independently seeded inputs (``oink.measure.gate``'s, re-exported
+here), then timing."""
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import pytest
 
+# the gate, the inputs it draws and its out-of-memory refusals: oink.measure.gate's (the tuner's too)
+from oink.measure.gate import _EXPECTED, GATE_MAX_ELEMS, GATE_SEEDS, gate  # noqa: F401
+from oink.measure.gate import inputs as _inputs
+from oink.measure.gate import refusing_out_of_memory
+
 from . import modes, options, regression
-from .gate import compare
 from .providers import LABELS, SPECS, Unavailable, build
 from .report import Row
 from .state import ROWS, STATE
 from .suites import CHECKS_INVARIANCE, HOST_TIMED
 from .timing import (Rotation, copies_for_cold_cache, eager_calls_for, feed_benchmark, median, relative_spread,
                      time_cuda_graph, time_eager_calls, time_host)
-from .tolerances import tolerance
 from .verdicts import retime_while_unsure
-
-GATE_SEEDS = (1, 2, 3)
-# The gate checks at most this many elements per input: huge shapes are gated on their first
-# rows (same compiled kernel: M is a runtime argument), keeping fp32 references within memory
-# and the suites' gate time small next to their timing.
-GATE_MAX_ELEMS = 2**25
-# The reference outputs of the case being gated, per seed: every provider of a case is compared
-# with the same ones (the eager reference of the FP4 ops is slow: computed once, not per provider).
-_EXPECTED: dict = {}
-
-
-def _clone(args):
-    import torch
-
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-
-
-def _inputs(spec, case, dtype, device, seed):
-    import torch
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return spec.make_inputs(case.M, case.N, dtype, device, gen)
-
-
-def _first_line(e: Exception) -> str:
-    text = f"{type(e).__name__}: {e}"
-    return text.splitlines()[0][:300]
-
-
-def provider_compile_failed(e: Exception) -> bool:
-    """A torch.compile backend that cannot compile the reference (e.g. Inductor on CPU has no type for
-    float8_e8m0fnu): the provider is unavailable here, not wrong."""
-    try:
-        from torch._dynamo.exc import BackendCompilerFailed
-        from torch._inductor.exc import InductorError
-    except ImportError:  # another torch layout: judge by name
-        return type(e).__name__ in ("BackendCompilerFailed", "InductorError")
-    return isinstance(e, (BackendCompilerFailed, InductorError))
-
-
-def out_of_memory(e: Exception) -> bool:
-    import torch
-
-    return isinstance(e, torch.cuda.OutOfMemoryError)
-
-
-def refusal(error_line: str) -> str:
-    """An out-of-memory error (its first line) as the reason a row was not run, the memory it held
-    freed first: a provider that needs more memory than the device has at a shape refuses it, it
-    does not fail. Called outside the ``except`` block, so the error's frames are gone."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    torch.cuda.empty_cache()
-    return f"out of memory at this shape ({error_line[:200]})"
-
-
-def refusing_out_of_memory(call, what: str = ""):
-    """``call()``; out of memory in it raises Unavailable (a refusal, ``what`` before its reason), raised after
-    the ``except`` block so that the error's frames, and the tensors they hold, are gone first."""
-    try:
-        return call()
-    except Exception as e:  # noqa: BLE001  (re-raised unless it is an out-of-memory refusal)
-        if not out_of_memory(e):
-            raise
-        oom = _first_line(e)
-    raise Unavailable(what + refusal(oom))
 
 
 def peak_memory(run, args, device) -> int | None:
@@ -102,75 +36,6 @@ def peak_memory(run, args, device) -> int | None:
     torch.cuda.synchronize(device)
     del out
     return torch.cuda.max_memory_allocated(device) - base
-
-
-def _outputs(out) -> tuple:
-    """A callable's outputs as a tuple: a single tensor returned bare is one output (``len`` of a
-    tensor would count its rows)."""
-    import torch
-
-    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
-
-
-def gate(spec, run, case, dtype, device) -> dict:
-    """Worst error stats over the seeds; ``passed`` False if any output of any seed fails or the
-    provider raises (the exception is the report)."""
-    rows = max(1, min(case.M, GATE_MAX_ELEMS // max(case.N, 1)))
-    if 8 < rows < case.M:
-        rows -= rows % 8  # capped: whole 8-row groups, as the suites' M are (peers' matmul paths need them)
-    case = dataclasses.replace(case, M=rows)
-    worst = {"passed": True, "max_abs": 0.0, "rel_l2": 0.0, "p99_abs": 0.0, "rows_checked": rows}
-    for seed in GATE_SEEDS:
-        args = _inputs(spec, case, dtype, device, seed)
-        key = (id(spec), case.op, case.M, case.N, str(dtype), str(device), seed)
-        held = _EXPECTED.get(key)
-        if held is not None and held[0] is spec:  # the spec is held too, so its id is not reused
-            expected = held[1]
-        else:
-            if seed == GATE_SEEDS[0]:
-                _EXPECTED.clear()  # one case's outputs at a time
-            # no reference, no gate: the row is not run
-            expected = refusing_out_of_memory(lambda: spec.reference(_clone(args)), "the reference: ")
-            _EXPECTED[key] = (spec, expected)
-        oom = None
-        try:
-            actual = run(_clone(args))
-        except Unavailable:  # a provider that finds it can't serve these inputs says so
-            raise
-        except Exception as e:  # noqa: BLE001  (a crashing provider is a failed row, not a crashed session)
-            if provider_compile_failed(e):
-                raise Unavailable(f"torch.compile could not compile it here: {_first_line(e)}") from None
-            if not out_of_memory(e):
-                worst["passed"] = False
-                worst["report"] = f"seed {seed}: raised {type(e).__name__}: {e}"
-                return worst
-            oom = _first_line(e)
-        if oom is not None:  # raised here, its frames (and their tensors) gone with the exception
-            raise Unavailable(refusal(oom))
-        actual, expected = _outputs(actual), _outputs(expected)
-        if len(actual) != len(expected):
-            worst["passed"] = False
-            worst["report"] = f"seed {seed}: {len(actual)} outputs, expected {len(expected)}"
-            return worst
-        if spec.gate_view is not None:
-            actual, expected = spec.gate_view(actual), spec.gate_view(expected)
-        families = spec.family if isinstance(spec.family, tuple) else (spec.family,) * len(expected)
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            if tuple(a.shape) != tuple(e.shape):
-                worst["passed"] = False
-                worst["report"] = f"seed {seed}: output {i} has shape {tuple(a.shape)}; expected {tuple(e.shape)}"
-                return worst
-            atol, rtol = tolerance(families[i], e.dtype)
-            if families[i] == "weight_grad":  # sums over rows: absolute error grows with the magnitude
-                atol *= max(1.0, float(e.float().abs().max()))
-            st = compare(a, e, atol, rtol)
-            for k in ("max_abs", "rel_l2", "p99_abs"):
-                worst[k] = max(worst[k], getattr(st, k))
-            if not st.passed:
-                worst["passed"] = False
-                worst["report"] = st.report(f"seed {seed}, output {i}")
-                return worst
-    return worst
 
 
 def _check_invariance(config, row, spec, run, dtype, device) -> None:

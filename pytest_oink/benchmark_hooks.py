@@ -4,38 +4,9 @@ from __future__ import annotations
 
 def pytest_benchmark_update_machine_info(config, machine_info):
     """GPU name, capability, driver and library versions in --benchmark-json's machine_info."""
-    import importlib.metadata as md
+    from .machine import fill_machine_info
 
-    info = {}
-    for pkg in ("torch", "nvidia-cutlass-dsl", "quack-kernels", "liger-kernel", "flashinfer-python", "triton", "oink"):
-        try:
-            info[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    machine_info["oink_versions"] = info
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            p = torch.cuda.get_device_properties(torch.cuda.current_device())
-            machine_info["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}",
-                                   "multiprocessors": p.multi_processor_count, "memory_bytes": p.total_memory,
-                                   "cuda": torch.version.cuda, "driver": _driver_version()}
-        else:
-            machine_info["gpu"] = None
-    except Exception as e:  # noqa: BLE001  (machine info must never fail a session)
-        machine_info["gpu_error"] = repr(e)
-
-
-def _driver_version():
-    try:
-        import subprocess
-
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    fill_machine_info(machine_info)
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):

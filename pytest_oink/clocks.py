@@ -245,7 +245,7 @@ class Watch:
 def summary(rows) -> str | None:
     """'2 of 40 rows timed while the GPU was held down ...' for the summaries; None where no row's
     clocks were read."""
-    from .report import row_title
+    from .suites import row_title
 
     watched = [r for r in rows if r.clocks or r.throttled]
     if not watched:

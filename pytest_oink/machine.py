@@ -13,7 +13,7 @@ IDENTITY = ("GPU", "driver", "CUDA", "torch", "CuTeDSL")
 
 
 def identity(info: dict) -> dict | None:
-    """The IDENTITY fields of a machine_info (as benchmark_hooks writes it); None where it names no
+    """The IDENTITY fields of a machine_info (as fill_machine_info writes it); None where it names no
     machine (our rows JSON), a field None where it is not recorded."""
     if not info or ("gpu" not in info and "oink_versions" not in info):
         return None
@@ -37,11 +37,46 @@ def mismatches(baseline: dict | None, here: dict | None) -> list[str]:
 
 
 def this_machine() -> dict:
-    from .benchmark_hooks import pytest_benchmark_update_machine_info
-
     info: dict = {}
-    pytest_benchmark_update_machine_info(None, info)
+    fill_machine_info(info)
     return info
+
+
+def fill_machine_info(machine_info: dict) -> None:
+    """GPU name, capability, driver and library versions into ``machine_info`` (pytest-benchmark's, where
+    --benchmark-json writes it: benchmark_hooks; or this_machine's)."""
+    import importlib.metadata as md
+
+    info = {}
+    for pkg in ("torch", "nvidia-cutlass-dsl", "quack-kernels", "liger-kernel", "flashinfer-python", "triton", "oink"):
+        try:
+            info[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    machine_info["oink_versions"] = info
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(torch.cuda.current_device())
+            machine_info["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}",
+                                   "multiprocessors": p.multi_processor_count, "memory_bytes": p.total_memory,
+                                   "cuda": torch.version.cuda, "driver": _driver_version()}
+        else:
+            machine_info["gpu"] = None
+    except Exception as e:  # noqa: BLE001  (machine info must never fail a session)
+        machine_info["gpu_error"] = repr(e)
+
+
+def _driver_version():
+    try:
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def check_baseline(config, path: str, baseline_info: dict) -> None:

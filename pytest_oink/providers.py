@@ -1,4 +1,5 @@
-"""Registry mapping (op, provider) to a callable builder, and the per-op benchmark specs.
+"""The builders of Oink, torch eager, torch.compile and the peers for each op (registered in
+``registry``: (op, provider) -> a callable builder), and the per-op benchmark specs.
 
 A spec makes inputs (keyword arguments of the op's reference signature), computes the fp32
 reference outputs, and counts the bytes the op must move. Oink's ops declare theirs beside their
@@ -14,112 +15,19 @@ builders only.
 from __future__ import annotations
 
 import importlib
-import importlib.util
-from dataclasses import dataclass
-from typing import Callable
+
+# the spec type and the gate's views (oink.measure.gate: the tuner builds its specs there too), the registry
+from oink.measure.gate import GATE_VIEWS, OpSpec, Unavailable, spec_of  # noqa: F401
+from oink.measure.gate import _fp4_code_steps, _fp8_code_steps, _mx_block_ratios  # noqa: F401
+from oink.measure.gate import reference_module as _R
+
+from . import training
+from .registry import LABELS, PROVIDERS, provider  # noqa: F401
+from .registry import compiled as _compiled
+from .registry import needs_cuda as _needs_cuda
+from .registry import peer as _peer
 
 EPS = 1e-6  # the bench entries' (oink/reference/bench.py)
-
-
-class Unavailable(Exception):
-    """The provider can't run this op here (the message says why)."""
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    family: str | tuple  # tolerance family, or one per output
-    make_inputs: Callable  # (M, N, dtype, device, gen) -> dict of reference kwargs
-    reference: Callable  # args -> tuple of outputs (fp32 arithmetic)
-    nbytes: Callable  # (M, N, elem_size) -> bytes moved
-    mutates: tuple = ()  # in-place ops: names of the args that are the outputs
-    gate_view: Callable | None = None  # outputs -> what the gate compares (both sides), if not the outputs
-    oink: Callable = None  # (oink module, args) -> outputs: the op through Oink's public API
-    block: int = 1  # N must be a multiple of it (the FP4 blocks, FP8 groups)
-    only_in: tuple = ()  # the suites that run it (empty: every suite)
-    # whether the provider "oink" promises batch invariance for it, or (N, torch dtype) -> that promise at a width
-    # (oink.batch_invariant): with --oink-batch-invariance an Oink row that breaks a promise fails; any other
-    # provider's verdict, and one not promised, is reported
-    batch_invariant: bool | Callable = False
-
-    def __post_init__(self):
-        # a misspelt family would silently gate with the dtype's default bounds
-        from .tolerances import FAMILIES
-
-        for family in self.family if isinstance(self.family, tuple) else (self.family,):
-            if family not in FAMILIES:
-                raise ValueError(f"OpSpec: unknown tolerance family {family!r}; known: {', '.join(FAMILIES)}")
-
-
-def _fp4_code_steps(outputs):
-    """(q, sf) -> (signed E2M1 magnitude index per element, scale byte as a number): one step
-    of either is 1.0 (E4M3 bytes of positive scales are ordered), and -0/+0 codes compare equal.
-    The fused ops compute v in another order than the reference, and the unfused peer rounds y
-    to x's dtype before quantizing, so the gate holds both to one step; the GPU tests hold the
-    fused kernels to exact scales and >= 99.9% exact codes."""
-    import torch
-
-    q, sf = outputs[0], outputs[1]
-    codes = torch.stack([q & 0xF, q >> 4], -1).reshape(q.shape[0], -1).float()
-    signed = torch.where(codes >= 8, -(codes - 8), codes)
-    return signed, sf.view(torch.uint8).float()
-
-
-def _mx_block_ratios(outputs):
-    """(q, sf) -> (each signed E2M1 value over its block's largest magnitude, scale byte). Fused
-    MXFP4 ops may pick the next power-of-two scale where their fp32 amax and the reference's fall
-    on either side of a power of two (often, for a peer that rounds v to bf16 first), which moves
-    every code of the block; the ratio moves little (see the tolerance table), and the scale byte
-    by one. The GPU tests hold the fused kernels to one code step where the scales agree."""
-    import torch
-
-    from oink.reference.nvfp4 import E2M1_VALUES
-
-    q, sf = outputs[0], outputs[1]
-    codes = torch.stack([q & 0xF, q >> 4], -1).reshape(q.shape[0], -1).long()
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=q.device)
-    vals = table[codes].reshape(q.shape[0], -1, 32)
-    top = vals.abs().amax(-1, keepdim=True)
-    ratio = torch.where(top > 0, vals / top.clamp_min(0.5), torch.zeros_like(vals))
-    return ratio.reshape(q.shape[0], -1), sf.view(torch.uint8).float()
-
-
-def _fp8_code_steps(outputs):
-    """(q, scales) -> (signed e4m3 ordinal per element, scales): one ordinal step is one code
-    step (positive e4m3 bytes are ordered), -0 and +0 compare equal. Fused ops round v in another
-    order than the reference, so the gate holds codes to one step and scales to the tolerance
-    table's; the GPU tests hold the plain quantizers to bit-exact codes and scales."""
-    import torch
-
-    b = outputs[0].view(torch.uint8).reshape(outputs[0].shape[0], -1).int()
-    signed = torch.where(b >= 128, -(b - 128), b).float()
-    return signed, outputs[1].float()
-
-
-def _R():
-    return importlib.import_module("oink.reference")
-
-
-# the views a bench entry's gate may compare instead of the outputs (``Bench.gate_view``)
-GATE_VIEWS = {"fp4_code_steps": _fp4_code_steps, "mx_block_ratios": _mx_block_ratios,
-              "fp8_code_steps": _fp8_code_steps}
-
-
-def spec_of(b) -> OpSpec:
-    """An Oink op's spec from its bench entry (``oink.reference.bench.Bench``): the reference is the entry's
-    call on ``oink.reference``, the Oink call the same on ``oink`` (or the entry's own), each module found
-    when called (an --oink-against worker's are the other tree's)."""
-    view = None
-    if b.gate_view is not None:
-        if b.gate_view not in GATE_VIEWS:
-            raise ValueError(f"unknown gate view {b.gate_view!r}; known: {', '.join(GATE_VIEWS)}")
-        view = GATE_VIEWS[b.gate_view]
-    return OpSpec(b.family, b.inputs, lambda a: b.call(_R(), a), b.nbytes, mutates=b.mutates, gate_view=view,
-                  oink=b.oink or b.call, block=b.block, only_in=b.only_in, batch_invariant=_aligned_rows)
-
-
-def _aligned_rows(N: int, dtype) -> bool:
-    """Oink's promise of batch invariance at a width: rows of a multiple of 16 bytes (oink.batch_invariant)."""
-    return N * dtype.itemsize % 16 == 0
 
 
 def specs() -> dict:
@@ -129,15 +37,13 @@ def specs() -> dict:
     if built is None:
         from oink.reference import BENCH
 
-        from . import training
-
         _ENTRIES.update(BENCH)
         built = {op: spec_of(b) for op, b in BENCH.items()}
         for op in built:
             for name, builder in (("oink", _oink_builder), ("torch", _torch_builder),
                                   ("torch.compile", _compile_builder)):
                 PROVIDERS.setdefault((op, name), builder(op))  # one registered before stays
-        built.update(training.SPECS)
+        built.update(training.register())  # the training suite's providers too
         globals()["SPECS"] = built
     return built
 
@@ -154,59 +60,6 @@ def __getattr__(name: str):
 
 
 # ------------------------------------------------------------------------------ providers
-PROVIDERS: dict[tuple[str, str], Callable] = {}
-LABELS: dict[tuple[str, str], str] = {}  # (op, provider) -> note shown in reports
-
-
-def provider(op: str, name: str, label: str = ""):
-    def deco(builder):
-        PROVIDERS[(op, name)] = builder
-        if label:
-            LABELS[(op, name)] = label
-        return builder
-
-    return deco
-
-
-def _peer(module: str, pip_name: str):
-    if importlib.util.find_spec(module.split(".")[0]) is None:
-        raise Unavailable(f"{pip_name} not installed")
-    try:
-        return importlib.import_module(module)
-    except Exception as e:  # noqa: BLE001  (a peer that fails to import is unavailable, with its reason)
-        raise Unavailable(f"{pip_name} failed to import: {e}") from None
-
-
-def _needs_cuda(device):
-    if device.type != "cuda":
-        raise Unavailable("GPU-only provider; no CUDA device")
-
-
-_PARAMS = ("weight", "bias", "scale")  # inputs whose first dim is never the rows (N; a static scale's 1)
-
-
-def _compiled(fn, *first):
-    """torch.compile of ``fn(*first, args)`` with the rows dimension marked dynamic on first sight (torch's
-    ``maybe_mark_dynamic``: Inductor may still specialize it): one compile serves every M, as the
-    automatic-dynamic recompile of torch's default would from the second M on, without compiling a
-    static kernel first. N stays static."""
-    import torch
-
-    compiled = torch.compile(fn)
-    mark = torch._dynamo.maybe_mark_dynamic
-
-    def run(a):
-        x = next(v for v in a.values() if isinstance(v, torch.Tensor))
-        rows = x.shape[0] if x.dim() > 1 else None
-        for name, v in a.items():
-            if (rows is not None and isinstance(v, torch.Tensor) and name not in _PARAMS and v.dim()
-                    and v.shape[0] == rows and not hasattr(v, "_dynamo_weak_dynamic_indices")):
-                mark(v, 0)
-        return compiled(*first, a)
-
-    return run
-
-
 def _oink_builder(op: str):
     def build(device):
         import oink
@@ -696,5 +549,3 @@ def build(op: str, name: str, device):
         raise Unavailable(f"no provider {name!r} for {op}") from None
     return builder(device)
 
-
-from . import training  # noqa: E402,F401  (registers the training suite's providers; specs() adds its specs)

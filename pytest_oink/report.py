@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from .modes import DEFAULT, of_method
 from .modes import describe as describe_modes
+from .suites import row_title
 
 CSV_FIELDS = ("suite", "seed", "op", "provider", "label", "M", "N", "dtype", "device", "status", "method", "mode",
               "median_ms", "min_ms", "spread", "bytes", "tbs", "roofline_frac", "max_abs_err", "rel_l2_err",
@@ -470,10 +471,6 @@ class Comparison(NamedTuple):
     def verdicts(self) -> dict:
         """{row key: FASTER / SAME / SLOWER / UNSURE} of every compared row (--oink-history marks them)."""
         return {r.key: v.name for r, v, *_ in self.table}
-
-
-def row_title(r) -> str:
-    return f"{r.op} {r.M}x{r.N} {r.dtype} {r.provider}"
 
 
 def gated(r, providers=("oink",), gate_cpu: bool = False) -> bool:

@@ -1,9 +1,11 @@
-"""Hypothesis strategies for shapes, dtypes and layouts, and the settings profiles.
+"""Hypothesis strategies for shapes, dtypes, layouts and magnitudes, and the settings profiles.
 
 Shapes are bucketed: N comes from a short list per op (each N is a compile of a kernel), M is
 free (M never recompiles). Profiles: ``oink-ci`` (few examples, derandomized: stable on CI) and
 ``oink-gpu`` (more examples, no deadline: first calls compile kernels)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -39,13 +41,36 @@ def layouts():
     return st.sampled_from(LAYOUTS)
 
 
-def make_tensor(M: int, N: int, dtype, layout: str, device="cpu", seed: int = 0):
+@dataclass(frozen=True)
+class Magnitude:
+    """How large ``make_tensor``'s values are: unit Gaussians times ``scale``, each row times
+    10^u for u uniform in [-row_decades, row_decades]; the factors stay within [1e-4, 1e4] and
+    values within the dtype's finite range (fp16's max is 65504: a 1e4 factor comes near it)."""
+    scale: float = 1.0
+    row_decades: float = 0.0
+
+
+def magnitudes():
+    """Overall scales 1e-4 .. 1e4 (a power of ten), with rows spread over up to 2 decades each way."""
+    return st.builds(Magnitude, scale=st.integers(-4, 4).map(lambda k: 10.0**k),
+                     row_decades=st.sampled_from((0.0, 1.0, 2.0)))
+
+
+def make_tensor(M: int, N: int, dtype, layout: str, device="cpu", seed: int = 0, magnitude: Magnitude | None = None):
     """A random [M, N] tensor laid out as asked: dense, rows padded (stride(0) > N), or a view
-    whose storage starts at an element offset (misaligned base for vector loads)."""
+    whose storage starts at an element offset (misaligned base for vector loads). Unit Gaussians
+    unless a ``magnitude`` is given."""
     import torch
 
     g = torch.Generator(device=device).manual_seed(seed)
     pad = 8 if layout == "padded_rows" else 0
     off = 1 if layout == "offset_view" else 0
-    base = torch.randn(M * (N + pad) + off, generator=g, device=device).to(dtype)
-    return base[off:].view(M, N + pad)[:, :N]
+    base = torch.randn(M * (N + pad) + off, generator=g, device=device)
+    if magnitude is not None:
+        rows = base[off:].view(M, N + pad)
+        u = torch.rand(M, 1, generator=g, device=device) * 2 - 1
+        factor = (magnitude.scale * 10.0 ** (u * magnitude.row_decades)).clamp(1e-4, 1e4)
+        rows.mul_(factor)
+        big = torch.finfo(dtype).max
+        base.clamp_(-big, big)
+    return base.to(dtype)[off:].view(M, N + pad)[:, :N]

@@ -3,20 +3,15 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 
-@dataclass(frozen=True)
-class Case:
-    suite: str
-    op: str
-    M: int
-    N: int
-    dtype: str
-    seed: int | None = None  # the --oink-seed a random suite's shapes were drawn from
+from oink.measure.gate import Case  # noqa: F401  (a suite's case: the gate's and the tuner's too)
 
-    @property
-    def id(self) -> str:
-        return f"{self.op}-{self.M}x{self.N}-{self.dtype}"
+from .training import TRAINING_MODELS
+
+
+def row_title(r) -> str:
+    """A row's name in the summaries (report's, clocks'): its case's op, shape and dtype, and its provider."""
+    return f"{r.op} {r.M}x{r.N} {r.dtype} {r.provider}"
 
 
 def _quack_shapes():
@@ -137,18 +132,8 @@ def _invariance_shapes(op: str, seed: int, dtype: str = "bfloat16"):
     return [(1, N) for N in random_widths(op, seed)]
 
 
-# The training suite: lm heads of real models and their loss (linear cross-entropy, forward and
-# backward). op -> (model, vocabulary V, hidden H, logit softcap or None, tokens M a step). A case's N
-# is V (--oink-configs MxN: M tokens, vocabulary N, the op's hidden size). The largest M only where
-# the suite's time allows: each row is a few full training steps' lm heads.
-TRAINING_MODELS = {
-    "linear_cross_entropy_llama3": ("Llama-3 8B", 128256, 4096, None, (4096, 16384, 32768)),
-    "linear_cross_entropy_qwen7b": ("Qwen-2.5 7B", 151936, 3584, None, (4096, 16384)),
-    "linear_cross_entropy_qwen14b": ("Qwen-2.5 14B", 151936, 5120, None, (4096, 16384)),
-    "linear_cross_entropy_gemma2": ("Gemma-2 2B", 256000, 2304, 30.0, (4096, 16384)),
-}
-
-
+# The training suite: lm heads of real models and their loss (``training.TRAINING_MODELS``: each model's
+# tokens a step at its vocabulary).
 def _training_shapes(op: str):
     model = TRAINING_MODELS.get(op)
     return [(M, model[1]) for M in model[4]] if model else []

@@ -1,6 +1,6 @@
 """The training suite's specs and providers: an lm head and its loss (linear cross-entropy), forward
-and backward, per model of ``suites.TRAINING_MODELS`` (providers.SPECS takes them after the ops' own;
-the providers registered when providers is imported).
+and backward, per model of ``TRAINING_MODELS`` (``register`` registers the providers and returns the specs:
+providers.SPECS takes them after the ops' own).
 
 Every provider returns (loss, dhidden, dweight) of the "mean" loss from hidden [M, H], weight [V, H]
 and targets (10% ignored). The gate compares the loss, and each gradient as its shape (divided by its
@@ -11,8 +11,20 @@ so rows carry no bandwidth; the peak-memory column is what they are about. Impor
 peers happen inside builders only."""
 from __future__ import annotations
 
-from .providers import EPS, OpSpec, Unavailable, _compiled, _needs_cuda, _peer, provider  # noqa: F401
-from .suites import TRAINING_MODELS
+from oink.measure.gate import OpSpec, Unavailable
+
+from .registry import PROVIDERS, compiled, needs_cuda, peer, provider
+
+# The training suite: lm heads of real models and their loss (linear cross-entropy, forward and
+# backward). op -> (model, vocabulary V, hidden H, logit softcap or None, tokens M a step). A case's N
+# is V (--oink-configs MxN: M tokens, vocabulary N, the op's hidden size). The largest M only where
+# the suite's time allows: each row is a few full training steps' lm heads. (``suites`` takes its shapes.)
+TRAINING_MODELS = {
+    "linear_cross_entropy_llama3": ("Llama-3 8B", 128256, 4096, None, (4096, 16384, 32768)),
+    "linear_cross_entropy_qwen7b": ("Qwen-2.5 7B", 151936, 3584, None, (4096, 16384)),
+    "linear_cross_entropy_qwen14b": ("Qwen-2.5 14B", 151936, 5120, None, (4096, 16384)),
+    "linear_cross_entropy_gemma2": ("Gemma-2 2B", 256000, 2304, 30.0, (4096, 16384)),
+}
 
 IGNORE_INDEX = -100
 IGNORED_FRACTION = 0.1
@@ -103,7 +115,7 @@ def _torch_builder(device):
 
 
 def _compile_builder(device):
-    loss = _compiled(lambda a: _eager_loss(a["hidden"], a["weight"], a["target"], a["softcap"]))
+    loss = compiled(lambda a: _eager_loss(a["hidden"], a["weight"], a["target"], a["softcap"]))
     return _fwd_bwd(lambda h, w, t, cap: loss(dict(hidden=h, weight=w, target=t, softcap=cap)))
 
 
@@ -114,18 +126,18 @@ def _oink_builder(device):
 
 
 def _liger_builder(device):
-    _needs_cuda(device)
-    m = _peer("liger_kernel.transformers.functional", "liger-kernel")
+    needs_cuda(device)
+    m = peer("liger_kernel.transformers.functional", "liger-kernel")
     return _fwd_bwd(lambda h, w, t, cap: m.liger_fused_linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX,
                                                                             softcap=cap))
 
 
 def _quack_builder(op):
     def build(device):
-        _needs_cuda(device)
+        needs_cuda(device)
         if _model(op)[1] is not None:
             raise Unavailable("Quack's linear_cross_entropy has no logit softcap")
-        m = _peer("quack.linear_cross_entropy", "quack-kernels")
+        m = peer("quack.linear_cross_entropy", "quack-kernels")
 
         def loss(h, w, t, cap):
             if h.shape[0] % 8:  # its chunked path needs whole 8-row groups (TMA alignment)
@@ -137,9 +149,17 @@ def _quack_builder(op):
     return build
 
 
-for _op in TRAINING_MODELS:
-    provider(_op, "oink")(_oink_builder)
-    provider(_op, "torch", label="eager: bf16 logits, the loss on their fp32 copy (Hugging Face's)")(_torch_builder)
-    provider(_op, "torch.compile")(_compile_builder)
-    provider(_op, "liger", label="LigerFusedLinearCrossEntropy")(_liger_builder)
-    provider(_op, "quack", label=f"chunked_linear_cross_entropy, chunk {QUACK_CHUNK}")(_quack_builder(_op))
+def register() -> dict:
+    """Registers the training suite's providers (Oink, torch eager, torch.compile, Liger, Quack) for each
+    model's op, where none is registered yet (one registered before stays), and returns its specs
+    (``providers.specs`` calls it once)."""
+    for op in TRAINING_MODELS:
+        for name, label, builder in (
+                ("oink", "", _oink_builder),
+                ("torch", "eager: bf16 logits, the loss on their fp32 copy (Hugging Face's)", _torch_builder),
+                ("torch.compile", "", _compile_builder),
+                ("liger", "LigerFusedLinearCrossEntropy", _liger_builder),
+                ("quack", f"chunked_linear_cross_entropy, chunk {QUACK_CHUNK}", _quack_builder(op))):
+            if (op, name) not in PROVIDERS:
+                provider(op, name, label=label)(builder)
+    return SPECS

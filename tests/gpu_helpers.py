@@ -27,6 +27,7 @@ def poison_allocator(nbytes: int = 1 << 26) -> None:
 
 def kernel(op: str, **args):
     """``op``'s kernel on this GPU, launched once with no checks (``oink.dispatch.launch``)."""
+    import oink.ops  # noqa: F401  (the declarations name each op's kernels to dispatch)
     from oink.dispatch import launch
 
     return launch(op, cuda_arch(), **args)

@@ -2,7 +2,8 @@
 prepared launches (``tests.gpu_helpers.kernel``: no checks, no route). The plain quantizer:
 bit-exact codes and scales in every mode and layout, on random, heavy-tailed, all-zero-group,
 saturating and NaN inputs. The fused ops (RMSNorm's rstd and silu's exp are fast approximations):
->= 99.9% of codes exact, the rest one step away; scales within the gate's tolerance."""
+>= 99.9% of codes exact, the rest one step away; scales within the gate's tolerance, power-of-two
+(ue8m0) scales exact but for at most 1e-4 of the groups, one power of two off."""
 from __future__ import annotations
 
 import pytest
@@ -94,15 +95,30 @@ def test_silu_mul_within_a_step(dtype, N, mode, seed):
     _assert_fused(q, s, q_ref, s_ref, args)
 
 
+def _ue8m0_scales_exact(s, s_ref):
+    """Power-of-two scales: exact, but where the fused op's amax (fast rstd or exp, its own
+    reduction order: within ~1e-6 relative) and the reference's fall on opposite sides of a power
+    of two times 448; a log-uniform amax lands within 1e-6 of one in ~1.5e-6 of groups. Allowed:
+    at most 1e-4 of the groups (at least 1), each one power of two up or down. Returns where the
+    scales agree."""
+    ratio = s / s_ref
+    moved = ratio != 1  # a NaN scale counts as moved, then fails the power-of-two check
+    n = int(moved.sum())
+    assert n <= max(1, s.numel() // 10_000), f"{n} of {s.numel()} ue8m0 scales differ"
+    assert bool(((ratio[moved] == 2) | (ratio[moved] == 0.5)).all()), "a ue8m0 scale is more than a power of two off"
+    return ~moved
+
+
 def _assert_fused(q, s, q_ref, s_ref, args):
-    same_scale = (s == s_ref) if s.numel() > 1 else torch.ones((), dtype=torch.bool, device=s.device)
-    rel = ((s - s_ref).abs() / s_ref.abs()).max().item()
-    assert rel <= (1.0 if args.get("ue8m0") else 1e-2), f"scales off by {rel}"  # ue8m0: one power of two at most
     steps = _steps(q, q_ref)
     if args.get("ue8m0"):  # a scale a power of two away moves its whole group: judge groups whose scales agree
+        same_scale = _ue8m0_scales_exact(s, s_ref)
         G = args["group_size"]
         keep = same_scale.reshape(s.shape[0], -1).repeat_interleave(G, dim=1).reshape(steps.shape)
         steps = steps[keep]
+    else:
+        rel = ((s - s_ref).abs() / s_ref.abs()).max().item()  # NaN fails the comparison
+        assert rel <= 1e-2, f"scales off by {rel}"
     assert steps.max().item() <= 1 and (steps == 0).float().mean().item() >= 0.999
 
 

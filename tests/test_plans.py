@@ -379,13 +379,13 @@ def _launch_widths() -> set:
 @pytest.mark.parametrize("windows", [True, False])
 @pytest.mark.parametrize("case", ["rmsnorm", "softmax", "strided", "residual", "fp32_weight", "aligned"])
 def test_rows_off_boundaries_take_windows_where_asked(recorder, monkeypatch, case, windows):
-    """With ``OINK_WINDOWS=1``, dense rows off 16-byte boundaries launch as their aligned windows (455 columns: a
+    """With the ``windows`` setting, dense rows off 16-byte boundaries launch as their aligned windows (455 columns: a
     window of 464) for the softmax forward and an RMSNorm of x's weight dtype; rows at another stride than the
     output's, a residual and an fp32 weight (measured slower through windows) keep the narrow launch, as aligned
     rows do theirs. Without it (the default: a window splits a row by its address), every row the narrow one."""
     from oink.kernels.compile import CACHE
 
-    monkeypatch.setenv("OINK_WINDOWS", "1" if windows else "0")
+    monkeypatch.setitem(config.DEV, "windows", windows)
     config.reload()
     N = 4096 if case == "aligned" else 455
     x = _x(600, N, stride=N + 3 if case == "strided" else None)

@@ -14,8 +14,9 @@ Left out, and why:
 - The SM12x (99 KB shared memory) skips: a Quack kernel limit; Oink supports sm_90/sm_100.
 - Quack's skip of the fp32 backward for N > 128K ("not enough smem"): a Quack kernel limit, so
   Oink's backward is checked there too.
-- test_layernorm_forward_masks_oob_variance_lanes runs on GPU only: it is a kernel test, and
-  on CPU torch's fp32 layer_norm (the reference) is itself ~1.3e-4 off on its input (1e-4 allowed).
+- test_layernorm_forward_masks_oob_variance_lanes checks against float64, not Quack's fp32
+  torch layer_norm, which on CPU is itself ~1.3e-4 off on its input (1e-4 allowed); so it runs
+  on CPU too.
 - test_layernorm_input_validation: Quack refuses 3D input, CPU tensors and fp16 weights with its
   own messages. In Oink 3D input works (leading dims flattened), CPU tensors run the reference,
   a wrong weight shape is a ValueError, float64 x or weight a TypeError, and a device mix a
@@ -130,13 +131,11 @@ def test_layernorm_fwd_return_arity():
     assert isinstance(out, torch.Tensor) and out.shape == x.shape
 
 
-# GPU only: it checks the kernel's tiling, and on CPU (no kernel) the fp32 reference itself is
-# off: with means near 1000 (fp32 ulp 6e-5) torch's CPU layer_norm lands ~1.3e-4 from the exact
-# result, more than the 1e-4 tolerance (Oink's CPU reference: ~7.5e-5).
-@pytest.mark.gpu
 def test_layernorm_forward_masks_oob_variance_lanes():
     """A ragged N (769: the last tile is partly out of bounds) with a large mean: lanes past N
-    must not enter the variance."""
+    must not enter the variance (a kernel's tiling; on CPU the reference's two-pass variance,
+    which a one-pass E[x^2] - mean^2 in fp32 gets wrong here). Against float64, not Quack's fp32
+    torch layer_norm, which on CPU is itself ~1.3e-4 off."""
     M, N, eps = 3, 769, 1e-5
     cols = torch.arange(N, device=DEVICE, dtype=torch.float32)
     rows = torch.arange(M, device=DEVICE, dtype=torch.float32).unsqueeze(1)
@@ -144,9 +143,18 @@ def test_layernorm_forward_masks_oob_variance_lanes():
     weight = torch.ones(N, device=DEVICE, dtype=torch.float32)
 
     out, rstd, mean = oink.layernorm(x, weight, eps=eps, return_rstd=True, return_mean=True)
-    torch.testing.assert_close(out, ref_layernorm(x, weight, eps=eps), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(rstd, ref_rstd(x, eps=eps), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(mean, ref_mean(x), atol=1e-5, rtol=1e-5)
+    x64 = x.double()
+    mean64 = x64.mean(-1)
+    rstd64 = torch.rsqrt((x64 - mean64.unsqueeze(-1)).square().mean(-1) + eps)
+    out64 = (x64 - mean64.unsqueeze(-1)) * rstd64.unsqueeze(-1)
+    # The means (1000..1200) are fp32 sums of 769 values: allowed two ulps there (2^-13 each; the
+    # CPU reference is 0.4 ulp off). y inherits the mean's error times rstd (1.63). x - mean is
+    # exact (Sterbenz), so the variance and rstd barely feel the mean's error. Lanes past N in the
+    # variance move rstd by orders of magnitude; a one-pass variance here by 0.2%.
+    ulp = 2.0**-13
+    torch.testing.assert_close(mean.double(), mean64, atol=2 * ulp, rtol=0)
+    torch.testing.assert_close(rstd.double(), rstd64, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), out64, atol=4 * ulp, rtol=0)
 
 
 def test_layernorm_input_validation():

@@ -597,3 +597,38 @@ def test_mismatched_devices():
     a = _bad(dict(scale=torch.empty(4, 4, device="cuda")))
     with pytest.raises(ValueError, match="scale"):
         OPS.rms_norm_per_block_quant(*a.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["row", "column", "tma"])
+@pytest.mark.parametrize("T,H,gs", [(7, 512, 128), (256, 7168, 128), (33, 4096, 64)])
+def test_group_quant_kernel_is_the_reference_bit_for_bit(layout, T, H, gs):
+    """On a GPU ``per_token_group_fp8_quant`` runs Oink's FP8 group kernel, writing vLLM's out-parameters in each
+    scale layout: codes and scales bit for bit the reference's, a TMA-aligned buffer's pad rows untouched."""
+    from oink import dispatch
+    from oink.reference import vllm_fp8
+
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) * 8
+    G, S = H // gs, -(-T // 4) * 4
+
+    def outputs():
+        q = torch.full((T, H), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)  # NaN codes
+        s = {"row": lambda: torch.empty(T, G, device="cuda"), "column": lambda: torch.empty(G, T, device="cuda").t(),
+             "tma": lambda: torch.empty_strided((T, G), (1, S), device="cuda")}[layout]()
+        s.as_strided((s.untyped_storage().nbytes() // 4,), (1,)).fill_(float("nan"))
+        return q, s
+
+    args = (1e-10, -448.0, 448.0, False, False, False)
+    q, s = outputs()
+    route = dispatch.route("per_token_group_fp8_quant", dict(input=x, output_q=q, output_s=s, group_size=gs,
+                                                             eps=1e-10, fp8_min=-448.0, fp8_max=448.0,
+                                                             scale_ue8m0=False))
+    assert route.backend == "kernel", route
+    torch.ops.oink.per_token_group_fp8_quant(x, q, s, gs, *args)
+    q_ref, s_ref = outputs()
+    vllm_fp8.per_token_group_fp8_quant(x, q_ref, s_ref, gs, *args)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s, s_ref) and not s.isnan().any()
+    if layout == "tma" and S > T:  # the pad rows of the buffer stay as they were
+        pad = s.as_strided((G, S - T), (S, 1), storage_offset=T)
+        assert pad.isnan().all()

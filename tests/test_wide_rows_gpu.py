@@ -189,7 +189,8 @@ STAGED_OPS = ("rmsnorm_forward", "rmsnorm_forward_w32", "fused_add_rmsnorm_", "l
 def test_staged_forward_runs_correctly(op, N, dtype, M, monkeypatch):
     """The norm forward with its rows staged in shared memory (``fwd_stage=True``: every tile that fits,
     padded (1000, 67810) or not, so the table's and the heuristic's launches both), against the reference
-    at one row, a partial CTA and many rows; it must have run staged where the tile allows it."""
+    at one row, a partial CTA and many rows; it must have run staged where the tile allows it (never with a
+    residual: ``stage_rows``)."""
     import torch
 
     from tests.helpers import set_dev
@@ -205,7 +206,8 @@ def test_staged_forward_runs_correctly(op, N, dtype, M, monkeypatch):
     assert result["passed"], result.get("report")
     (tpr, nt, cluster_n), = CACHE.used_launches()
     tile_bytes = nt // tpr * N // cluster_n * getattr(torch, dtype).itemsize * (2 if op == "fused_add_rmsnorm_" else 1)
-    assert ran_staged(CACHE.used) == (tile_bytes <= STAGE_MAX_BYTES), (tile_bytes, CACHE.used_launches())
+    fits = tile_bytes <= STAGE_MAX_BYTES and op != "fused_add_rmsnorm_"
+    assert ran_staged(CACHE.used) == fits, (tile_bytes, CACHE.used_launches())
 
 
 @pytest.mark.gpu

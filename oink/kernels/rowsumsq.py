@@ -72,7 +72,7 @@ def rowsumsq(x, out=None, arch: str | None = None):
     """sum(x**2, -1) in fp32 for a CUDA tensor x [M, N] (rows may be padded; last dim contiguous)."""
     import torch
 
-    from ..dispatch import device_arch
+    from ..arch import arch_for_capability
     from .compile import current_stream
 
     assert x.dim() == 2 and x.stride(1) == 1
@@ -80,7 +80,7 @@ def rowsumsq(x, out=None, arch: str | None = None):
     out = torch.empty(M, device=x.device, dtype=torch.float32) if out is None else out
     if M == 0:
         return out
-    arch = arch or device_arch(x.device.index)[0]
+    arch = arch or arch_for_capability(*torch.cuda.get_device_capability(x.device))
     fn = compiled_rowsumsq(str(x.dtype), N, arch)
     fn(x.data_ptr(), out.data_ptr(), M, x.stride(0), current_stream(x.device))
     return out

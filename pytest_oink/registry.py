@@ -1,0 +1,63 @@
+"""The registry of (op, provider) -> builder (``provider``, ``PROVIDERS``, ``LABELS``) and the helpers builders
+share (a peer's module, the GPU-only refusal, torch.compile with dynamic rows). ``pytest_oink.providers``
+registers Oink's, torch's and the peers' builders for the bench entries' ops, ``pytest_oink.training`` the
+training suite's; both import from here, neither imports the other's builders. No torch at import."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Callable
+
+from oink.measure.gate import Unavailable
+
+PROVIDERS: dict[tuple[str, str], Callable] = {}
+LABELS: dict[tuple[str, str], str] = {}  # (op, provider) -> note shown in reports
+
+
+def provider(op: str, name: str, label: str = ""):
+    def deco(builder):
+        PROVIDERS[(op, name)] = builder
+        if label:
+            LABELS[(op, name)] = label
+        return builder
+
+    return deco
+
+
+def peer(module: str, pip_name: str):
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        raise Unavailable(f"{pip_name} not installed")
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001  (a peer that fails to import is unavailable, with its reason)
+        raise Unavailable(f"{pip_name} failed to import: {e}") from None
+
+
+def needs_cuda(device):
+    if device.type != "cuda":
+        raise Unavailable("GPU-only provider; no CUDA device")
+
+
+PARAMS = ("weight", "bias", "scale")  # inputs whose first dim is never the rows (N; a static scale's 1)
+
+
+def compiled(fn, *first):
+    """torch.compile of ``fn(*first, args)`` with the rows dimension marked dynamic on first sight (torch's
+    ``maybe_mark_dynamic``: Inductor may still specialize it): one compile serves every M, as the
+    automatic-dynamic recompile of torch's default would from the second M on, without compiling a
+    static kernel first. N stays static."""
+    import torch
+
+    fn_compiled = torch.compile(fn)
+    mark = torch._dynamo.maybe_mark_dynamic
+
+    def run(a):
+        x = next(v for v in a.values() if isinstance(v, torch.Tensor))
+        rows = x.shape[0] if x.dim() > 1 else None
+        for name, v in a.items():
+            if (rows is not None and isinstance(v, torch.Tensor) and name not in PARAMS and v.dim()
+                    and v.shape[0] == rows and not hasattr(v, "_dynamo_weak_dynamic_indices")):
+                mark(v, 0)
+        return fn_compiled(*first, a)
+
+    return run
