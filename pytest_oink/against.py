@@ -363,7 +363,8 @@ def _worker_gate(msg):
     if not checked["passed"]:
         return {"status": "failed its gate", "why": checked.get("report", "")[:300]}, None
     row = report.Row(suite=case.suite, op=case.op, provider=msg["provider"], M=case.M, N=case.N, dtype=case.dtype,
-                     device=str(device), status="ok", mode=msg["mode"], bytes=spec.nbytes(case.M, case.N, dtype.itemsize))
+                     device=str(device), status="ok", mode=msg["mode"],
+                     bytes=spec.nbytes(case.M, case.N, dtype.itemsize))
     return {"status": "ok"}, (case, run, spec, dtype, device, row)
 
 

@@ -5,30 +5,65 @@ import math
 
 OPTIONS = [
     # (flag, ini key, help, default, is_flag)
-    ("--oink-suite", "oink_suite", "run the benchmark suite NAME (quack, dsv3, nvfp4, fp8, sweep, launch, smoke, random; --oink-list describes them); the session then runs the benchmarks only", None, False),
-    ("--oink-seed", "oink_seed", "the seed --oink-suite=random draws its widths and rows from (required there; recorded in the results)", None, False),
+    ("--oink-suite", "oink_suite",
+     "run the benchmark suite NAME (quack, dsv3, nvfp4, fp8, sweep, launch, smoke, random; --oink-list "
+     "describes them); the session then runs the benchmarks only", None, False),
+    ("--oink-seed", "oink_seed",
+     "the seed --oink-suite=random draws its widths and rows from (required there; recorded in the "
+     "results)", None, False),
     ("--oink-configs", "oink_configs", "benchmark these shapes instead of the suite's: MxN,MxN,...", None, False),
     ("--oink-dtype", "oink_dtype", "benchmark dtype (bfloat16, float16, float32)", "bfloat16", False),
     ("--oink-ops", "oink_ops", "comma-separated ops to benchmark (default: the suite's)", None, False),
-    ("--oink-providers", "oink_providers", "comma-separated providers (oink, oink-unfused, quack, liger, flashinfer, flashinfer-cuda, torch, torch.compile)", None, False),
-    ("--oink-timing", "oink_timing", "how rows are timed: cold (CUDA-graph replays, inputs cycled past L2), hot (graph replays on one input set, L2-warm) or eager (wall time per eager call, host cost included); a CPU times every mode by the host timer; baseline rows compare only within one mode", "cold", False),
+    ("--oink-providers", "oink_providers",
+     "comma-separated providers (oink, oink-unfused, quack, liger, flashinfer, flashinfer-cuda, torch, "
+     "torch.compile)", None, False),
+    ("--oink-timing", "oink_timing",
+     "how rows are timed: cold (CUDA-graph replays, inputs cycled past L2), hot (graph replays on one input "
+     "set, L2-warm) or eager (wall time per eager call, host cost included); a CPU times every mode by the "
+     "host timer; baseline rows compare only within one mode", "cold", False),
     ("--oink-csv", "oink_csv", "write one CSV row per benchmark to PATH", None, False),
-    ("--oink-svg", "oink_svg", "write per-suite SVG plots (TB/s per shape per provider, roofline drawn) into DIR", None, False),
+    ("--oink-svg", "oink_svg",
+     "write per-suite SVG plots (TB/s per shape per provider, roofline drawn) into DIR", None, False),
     ("--oink-summary", "oink_summary", "write Markdown tables with per-op geomean speedups to PATH", None, False),
-    ("--oink-json", "oink_json", "write pytest-benchmark's JSON layout (its full stats) from Oink's rows to PATH; also without pytest-benchmark and under xdist", None, False),
-    ("--oink-baseline", "oink_baseline", "compare Oink rows with this saved JSON (ours or pytest-benchmark's)", None, False),
-    ("--oink-max-regression", "oink_max_regression", "slowdown vs the baseline that fails the session, with its unit (e.g. 5%): a row is SLOWER when the 95% bootstrap interval of its ratio of medians lies wholly above 1 + this (UNSURE rows are re-timed first; baselines without samples: the spread rule)", "5%", False),
-    ("--oink-against", "oink_against", "time the gated rows for another tree of Oink too, in this run on the same device, rounds alternating, and gate this tree against it (no stored baseline): a git ref of the repository this Oink is imported from (exported to a temporary directory) or a directory holding oink/", None, False),
-    ("--oink-gate-providers", "oink_gate_providers", "comma-separated providers whose rows the regression gate compares", "oink", False),
-    ("--oink-accept-machine", "oink_accept_machine", "gate against a baseline measured on another machine (GPU, driver, CUDA, torch or CuTeDSL differ: refused otherwise)", False, True),
-    ("--oink-allow-missing", "oink_allow_missing", "let the regression gate pass when some gated rows have no baseline entry (they are still listed; a gate that compared nothing still fails)", False, True),
-    ("--oink-gate-cpu", "oink_gate_cpu", "gate CPU-timed rows too (off by default: CPU timings are too noisy to gate)", False, True),
-    ("--oink-history", "oink_history", "append this run (commit, machine, versions, time, each row's median and gate verdict) as one JSON file to DIR, and draw DIR/plots/OP.svg: time over the runs, one line per shape, verdicts marked (plots need matplotlib)", None, False),
-    ("--oink-batch-invariance", "oink_batch_invariance", "check each (op, provider, width) once for batch invariance: rows alone, batches of 1-4096 rows (vLLM's 255/256/300 among them) and slices mid-batch, each bit for bit against one batch of up to 16384 rows; an Oink row that breaks it fails, a peer's is reported (summary, CSV, JSON)", False, True),
-    ("--oink-profile", "oink_profile", "add per-kernel resource usage (registers, spills, smem, occupancy) to results", False, True),
-    ("--oink-run-on-cpu", "oink_run_on_cpu", "run a GPU-sized suite on a CPU anyway (skipped there by default)", False, True),
+    ("--oink-json", "oink_json",
+     "write pytest-benchmark's JSON layout (its full stats) from Oink's rows to PATH; also without "
+     "pytest-benchmark and under xdist", None, False),
+    ("--oink-baseline", "oink_baseline",
+     "compare Oink rows with this saved JSON (ours or pytest-benchmark's)", None, False),
+    ("--oink-max-regression", "oink_max_regression",
+     "slowdown vs the baseline that fails the session, with its unit (e.g. 5%): a row is SLOWER when the 95% "
+     "bootstrap interval of its ratio of medians lies wholly above 1 + this (UNSURE rows are re-timed first; "
+     "baselines without samples: the spread rule)", "5%", False),
+    ("--oink-against", "oink_against",
+     "time the gated rows for another tree of Oink too, in this run on the same device, rounds alternating, "
+     "and gate this tree against it (no stored baseline): a git ref of the repository this Oink is imported "
+     "from (exported to a temporary directory) or a directory holding oink/", None, False),
+    ("--oink-gate-providers", "oink_gate_providers",
+     "comma-separated providers whose rows the regression gate compares", "oink", False),
+    ("--oink-accept-machine", "oink_accept_machine",
+     "gate against a baseline measured on another machine (GPU, driver, CUDA, torch or CuTeDSL differ: refused"
+     " otherwise)", False, True),
+    ("--oink-allow-missing", "oink_allow_missing",
+     "let the regression gate pass when some gated rows have no baseline entry (they are still listed; a gate "
+     "that compared nothing still fails)", False, True),
+    ("--oink-gate-cpu", "oink_gate_cpu",
+     "gate CPU-timed rows too (off by default: CPU timings are too noisy to gate)", False, True),
+    ("--oink-history", "oink_history",
+     "append this run (commit, machine, versions, time, each row's median and gate verdict) as one JSON file "
+     "to DIR, and draw DIR/plots/OP.svg: time over the runs, one line per shape, verdicts marked (plots need "
+     "matplotlib)", None, False),
+    ("--oink-batch-invariance", "oink_batch_invariance",
+     "check each (op, provider, width) once for batch invariance: rows alone, batches of 1-4096 rows (vLLM's "
+     "255/256/300 among them) and slices mid-batch, each bit for bit against one batch of up to 16384 rows; an"
+     " Oink row that breaks it fails, a peer's is reported (summary, CSV, JSON)", False, True),
+    ("--oink-profile", "oink_profile",
+     "add per-kernel resource usage (registers, spills, smem, occupancy) to results", False, True),
+    ("--oink-run-on-cpu", "oink_run_on_cpu",
+     "run a GPU-sized suite on a CPU anyway (skipped there by default)", False, True),
     ("--oink-list", "oink_list", "list the suites, ops and providers, then exit", False, True),
-    ("--oink-merge", "oink_merge", "merge these --oink-csv files (e.g. from several CI runners) into the --oink-csv/--oink-summary/--oink-svg outputs, then exit: FILE,FILE,...", None, False),
+    ("--oink-merge", "oink_merge",
+     "merge these --oink-csv files (e.g. from several CI runners) into the "
+     "--oink-csv/--oink-summary/--oink-svg outputs, then exit: FILE,FILE,...", None, False),
 ]
 
 

@@ -82,7 +82,8 @@ class Row:
         g, p = self.gate or {}, self.profile or {}
         fmt = lambda v, k=1e3: "" if v is None else f"{v * k:.6g}"  # noqa: E731
         return {
-            "suite": self.suite, "seed": "" if self.seed is None else self.seed, "op": self.op, "provider": self.provider,
+            "suite": self.suite, "seed": "" if self.seed is None else self.seed, "op": self.op,
+            "provider": self.provider,
             "label": self.label, "M": self.M,
             "N": self.N, "dtype": self.dtype, "device": self.device, "status": self.status, "method": self.method,
             "mode": self.mode,
@@ -132,7 +133,8 @@ def read_csv(path) -> list:
                             throttled=d.get("throttled") == "1",
                             clocks={"sm_mhz": [int(d["sm_mhz_min"])]} if d.get("sm_mhz_min") else {},
                             peak_mem_bytes=from_mib(d.get("peak_mem_mib")),
-                            batch_invariant=None if d.get("batch_invariant", "") == "" else d["batch_invariant"] == "1"))
+                            batch_invariant=(None if d.get("batch_invariant", "") == ""
+                                             else d["batch_invariant"] == "1")))
     return rows
 
 
@@ -303,7 +305,8 @@ def summary_markdown(rows, roofline=None) -> str:
         op_rows = [r for r in rows if r.op == op]
         provs = sorted({r.provider for r in op_rows}, key=lambda p: (p != "oink", p))
         shapes = sorted({(r.M, r.N, r.dtype) for r in op_rows})
-        lines += [f"## {op}", "", "| M | N | dtype | " + " | ".join(f"{p} ms" for p in provs) + " | oink TB/s | oink / roofline |",
+        lines += [f"## {op}", "",
+                  "| M | N | dtype | " + " | ".join(f"{p} ms" for p in provs) + " | oink TB/s | oink / roofline |",
                   "|" + "---|" * (len(provs) + 5)]
         cell = {(r.provider, r.M, r.N, r.dtype): r for r in op_rows}
         for M, N, dt in shapes:

@@ -179,7 +179,8 @@ DURATION = {
     "quack": "200 s on one H100 with every peer installed, compiles included",
     "dsv3": "219 s on one H100 with every peer installed, compiles included",
     "launch": "112 s on one H100 with every peer installed",
-    "fp8": "73 s on one H100 for its M >= 4096 rows (oink, oink-unfused, torch.compile), before the static-scale entries",
+    "fp8": "73 s on one H100 for its M >= 4096 rows (oink, oink-unfused, torch.compile), before the static-scale "
+           "entries",
     "smoke": "about a minute on a 2-core CPU",
     "nvfp4": None,
     "random": None,

@@ -39,7 +39,8 @@ def main():
     # host cost of one eager call (validation, custom-op dispatch, launch) at a tiny shape
     import time
 
-    x, w = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16), torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     for name, f in (("oink.rmsnorm_forward", lambda: oink.rmsnorm_forward(x, w)),
                     ("torch.ops.oink.rmsnorm", lambda: torch.ops.oink.rmsnorm(x, w, 1e-6))):
         for _ in range(50):

@@ -1,5 +1,6 @@
 """Host cost of the kernel launch path's Python side on a CPU, no GPU: every compiled function is a no-op
-(``cute.compile`` replaced: no kernel is compiled, the launcher around it is kept), streams are 0, tensors are CPU tensors. Per op, the
+(``cute.compile`` replaced: no kernel is compiled, the launcher around it is kept), streams are 0, tensors are CPU
+tensors. Per op, the
 two ways ``oink.dispatch.run`` launches a kernel route: with the route's prepared launch (``cached``: what
 an eager ``oink.<op>`` or ``torch.ops.oink`` call takes once its layout is known) and without one
 (``per call``: the route not cached, e.g. under DEBUG logging). Interleaved rounds, min us per call.

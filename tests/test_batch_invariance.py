@@ -39,7 +39,8 @@ def _rms(a):
 
 
 ROWS = OpSpec(family="rmsnorm", make_inputs=lambda M, N, dtype, device, gen: {
-    "x": torch.randn(M, N, generator=gen, device=device).to(dtype)}, reference=_rms, nbytes=lambda M, N, e: 2 * M * N * e)
+    "x": torch.randn(M, N, generator=gen, device=device).to(dtype)}, reference=_rms,
+    nbytes=lambda M, N, e: 2 * M * N * e)
 
 
 def _batch_dependent(a):

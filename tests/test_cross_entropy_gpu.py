@@ -245,7 +245,8 @@ def test_public_api_routes_to_kernel(reduction, target_dtype, seed):
     close_family(oink.cross_entropy_backward(scalar, logits, target, lse), R.cross_entropy_backward(
         scalar, logits, target, lse_ref), "softmax", torch.bfloat16, "dlogits with a scalar dloss")
     loss2, dx2 = oink.cross_entropy_fwd_bwd(dloss, logits, target, IGNORE)
-    close_family(loss2, R.cross_entropy_forward(logits, target, IGNORE)[0], "cross_entropy_loss", torch.float32, "fused")
+    close_family(loss2, R.cross_entropy_forward(logits, target, IGNORE)[0], "cross_entropy_loss", torch.float32,
+                 "fused")
     close_family(dx2, R.cross_entropy_fwd_bwd(dloss, logits, target, IGNORE)[1], "softmax", torch.bfloat16, "fused dx")
 
 

@@ -443,7 +443,8 @@ def test_an_entry_scales_to_the_widths_it_serves(override, monkeypatch, card):
     assert launch_table.staged("test/k", "sm_90a", 262144) == "early"
     assert launch_table.grid("test/k", "sm_90a", 262144) == 1024
     # an entry's staging and grid were tuned with its launch as measured, not as scaled to another width
-    assert launch_table.staged("test/k", "sm_90a", 258048) is None and launch_table.grid("test/k", "sm_90a", 258048) is None
+    assert launch_table.staged("test/k", "sm_90a", 258048) is None
+    assert launch_table.grid("test/k", "sm_90a", 258048) is None
 
 
 def test_the_users_overlay_is_read_over_the_shipped_table(tmp_path, monkeypatch):

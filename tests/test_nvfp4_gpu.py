@@ -30,7 +30,8 @@ def _values(kind, M, N, g):
     if kind == "uniform":
         return torch.rand(M, N, device=dev, generator=g) * 2 - 1, 448 * 6 / 1.0
     if kind == "heavy":  # Student-t-like: a few huge values per row
-        return torch.randn(M, N, device=dev, generator=g) / torch.rand(M, N, device=dev, generator=g).clamp_min(1e-3), 50.0
+        heavy = torch.randn(M, N, device=dev, generator=g) / torch.rand(M, N, device=dev, generator=g).clamp_min(1e-3)
+        return heavy, 50.0
     if kind == "ties":  # global scale 1 and block amax 6: sf = 1, s = 1, so v * s hits every tie exactly
         ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0,
                              -0.0], device=dev)
@@ -74,7 +75,8 @@ def test_quantize_bit_exact(kind, dtype, N, M, swizzled, seed):
     _poison_allocator()
     q, sf = kernel("nvfp4_quantize", x=x, global_scale=gs_t, swizzled=swizzled)
     eq, esf = R.nvfp4_quantize(x, gs_t, swizzled)
-    assert torch.equal(_bytes(sf), _bytes(esf)), f"scales differ at {(_bytes(sf) != _bytes(esf)).nonzero()[:5].tolist()}"
+    assert torch.equal(_bytes(sf), _bytes(esf)), \
+        f"scales differ at {(_bytes(sf) != _bytes(esf)).nonzero()[:5].tolist()}"
     assert torch.equal(q, eq), f"codes differ at {(q != eq).nonzero()[:5].tolist()}"
 
 
@@ -229,7 +231,8 @@ def test_mxfp4_quantize_bit_exact(kind, dtype, N, M, swizzled, seed):
     _poison_allocator()
     q, sf = kernel("mxfp4_quantize", x=x, swizzled=swizzled)
     eq, esf = R.mxfp4_quantize(x, swizzled)
-    assert torch.equal(_bytes(sf), _bytes(esf)), f"scales differ at {(_bytes(sf) != _bytes(esf)).nonzero()[:5].tolist()}"
+    assert torch.equal(_bytes(sf), _bytes(esf)), \
+        f"scales differ at {(_bytes(sf) != _bytes(esf)).nonzero()[:5].tolist()}"
     assert torch.equal(q, eq), f"codes differ at {(q != eq).nonzero()[:5].tolist()}"
 
 

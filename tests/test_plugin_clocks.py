@@ -185,7 +185,8 @@ clocks.install_reader(lambda device: read)
 def test_a_throttled_row_is_retimed_once_then_marked(pytester, tmp_path):
     pytester.makepyfile(BENCH)
     pytester.makeconftest(_conftest("always"))
-    out = [f"--oink-json={tmp_path / 'o.json'}", f"--oink-csv={tmp_path / 'r.csv'}", f"--oink-summary={tmp_path / 's.md'}"]
+    out = [f"--oink-json={tmp_path / 'o.json'}", f"--oink-csv={tmp_path / 'r.csv'}",
+           f"--oink-summary={tmp_path / 's.md'}"]
     res = pytester.runpytest_subprocess(*ONE_ROW, *out, *PLUGIN)
     assert res.ret == 0, res.stdout.str()[-2000:]
     bench, = json.loads((tmp_path / "o.json").read_text())["benchmarks"]

@@ -139,7 +139,8 @@ def test_public_api_and_custom_op_route_to_kernel(seed):
     y2, rstd, _ = oink.rmsnorm_forward(x[..., ::2].contiguous()[..., :2048], w[:2048], store_rstd=True)
     assert rstd.shape == (2, 5)
     xs = x[..., ::2]  # non-contiguous last dim: copied, never read wrongly
-    assert_close_poisoned(oink.rmsnorm_forward(xs, w[:2048])[0], R.rmsnorm_forward(xs, w[:2048])[0], torch.bfloat16, "strided")
+    assert_close_poisoned(oink.rmsnorm_forward(xs, w[:2048])[0], R.rmsnorm_forward(xs, w[:2048])[0], torch.bfloat16,
+                          "strided")
     assert oink.rmsnorm_forward(x[:0], w)[0].shape == (0, 5, 4096)
     one = x[0, 0]  # a 1-D input is one row
     y1, rstd1, _ = oink.rmsnorm_forward(one, w, store_rstd=True)

@@ -67,7 +67,8 @@ def test_wide_row_rule_does_not_spill(keep_cubin, family, dtype, arch):
     """The launch ``reduction.cluster_rows`` gives at widths nobody searched compiles, takes the rule's
     cluster (no table entry applies on the CPU) and keeps its values in registers."""
     found = {N: _resources(family, dtype, N, arch) for N in RULE_WIDTHS}
-    spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"] and (family, dtype, arch, N) not in RULE_LIMITS}
+    spilled = {N: r[:2] for N, r in found.items()
+               if r[1]["frame_bytes"] and (family, dtype, arch, N) not in RULE_LIMITS}
     assert not spilled, f"{family} {dtype} {arch} spills at (launch, resources) {spilled}"
     assert all(r[1]["registers"] > 0 and not r[2] for r in found.values())
     assert any(L[2] > 1 for r in found.values() for L in r[0]), "no launch took a cluster"
@@ -319,7 +320,8 @@ def test_cross_entropy_streamed_rows_do_not_spill(keep_cubin, monkeypatch, dtype
     for mode, N, o in STREAM_CASES:
         set_dev(monkeypatch, ce_stream=True if mode != "forward" else None)
         assert stream_rows(shifted_window(N, bits) or N, bits, mode)
-        res = compiled_resources(compiled_cross_entropy(CrossEntropyKey(mode, dtype, "int64", N, arch, options=sets[o])))
+        key = CrossEntropyKey(mode, dtype, "int64", N, arch, options=sets[o])
+        res = compiled_resources(compiled_cross_entropy(key))
         assert res["registers"] > 0
         if res["frame_bytes"]:
             spilled[(mode, N, sets[o])] = res

@@ -130,7 +130,8 @@ def test_split_backward_runs_correctly(op, N, dtype, M):
     assert result["passed"], result.get("report")
     la, lb = split_launches(N, getattr(torch, dtype).itemsize * 8)
     ran = CACHE.used_launches()
-    assert {(la.threads_per_row, la.num_threads, la.cluster_n), (lb.threads_per_row, lb.num_threads, lb.cluster_n)} <= ran, ran
+    shapes = {(la.threads_per_row, la.num_threads, la.cluster_n), (lb.threads_per_row, lb.num_threads, lb.cluster_n)}
+    assert shapes <= ran, ran
 
 
 @pytest.mark.gpu

@@ -119,8 +119,8 @@ def _sms(device: torch.device) -> int:
 
 
 def window_key(key, window_of):
-    """``key`` asking for aligned windows (its ``window`` field) where the ``windows`` setting is on and the family's rule
-    ``window_of`` gives the asking key one; else ``key``. Off by default: a window's threads split a row by the
+    """``key`` asking for aligned windows (its ``window`` field) where the ``windows`` setting is on and the family's
+    rule ``window_of`` gives the asking key one; else ``key``. Off by default: a window's threads split a row by the
     row's offset from a 16-byte boundary, which depends on its index in the batch, so a row's bits would depend on
     where it sits (batch invariance). Nothing here depends on the row count, for the same reason."""
     asked = dataclasses.replace(key, window=True)

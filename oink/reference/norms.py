@@ -182,7 +182,8 @@ BENCH = {
                                 lambda o, a: o.layernorm_backward(a["dout"], a["x"], a["weight"], a["rstd"], a["mean"],
                                                                   a["bias"])),
     # vLLM's two ops as vLLM calls them (torch.ops.oink.*, through the dispatcher): launch cost only
-    "vllm_rmsnorm": Bench("rmsnorm", x_weight, lambda M, N, e: 2 * M * N * e + N * e, _y, only_in=("launch", "invariance"),
+    "vllm_rmsnorm": Bench("rmsnorm", x_weight, lambda M, N, e: 2 * M * N * e + N * e, _y,
+                          only_in=("launch", "invariance"),
                           oink=lambda o, a: (_torch_ops(o).rmsnorm(a["x"], a["weight"], EPS),)),
     "vllm_fused_add_rms_norm": Bench("rmsnorm", x_residual_weight, lambda M, N, e: 4 * M * N * e + N * e, _fused,
                                      mutates=("x", "residual"), only_in=("launch", "invariance"),
