@@ -490,58 +490,6 @@ def test_cross_entropy_launch_covers_clusters():
     assert cross_entropy_launch(262144, 32, "sm_90a").cluster_n == 8
 
 
-from oink.kernels.nvfp4 import MODES as FP4_MODES  # noqa: E402
-from oink.kernels.nvfp4 import (AddRMSNormFp4Key, Fp4Key, compiled_add_rmsnorm_fp4, compiled_fp4,  # noqa: E402
-                                fp4_launch)
-
-# one block, one warp, an odd block count (uneven rows), the study's widths, cluster widths
-FP4_WIDTHS = [16, 64, 1008, 4096, 7168, 14336, 131072, 262144]  # units per thread 1, 2, 4; clusters
-
-
-@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("mode", FP4_MODES)
-@pytest.mark.parametrize("swizzled", [False, True])
-def test_nvfp4_kernels_compile(arch, dtype, mode, swizzled):
-    for N in FP4_WIDTHS:
-        assert callable(compiled_fp4(Fp4Key(mode, dtype, N, arch, swizzled=swizzled)))
-
-
-@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("w", ["same", "float32"])
-@pytest.mark.parametrize("swizzled", [False, True])
-@pytest.mark.parametrize("store_y", [False, True])
-def test_add_rmsnorm_fp4_compiles(arch, dtype, w, swizzled, store_y):
-    wd = dtype if w == "same" else w
-    for N in FP4_WIDTHS if (swizzled, store_y) == (False, False) else [1008, 7168]:
-        assert callable(compiled_add_rmsnorm_fp4(AddRMSNormFp4Key(dtype, N, arch, res_dtype=dtype, w_dtype=wd,
-                                                                  swizzled=swizzled, store_y=store_y)))
-
-
-@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("swizzled", [False, True])
-def test_mxfp4_kernels_compile(arch, dtype, swizzled):
-    for N in (32, 1056, 4096, 14336, 262144):  # units per thread 1, 2; clusters
-        assert callable(compiled_fp4(Fp4Key("quantize", dtype, N, arch, swizzled=swizzled, mx=True)))
-    for N in (1056, 14336, 262144):
-        assert callable(compiled_fp4(Fp4Key("silu_mul", dtype, N, arch, swizzled=swizzled, mx=True)))
-    for N in (1056, 7168, 262144):  # the fused RMSNorm: one unit, two, clusters
-        w = "float32" if dtype == "bfloat16" else dtype
-        assert callable(compiled_add_rmsnorm_fp4(AddRMSNormFp4Key(dtype, N, arch, res_dtype=dtype, w_dtype=w,
-                                                                  swizzled=swizzled, store_y=N == 7168, mx=True)))
-
-
-def test_nvfp4_launch_units_are_scale_blocks():
-    for N in FP4_WIDTHS:
-        L = fp4_launch(N, "sm_90a")
-        assert L.vec == 16 and L.iters <= 4
-    assert {fp4_launch(N, "sm_90a").cluster_n for N in FP4_WIDTHS} >= {1, 2, 4}
-    with pytest.raises(ValueError, match="multiple of 16"):
-        compiled_fp4(Fp4Key("quantize", "bfloat16", 1000, "sm_90a"))
-
-
 def test_host_row_layout_and_vectors():
     """Activations are read as [M, N] rows (a 1-D input is one row, leading dims flattened); only layouts
     the 128-bit loads can't read are copied (``dense``), into aligned memory."""
@@ -617,50 +565,6 @@ def test_per_head_norm_compiles(arch, D, heads):
     assert L is not None and L.rows_per_cta % heads == 0
     assert callable(compiled_backward(BackwardKey("bfloat16", D, arch, w_dtype="float32", dout_dtype="bfloat16",
                                                   has_db=True, heads=heads)))
-
-
-# ---- FP8 (every scale mode and layout flag is a compile-time variant)
-from oink.kernels.fp8 import Fp8Key, RMSNormFp8Key, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch  # noqa: E402
-
-FP8_MODES = [("static", 0, False, False, False), ("token", 0, False, False, False), ("token", 0, False, False, True)]
-FP8_MODES += [("group", g, cm, ue, False) for g in (64, 128) for cm in (False, True) for ue in (False, True)]
-
-
-@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("kind", ["quantize", "silu_mul"])
-@pytest.mark.parametrize("mode", FP8_MODES, ids=lambda m: "-".join(map(str, m)))
-def test_fp8_quantizers_compile(arch, dtype, kind, mode):
-    mode_name, G, cm, ue, ub = mode
-    for N in (128, 7168, 18432):  # one row a warp's worth, a predicated tail, several units a thread
-        assert callable(compiled_fp8(Fp8Key(kind, dtype, N, arch, mode=mode_name, group_size=G, column_major=cm,
-                                            ue8m0=ue, ub=ub)))
-
-
-@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
-@pytest.mark.parametrize("x_dtype,res_dtype,w_dtype", [("bfloat16", "bfloat16", "bfloat16"),
-                                                       ("float16", "float16", "float32"),
-                                                       ("float32", None, "float32"),
-                                                       ("bfloat16", "float32", "float32"),
-                                                       ("bfloat16", None, "bfloat16")])
-@pytest.mark.parametrize("mode", FP8_MODES[:3] + [FP8_MODES[3], FP8_MODES[-1]], ids=lambda m: "-".join(map(str, m)))
-@pytest.mark.parametrize("store_y", [False, True])
-def test_fp8_fused_rmsnorm_compiles(arch, x_dtype, res_dtype, w_dtype, mode, store_y):
-    mode_name, G, cm, ue, ub = mode
-    for N in (4096, 7168, 131072):  # 131072: a cluster of CTAs a row (the per-token amax crosses CTAs)
-        assert callable(compiled_rmsnorm_fp8(RMSNormFp8Key(x_dtype, N, arch, w_dtype=w_dtype, res_dtype=res_dtype,
-                                                           mode=mode_name, group_size=G, column_major=cm, ue8m0=ue,
-                                                           ub=ub, store_y=store_y)))
-
-
-def test_fp8_groups_stay_on_aligned_lanes():
-    for N in (64, 128, 1024, 7168, 18432, 131072):
-        for G in (64, 128):
-            if N % G == 0:
-                L = fp8_launch(N, "sm_90a", "quantize", G)
-                assert L.vec == 16 and L.threads_per_row % (G // 16) == 0
-    with pytest.raises(ValueError, match="multiple of 16"):
-        compiled_fp8(Fp8Key("quantize", "bfloat16", 24, "sm_90a", mode="token"))
 
 
 def test_forward_loads_parameters_late_where_registers_limit_it():
