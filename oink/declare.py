@@ -182,11 +182,13 @@ class Op:
         return tuple(res)
 
     def _check_metadata(self, a: dict) -> None:
-        """The declared checks, then (layout only, so cached with them) that no argument written in
-        place has elements sharing memory."""
-        self.check(**a)
+        """That no argument written in place has elements sharing memory (first: a broadcast output is refused
+        as such, not by a layout check it also fails), then the declared checks; layout only, so cached with the
+        route."""
         for n in self.mutated:
-            no_internal_overlap(n, a[n])
+            if a[n] is not None and a[n].numel():  # an optional output left out, or nothing to write
+                no_internal_overlap(n, a[n])
+        self.check(**a)
 
     def _check_writable(self, a: dict) -> list:
         """Every argument the op writes, before any is written (an op that refuses changes nothing).
@@ -195,6 +197,8 @@ class Op:
         written = []
         for n in self.mutated:
             t = a[n]
+            if t is None:  # an optional output left out (``Tensor!?``)
+                continue
             # ``writable`` for the only tensors it may refuse or leave untracked (inference ones, or in grad
             # mode ones that require grad); any other is tracked in grad mode, as ``writable`` returns
             if t.is_inference() or (grad and t.requires_grad):

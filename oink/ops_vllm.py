@@ -5,17 +5,17 @@ declares the others (see ``oink.declare``) and imported by it. Not public ``oink
 Every op writes its out-parameters in place and returns nothing. Arithmetic (vLLM's, in its order):
 ``oink.reference.vllm_fp8``; docs: docs/vllm-ops.md.
 
-Path: the reference serves every device. Oink's FP8 norm kernels round the normalized value to the
-input dtype once, ``to_T((x * rstd) * w)``, where vLLM rounds twice, ``to_T(to_T(x * rstd) * w)``:
-for fp16/bf16 a code can differ by a step, so they are not routed here.
+Paths: ``per_token_group_fp8_quant`` runs Oink's FP8 group kernel on a GPU where its arithmetic is vLLM's; the
+four norm ops run the reference on every device: Oink's FP8 norm kernels round the normalized value to the
+input dtype once, ``to_T((x * rstd) * w)``, where vLLM rounds twice, ``to_T(to_T(x * rstd) * w)``: for
+fp16/bf16 a code can differ by a step, so they are not routed there.
 """
 from __future__ import annotations
 
 import torch
 
 from . import checks as c
-from .checks import no_internal_overlap, writable
-from .declare import Op
+from .declare import declare
 from .ops_quant import fp8_kernels
 
 FP8 = (torch.float8_e4m3fn,)
@@ -23,32 +23,10 @@ F32 = (torch.float32,)
 BLOCK_GROUP_SIZES = (64, 128)  # vLLM's rms_norm_per_block_quant ("Unsupported group size" otherwise)
 
 
-class _OutParamOp(Op):
-    """An op whose written arguments may be None (vLLM's optional ``Tensor!?`` residual) or empty (0
-    tokens, where a transposed scale's strides may be 0): only the present, non-empty ones are
-    overlap-checked and version-tracked."""
-
-    def _check_metadata(self, a: dict) -> None:
-        # overlap first: a broadcast output is refused as sharing memory, not as merely non-contiguous
-        for n in self.mutated:
-            if isinstance(a[n], torch.Tensor) and a[n].numel():
-                no_internal_overlap(n, a[n])
-        self.check(**a)
-
-    def _check_writable(self, a: dict) -> list:
-        grad = torch.is_grad_enabled()
-        return [a[n] for n in self.mutated if a[n] is not None and writable(n, a[n], grad)]
-
-
 def _declare(schema: str, kernels=None):
-    """``declare(schema, kernels=kernels, fake=<no outputs>, public=False)`` with ``_OutParamOp``; not batch-invariant
-    where the reference serves a GPU (torch's reductions there split a row by the batch's size)."""
-    def wrap(check):
-        check.op = _OutParamOp(check, schema, kernels=kernels, fake=lambda *a: None, public=False,
-                               batch_invariant=kernels is not None)
-        return check
-
-    return wrap
+    """``declare(schema, kernels=kernels, fake=<no outputs>, public=False)``; not batch-invariant where the reference
+    serves a GPU (torch's reductions there split a row by the batch's size)."""
+    return declare(schema, kernels=kernels, fake=lambda *a: None, public=False, batch_invariant=kernels is not None)
 
 
 # ---------------------------------------------------------------- argument checks (metadata only)
@@ -247,8 +225,8 @@ def per_token_group_fp8_quant(input, output_q, output_s, group_size, eps, fp8_mi
             vLLM's compiler match the op for fusion); the layout comes from output_s's strides.
 
     Path: on a GPU, Oink's FP8 group kernel (``fp8_quantize``'s, the same arithmetic) for fp8_min, fp8_max and eps
-    -448, 448 and 1e-10 without UE8M0 and a group of 64 or 128; the reference otherwise (``oink.explain`` says
-    why), and on a CPU.
+    -448, 448 and 1e-10 without UE8M0 and a group of 64 or 128; the reference otherwise (the ``oink.dispatch``
+    logger says why at DEBUG level), and on a CPU.
 
     Raises:
         TypeError, ValueError: an argument's type, dtype, shape, layout or device does not fit (the message names it).
