@@ -322,6 +322,11 @@ def explain(op: str, *args, **kwargs) -> str:
 ROW_BYTES = 16  # a row's bytes must be a multiple of this for the batch-invariance contract (see below)
 
 
+def aligned_rows(N: int, dtype: torch.dtype) -> bool:
+    """Whether rows of N values of ``dtype`` are a multiple of ``ROW_BYTES`` (the widths ``batch_invariant`` covers)."""
+    return N * dtype.itemsize % ROW_BYTES == 0
+
+
 def batch_invariant(op: str, N: int | None = None, dtype: torch.dtype | None = None) -> bool:
     """Whether ``oink.<op>`` (or ``torch.ops.oink.<op>``) promises batch invariance: each row's outputs bit for
     bit the same whatever the batch it runs in (alone, with any number of other rows, anywhere in it), for
@@ -345,6 +350,6 @@ def batch_invariant(op: str, N: int | None = None, dtype: torch.dtype | None = N
     found = PUBLIC.get(op) or OPS.get(op)
     if found is None:
         raise ValueError(f"unknown op {op!r}; known: {', '.join(sorted({*PUBLIC, *OPS}))}")
-    if N is not None and dtype is not None and (N * torch.empty((), dtype=dtype).element_size()) % ROW_BYTES:
+    if N is not None and dtype is not None and not aligned_rows(N, dtype):
         return False
     return found.batch_invariant

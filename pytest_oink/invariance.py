@@ -12,13 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import registry
+
 # Batch sizes checked: rows alone, decode batches, vLLM's 255 / 256 / 300 (its test compares 255 rows with the
 # first 255 of 300), powers of two; each is compared with the same rows of one batch of ``BIG`` rows.
 SIZES = (1, 3, 16, 64, 255, 256, 300, 1024, 4096)
 BIG = 16384
 # the large batch's row tensors stay within this many bytes each (wide rows check fewer rows)
 MAX_TENSOR_BYTES = 2**30
-PARAMS = ("weight", "bias", "scale", "scale_ub", "global_scale")  # inputs shared by every row, never sliced
+# inputs shared by every row, never sliced: the ones torch.compile's rows never mark (registry), and the 1-element
+# bounds and scales whose first dim a single row's batch would take for rows
+PARAMS = (*registry.PARAMS, "scale_ub", "global_scale")
 
 
 @dataclass

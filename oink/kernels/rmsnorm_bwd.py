@@ -115,7 +115,8 @@ def backward_launch(N: int, x_bits: int, arch: str, layernorm: bool = False, few
     The launch table's entry for (``rmsnorm_bwd/x<bits>`` or ``layernorm_bwd/x<bits>``, N) wins
     unless a setting (``bwd_upt``) asks for the heuristic's variant; ``few``: for
     calls of ``launch_table.few_rows`` rows (the key's "/few" entry where there is one); ``values``: a
-    narrow row's budget counted in values (``NARROW_MAX_THREADS``), else in accesses (``values_pay``); ``dres``: a
+    narrow row's budget counted in values (``NARROW_MAX_THREADS``, what every launch takes), else in accesses (the
+    rule's other side, kept for its tests); ``dres``: a
     dresidual is added to dx (its registers: no ``NARROW_PAIR_VALUES`` rows)."""
     launch, upt, most, _ = _fitted_launch(N, x_bits, arch, layernorm, values, dres)
     # whole warps where they tile the row exactly (power-of-two rows otherwise)
@@ -451,7 +452,6 @@ class BackwardKey:
     weight_offset: float = 0.0  # compiled in: dx's weight is w + offset (dw is unchanged)
     heads: int = 1  # per-head weights, rows_per_cta a multiple of them (``head_launch``)
     few: bool = False  # for calls of ``launch_table.few_rows`` rows
-    values: bool = True  # a narrow row's budget counted in values (``backward_launch``)
     direct: bool = False  # dweight and dbias stored in the weight's dtype, not fp32 partials (``direct_sums``)
 
 
@@ -464,7 +464,7 @@ def compiled_backward(k: BackwardKey):
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the norm kernels handle 1 <= N <= {MAX_N}")
     xd = cute_dtype(x_dtype)
-    launch = backward_launch(N, xd.width, arch, layernorm, few, k.values, dres_dtype is not None)
+    launch = backward_launch(N, xd.width, arch, layernorm, few, dres=dres_dtype is not None)
     if heads > 1:
         launch = head_launch(launch, heads)
         if launch is None:

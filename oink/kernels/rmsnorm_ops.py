@@ -255,14 +255,13 @@ def _plan_backward(arch, x, weight, dout, rstd, mean, dres, has_bias, weight_off
         few = few_rows(M)
         # a narrow row's budget counted in values whatever the rows (batch invariance: the launch counting
         # accesses, faster at a few hundred rows, splits a row otherwise)
-        values = True
-        launch = backward_launch(N, bits, arch, layernorm, few, values, dres is not None)
+        launch = backward_launch(N, bits, arch, layernorm, few, dres=dres is not None)
         if heads > 1:
             launch = head_launch(launch, heads)
         ctas, parts, most = backward_grid(launch, M, device, backward_tpsm(N, bits, arch, layernorm, few))
         direct = M > 0 and direct_sums(launch, ctas, M, heads)
         if M:
-            fn = compiled_backward(BackwardKey(dtype_name(x), N, arch, heads=heads, few=few, values=values,
+            fn = compiled_backward(BackwardKey(dtype_name(x), N, arch, heads=heads, few=few,
                                                direct=direct, **named))
     has_dw = weight is not None
     kinds, Np = int(has_dw) + int(has_bias), partial_width(N)

@@ -129,8 +129,10 @@ def spec_of(b) -> OpSpec:
 
 
 def _aligned_rows(N: int, dtype) -> bool:
-    """Oink's promise of batch invariance at a width: rows of a multiple of 16 bytes (oink.batch_invariant)."""
-    return N * dtype.itemsize % 16 == 0
+    """Oink's promise of batch invariance at a width (``oink.batch_invariant``'s rule)."""
+    from oink.declare import aligned_rows
+
+    return aligned_rows(N, dtype)
 
 
 @dataclass
