@@ -161,9 +161,8 @@ def stage_rows(launch: RowLaunch, x_bits: int, res_bits: int, tuned: bool) -> bo
     the ``fwd_stage`` setting where set, else the launch table's choice (``tuned``; without an entry, not: it
     pays only with a launch searched for it, and was slower with the heuristic's launch);
     never for too big a tile (a padded tile's vectors past N are not copied), nor with a residual: staged with
-    its fp32 residual, 131072 columns over 8 CTAs of 128 threads gave other bits at each identical call (H100,
-    the launch table's entry for an fp32 weight, which the residual's key shares; unstaged, the same launch gave
-    the same bits every time, and so did the fp32 weight's staged rows). The staged rule
+    its fp32 residual, a launch-table entry's rows (tuned for an fp32 weight, whose key the residual's shares) came
+    out with other bits at identical calls, where unstaged they did not (bench/RESULTS.md, "Batch invariance"). The staged rule
     (``staged_rows``) never takes a residual."""
     tile_bytes = launch.rows_per_cta * launch.cols_per_cta * (x_bits + res_bits) // 8
     if tile_bytes > STAGE_MAX_BYTES or res_bits:

@@ -29,7 +29,7 @@ from .reduction import MAX_N, WARP, WIDE_CLUSTER, RowLaunch, add, pick_row_launc
 from .rmsnorm import RMSNormForward
 
 # Tuning knobs per family: (128-bit units per thread, resident threads per SM the persistent grid
-# is sized for, pipeline depth), chosen by sweeps of each dial on an H100 (``python -m oink.tune --set``).
+# is sized for, pipeline depth), chosen by sweeps of each dial (``python -m oink.tune --set``; docs/tuning.md).
 # Both kernels hold ~110-255 registers a thread, so a SM holds one or two CTAs; the grid is counted
 # in the clusters the GPU runs at once (``persistent_ctas``). A grid of more runs in waves and writes
 # more dweight/dbias partial rows: slower on H100 except where a table entry says so ("grid").
