@@ -162,8 +162,8 @@ def stage_rows(launch: RowLaunch, x_bits: int, res_bits: int, tuned: bool) -> bo
     pays only with a launch searched for it, and was slower with the heuristic's launch);
     never for too big a tile (a padded tile's vectors past N are not copied), nor with a residual: staged with
     its fp32 residual, a launch-table entry's rows (tuned for an fp32 weight, whose key the residual's shares) came
-    out with other bits at identical calls, where unstaged they did not (bench/RESULTS.md, "Batch invariance"). The staged rule
-    (``staged_rows``) never takes a residual."""
+    out with other bits at identical calls, where unstaged they did not (bench/RESULTS.md, "Batch invariance").
+    The staged rule (``staged_rows``) never takes a residual."""
     tile_bytes = launch.rows_per_cta * launch.cols_per_cta * (x_bits + res_bits) // 8
     if tile_bytes > STAGE_MAX_BYTES or res_bits:
         return False
