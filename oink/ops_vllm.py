@@ -5,10 +5,9 @@ declares the others (see ``oink.declare``) and imported by it. Not public ``oink
 Every op writes its out-parameters in place and returns nothing. Arithmetic (vLLM's, in its order):
 ``oink.reference.vllm_fp8``; docs: docs/vllm-ops.md.
 
-Paths: ``per_token_group_fp8_quant`` runs Oink's FP8 group kernel on a GPU where its arithmetic is vLLM's; the
-four norm ops run the reference on every device: Oink's FP8 norm kernels round the normalized value to the
-input dtype once, ``to_T((x * rstd) * w)``, where vLLM rounds twice, ``to_T(to_T(x * rstd) * w)``: for
-fp16/bf16 a code can differ by a step, so they are not routed there.
+Paths: on a GPU, ``per_token_group_fp8_quant`` runs Oink's FP8 group kernel where its arithmetic is vLLM's, and
+the four norm ops the fused FP8 norm kernel in vLLM's order (``to_T(to_T(x * rstd) * w)``, where Oink's own FP8
+norms round once); the reference serves the rest and CPUs.
 """
 from __future__ import annotations
 
@@ -95,7 +94,7 @@ def _scales_2d(name: str, s, T: int, G: int, transposed: bool, hint: str = "") -
 
 # ---------------------------------------------------------------- the ops
 @_declare("rms_norm_static_fp8_quant(Tensor! result, Tensor input, Tensor weight, Tensor scale, "
-          "float epsilon) -> ()")
+          "float epsilon) -> ()", kernels=fp8_kernels)
 def rms_norm_static_fp8_quant(result, input, weight, scale, epsilon):
     """vLLM's ``rms_norm_static_fp8_quant``: result <- e4m3(sat(to_T(to_T(x * rstd) * w) * (1 / scale))).
 
@@ -106,7 +105,8 @@ def rms_norm_static_fp8_quant(result, input, weight, scale, epsilon):
         scale: 1-element fp32 (the static per-tensor scale).
         epsilon: added to the mean of squares.
 
-    Path: the reference on every device (``oink.reference.vllm_fp8``; Oink's FP8 norm kernels round once).
+    Path: on a GPU, the fused FP8 norm kernel with vLLM's values (``check_vllm_norm`` says where not); the
+    reference (``oink.reference.vllm_fp8``) otherwise.
 
     Raises:
         TypeError, ValueError: an argument's type, dtype, shape, layout or device does not fit (the message names it).
@@ -117,7 +117,7 @@ def rms_norm_static_fp8_quant(result, input, weight, scale, epsilon):
 
 
 @_declare("fused_add_rms_norm_static_fp8_quant(Tensor! result, Tensor input, Tensor! residual, "
-          "Tensor weight, Tensor scale, float epsilon) -> ()")
+          "Tensor weight, Tensor scale, float epsilon) -> ()", kernels=fp8_kernels)
 def fused_add_rms_norm_static_fp8_quant(result, input, residual, weight, scale, epsilon):
     """vLLM's ``fused_add_rms_norm_static_fp8_quant``: z = to_T(input + residual); residual <- z; result as
     ``rms_norm_static_fp8_quant`` of z. ``input`` is not written (unlike ``fused_add_rms_norm``).
@@ -130,7 +130,8 @@ def fused_add_rms_norm_static_fp8_quant(result, input, residual, weight, scale, 
         scale: 1-element fp32.
         epsilon: added to the mean of squares.
 
-    Path: the reference on every device (``oink.reference.vllm_fp8``; Oink's FP8 norm kernels round once).
+    Path: on a GPU, the fused FP8 norm kernel with vLLM's values (``check_vllm_norm`` says where not); the
+    reference (``oink.reference.vllm_fp8``) otherwise.
 
     Raises:
         TypeError, ValueError: an argument's type, dtype, shape, layout or device does not fit (the message names it).
@@ -141,7 +142,7 @@ def fused_add_rms_norm_static_fp8_quant(result, input, residual, weight, scale, 
 
 
 @_declare("rms_norm_dynamic_per_token_quant(Tensor! result, Tensor input, Tensor weight, Tensor! scale, "
-          "float epsilon, Tensor? scale_ub, Tensor!? residual) -> ()")
+          "float epsilon, Tensor? scale_ub, Tensor!? residual) -> ()", kernels=fp8_kernels)
 def rms_norm_dynamic_per_token_quant(result, input, weight, scale, epsilon, scale_ub=None, residual=None):
     """vLLM's ``rms_norm_dynamic_per_token_quant``: h = input (+ residual) in fp32, residual <- to_T(h);
     n = to_T(to_T(h * rstd) * w); s = fmax(fmin(amax|n|, scale_ub) / 448, 1 / (448 * 512)) per token;
@@ -156,7 +157,8 @@ def rms_norm_dynamic_per_token_quant(result, input, weight, scale, epsilon, scal
         scale_ub: 1-element fp32 upper bound on each token's amax, or None.
         residual: input's shape and dtype, contiguous, or None; overwritten with to_T(input + residual).
 
-    Path: the reference on every device (``oink.reference.vllm_fp8``; Oink's FP8 norm kernels round once).
+    Path: on a GPU, the fused FP8 norm kernel with vLLM's values (``check_vllm_norm`` says where not); the
+    reference (``oink.reference.vllm_fp8``) otherwise.
 
     Raises:
         TypeError, ValueError: an argument's type, dtype, shape, layout or device does not fit (the message names it).
@@ -171,7 +173,7 @@ def rms_norm_dynamic_per_token_quant(result, input, weight, scale, epsilon, scal
 
 @_declare("rms_norm_per_block_quant(Tensor! result, Tensor input, Tensor weight, Tensor! scale, "
           "float epsilon, Tensor? scale_ub, Tensor!? residual, int group_size, bool is_scale_transposed, "
-          "bool scale_ue8m0=False) -> ()")
+          "bool scale_ue8m0=False) -> ()", kernels=fp8_kernels)
 def rms_norm_per_block_quant(result, input, weight, scale, epsilon, scale_ub=None, residual=None, group_size=128,
                              is_scale_transposed=False, scale_ue8m0=False):
     """vLLM's ``rms_norm_per_block_quant``: ``rms_norm_dynamic_per_token_quant`` with one scale per group of
@@ -191,7 +193,8 @@ def rms_norm_per_block_quant(result, input, weight, scale, epsilon, scale_ub=Non
         scale_ue8m0: scales rounded up to powers of two (vllm-xpu-kernels' flag; upstream vLLM's CUDA op
             has none, so it defaults to False).
 
-    Path: the reference on every device (``oink.reference.vllm_fp8``; Oink's FP8 norm kernels round once).
+    Path: on a GPU, the fused FP8 norm kernel with vLLM's values (``check_vllm_norm`` says where not); the
+    reference (``oink.reference.vllm_fp8``) otherwise.
 
     Raises:
         TypeError, ValueError: an argument's type, dtype, shape, layout or device does not fit (the message names it).

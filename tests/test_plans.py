@@ -481,3 +481,58 @@ def test_vllm_group_quant_writes_its_out_parameters(recorder, layout):
     (call,) = recorder
     assert call[0] == x.data_ptr() and call[3] == q.data_ptr() and call[5:7] == (M, N)
     assert (call[4] == s.data_ptr()) == (layout != "tma")
+
+
+@pytest.mark.parametrize("op,layout", [("rms_norm_static_fp8_quant", None),
+                                       ("fused_add_rms_norm_static_fp8_quant", None),
+                                       ("rms_norm_dynamic_per_token_quant", "token"),
+                                       ("rms_norm_per_block_quant", "row"), ("rms_norm_per_block_quant", "column"),
+                                       ("rms_norm_per_block_quant", "tma")])
+def test_vllm_norms_write_their_out_parameters(recorder, op, layout):
+    """vLLM's four norm + FP8 ops through the fused FP8 kernel compiled with vLLM's values (``twice``; the norm of
+    the fp32 sum where vLLM's dynamic ops take it): codes straight into ``result``, the residual updated in place,
+    the static scale and the bound read where they are, scales straight into ``scale`` where its layout is the
+    kernel's, else written in the kernel's and copied (TMA-aligned: strides (1, round_up(T, 4)))."""
+    from oink.kernels import fp8, fp8_ops
+
+    keys = []
+    real = fp8.compiled_rmsnorm_fp8.__wrapped__
+    compiled = lambda k: keys.append(k) or real(k)  # noqa: E731 (records the key the plan compiles for)
+    M, N, g = 6, 256, 128
+    G = N // g
+    x, w, out = _x(M, N, stride=384), torch.randn(N, dtype=torch.bfloat16), torch.empty(M, N, dtype=torch.float8_e4m3fn)
+    res = torch.randn(M, N, dtype=torch.bfloat16)
+    args = dict(result=out, input=x, weight=w, epsilon=1e-6)
+    if op.startswith("fused") or layout:
+        args["residual"] = res
+    if layout is None:
+        args["scale"] = torch.tensor([0.5])
+    elif layout == "token":
+        args.update(scale=torch.empty(M, 1), scale_ub=torch.tensor(3.0))
+    else:
+        args["scale"] = {"row": lambda: torch.empty(M, G), "column": lambda: torch.empty(G, M).t(),
+                         "tma": lambda: torch.empty_strided((M, G), (1, 8))}[layout]()
+        args.update(scale_ub=None, group_size=g, is_scale_transposed=layout != "row", scale_ue8m0=True)
+    assert fp8_ops.check_vllm_norm(args, "sm_90a") is None
+    assert "multiple of 16" in fp8_ops.check_vllm_norm({**args, "input": _x(M, 200)}, "sm_90a")
+    import unittest.mock
+
+    with unittest.mock.patch.object(fp8_ops, "compiled_rmsnorm_fp8", compiled):
+        run = dispatch.prepare(op, "sm_90a", args)
+    (key,) = keys
+    mode = fp8_ops.VLLM_NORM_MODES[op]
+    assert key.twice and key.mode == mode and key.raw_sum == (mode != "static") and key.x_dtype == "bfloat16"
+    assert (key.res_dtype is not None) == ("residual" in args) and key.ub == (layout == "token")
+    assert key.group_size == (g if mode == "block" else 0) and key.column_major == (layout in ("column", "tma"))
+    recorder.clear()
+    if mode != "static":
+        args["scale"].fill_(-1.0)
+    run(args)
+    (call,) = recorder
+    px, pres, pw, pscale, pub, py, pq, ps, m, ldx, ldr, ldy, eps, _ = call
+    assert (px, pw, pq, m, ldx, eps, py) == (x.data_ptr(), w.data_ptr(), out.data_ptr(), M, 384, 1e-6, None)
+    assert pres == (res.data_ptr() if "residual" in args else None) and ldr == (N if "residual" in args else 0)
+    assert pscale == (args["scale"].data_ptr() if mode == "static" else None)
+    assert pub == (args["scale_ub"].data_ptr() if layout == "token" else None)
+    if mode != "static":
+        assert (ps == args["scale"].data_ptr()) == (layout != "tma")

@@ -245,7 +245,20 @@ def test_rms_norm_per_block_quant_batch_invariant(device, H, dtype):
     _rows_bit_identical(small[1], large[1])
 
 
-# ---------------------------------------------------------------- the kernels' arithmetic, bit for bit
+# ---------------------------------------------------------------- the reference's arithmetic, bit for bit
+@pytest.fixture
+def reference_path(monkeypatch):
+    """The reference on every device: these tests pin vLLM's arithmetic in torch's ops; on a GPU the kernels
+    (their own reduction order, a fast rsqrt) are checked against it below (``test_norm_kernels_*``)."""
+    from oink import config
+
+    monkeypatch.setenv("OINK_FORCE_REFERENCE", "1")
+    config.reload()
+    yield
+    monkeypatch.undo()
+    config.reload()
+
+
 def _to(v, dtype):
     return v.to(dtype).float()
 
@@ -273,6 +286,7 @@ def _equal(a, b):
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
+@pytest.mark.usefixtures("reference_path")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fused", [False, True])
@@ -296,6 +310,7 @@ def test_static_exact(device, dtype, fused):
         assert not torch.equal(out.view(torch.uint8), once.view(torch.uint8))
 
 
+@pytest.mark.usefixtures("reference_path")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -324,6 +339,7 @@ def test_dynamic_and_per_block_exact(device, dtype, with_residual, group_size, u
         assert torch.equal(res, h.to(dtype))
 
 
+@pytest.mark.usefixtures("reference_path")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ue8m0", [False, True])
@@ -344,6 +360,7 @@ def test_group_quant_exact(device, dtype, ue8m0):
     assert q[5, 7].float().item() == QMAX
 
 
+@pytest.mark.usefixtures("reference_path")
 @pytest.mark.parametrize("device", DEVICES)
 def test_ue8m0_rounds_up_and_fp8_bounds_come_from_the_arguments(device):
     x = torch.full((2, 128), 672.0, device=device)  # s = 1.5 -> 2: codes 336, rounded to e4m3's 320
@@ -354,6 +371,7 @@ def test_ue8m0_rounds_up_and_fp8_bounds_come_from_the_arguments(device):
     assert (s == 3.0).all() and (q.float() == 224.0).all()
 
 
+@pytest.mark.usefixtures("reference_path")
 @pytest.mark.parametrize("device", DEVICES)
 def test_per_block_ue8m0_flag(device):
     x, _, w = _data(8, 256, torch.bfloat16, device)
@@ -365,6 +383,7 @@ def test_per_block_ue8m0_flag(device):
     assert (s[2] == 2.0 ** -17).all() and (out[2].float() == 0).all()
 
 
+@pytest.mark.usefixtures("reference_path")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T", [1, 5, 8])
 @pytest.mark.parametrize("op", ["per_block", "group"])
@@ -632,3 +651,74 @@ def test_group_quant_kernel_is_the_reference_bit_for_bit(layout, T, H, gs):
     if layout == "tma" and S > T:  # the pad rows of the buffer stay as they were
         pad = s.as_strided((G, S - T), (S, 1), storage_offset=T)
         assert pad.isnan().all()
+
+
+# ---------------------------------------------------------------- the kernels on a GPU against the reference
+def _norm_call(op, x, w, res, T, H, scale_layout, g):
+    """Fresh (poisoned) out-parameters for ``op`` and the call's arguments -> (args, the written tensors)."""
+    out = torch.full((T, H), 0x7F, dtype=torch.uint8, device="cuda").view(FP8)  # NaN codes
+    r = None if res is None else res.clone()
+    if op.endswith("static_fp8_quant"):
+        scale = torch.tensor([0.011], device="cuda")
+        args = (out, x, r, w, scale, EPS) if op.startswith("fused") else (out, x, w, scale, EPS)
+        return args, [out] + ([r] if r is not None else [])
+    G = H // g if g else 1
+    S = -(-T // 4) * 4
+    s = {"token": lambda: torch.empty(T, 1, device="cuda"), "row": lambda: torch.empty(T, G, device="cuda"),
+         "column": lambda: torch.empty(G, T, device="cuda").t(),
+         "tma": lambda: torch.empty_strided((T, G), (1, S), device="cuda")}[scale_layout]()
+    s.as_strided((s.untyped_storage().nbytes() // 4,), (1,)).fill_(float("nan"))
+    ub = torch.tensor(2.5, device="cuda")
+    if g:
+        args = (out, x, w, s, EPS, None, r, g, scale_layout != "row", False)
+    else:
+        args = (out, x, w, s, EPS, ub, r)
+    return args, [out, s] + ([r] if r is not None else [])
+
+
+NORM_KERNEL_CASES = [("rms_norm_static_fp8_quant", None, 0), ("fused_add_rms_norm_static_fp8_quant", None, 0),
+                     ("rms_norm_dynamic_per_token_quant", "token", 0), ("rms_norm_per_block_quant", "row", 128),
+                     ("rms_norm_per_block_quant", "column", 64), ("rms_norm_per_block_quant", "tma", 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,scale_layout,g", NORM_KERNEL_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("T,H", [(1, 2048), (7, 4096), (257, 7168), (64, 18432), (3, 131072)])
+def test_norm_kernels_within_a_step(op, scale_layout, g, residual, dtype, T, H):
+    """On a GPU the four norm ops run the fused FP8 kernel in vLLM's order: codes within one e4m3 step of the
+    reference (>= 99.9% exact; the kernel's rsqrt and reduction order are its own), scales within 1e-5, the residual
+    bit for bit, nothing left unwritten (NaN-poisoned), a TMA buffer's pad rows untouched; a row batch-invariant."""
+    from oink import dispatch
+    from oink.reference import vllm_fp8
+    from tests.gpu_helpers import fp8_steps
+
+    if op.startswith("fused") and not residual or op == "rms_norm_static_fp8_quant" and residual:
+        pytest.skip("the static ops: residual only in the fused one")
+    gen = torch.Generator(device="cuda").manual_seed(T * 7 + H)
+    x = (torch.randn(T, H, device="cuda", generator=gen) * 3).to(dtype)
+    w = (1 + 0.3 * torch.randn(H, device="cuda", generator=gen)).to(dtype)
+    res = (torch.randn(T, H, device="cuda", generator=gen) * 3).to(dtype) if residual else None
+    args, got = _norm_call(op, x, w, res, T, H, scale_layout, g)
+    names = [a.name for a in getattr(OPS, op).default._schema.arguments]
+    route = dispatch.route(op, dict(zip(names, args)))
+    assert route.backend == "kernel", route
+    getattr(OPS, op)(*args)
+    ref_args, want = _norm_call(op, x, w, res, T, H, scale_layout, g)
+    getattr(vllm_fp8, op)(*ref_args)
+    steps = fp8_steps(got[0], want[0])
+    assert steps.max().item() <= 1 and (steps == 0).float().mean().item() >= 0.999, f"{int((steps > 0).sum())} moved"
+    if scale_layout is not None:
+        s, s_ref = got[1], want[1]
+        if scale_layout == "tma" and T % 4:
+            S = -(-T // 4) * 4
+            pad = s.as_strided((H // g, S - T), (S, 1), storage_offset=T)
+            assert pad.isnan().all()
+        torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=0)
+    if res is not None:
+        assert torch.equal(got[-1], want[-1])
+    if T > 1:  # the first row alone: the same bits
+        one, one_got = _norm_call(op, x[:1], w, None if res is None else res[:1], 1, H, scale_layout, g)
+        getattr(OPS, op)(*one)
+        assert torch.equal(one_got[0].view(torch.uint8), got[0][:1].view(torch.uint8))

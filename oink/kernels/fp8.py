@@ -144,7 +144,7 @@ class Fp8Epilogue:
     """Quantize the fp32 values a thread holds (units of 16) and store codes and scales. Mixed into
     row kernels whose launch has ``vec == 16``; slot ``amax_slot`` is the per-token reduction's."""
 
-    mode: str  # "static", "token" or "group"
+    mode: str  # "static", "token", "group" or "block" (a group scaled by the token's rule: floor and bound)
     group_size: int
     column_major: bool
     ue8m0: bool
@@ -166,6 +166,12 @@ class Fp8Epilogue:
         sp_row = Float32(0.0)
         if const_expr(self.mode == "static"):
             inv = div_rn(Float32(1.0), mScale[0])
+            if const_expr(mS is not None):  # the scale returned: copied here, not by a kernel of its own
+                leader = tXcX[0][1] == 0 and row == 0
+                if const_expr(L.cluster_n > 1):
+                    leader = leader and cy == 0
+                if leader:
+                    mS[0] = mScale[0]
         if const_expr(self.mode == "token"):
             amax = row_amax
             if const_expr(row_amax is None):
@@ -189,13 +195,18 @@ class Fp8Epilogue:
             s = s_row
             y = y_row
             sp = sp_row
-            if const_expr(self.mode == "group"):
+            if const_expr(self.mode in ("group", "block")):
                 amax = Float32(0.0)
                 for j in cutlass.range_constexpr(UNIT):
                     amax = cute.arch.fmax(amax, cute.arch.fmax(unit[j], -unit[j]))
                 # every lane takes part (lanes past M or N hold zeros): the butterfly needs them all
                 amax = cute.arch.warp_reduction(amax, fmax, threads_in_group=self.group_size // UNIT)
-                s = div_rn(cute.arch.fmax(amax, Float32(GROUP_EPS)), Float32(E4M3_MAX))
+                if const_expr(self.mode == "group"):
+                    s = div_rn(cute.arch.fmax(amax, Float32(GROUP_EPS)), Float32(E4M3_MAX))
+                else:
+                    if const_expr(mUb is not None):
+                        amax = cute.arch.fmin(amax, mUb[0])
+                    s = cute.arch.fmax(div_rn(amax, Float32(E4M3_MAX)), Float32(MIN_TOKEN_SCALE))
                 if const_expr(self.ue8m0):  # up to a power of two: the exponent, plus one if any mantissa
                     bits = f32_bits(s)
                     up = ((bits & 0x7FFFFF) + 0x7FFFFF) >> 23  # 1 where the mantissa is not zero
@@ -210,7 +221,7 @@ class Fp8Epilogue:
                         t = [quotient_sat(unit[4 * w + j], y, sp, const_expr(mUb is None)) for j in range(4)]
                     rQ[w] = e4m3x4(t[0], t[1], t[2], t[3])
                 cute.copy(q_atom, rQ, cute.local_tile(mQ, (1, UNIT // 4), (row, col0 // UNIT))[0, None])
-                if const_expr(self.mode == "group"):
+                if const_expr(self.mode in ("group", "block")):
                     lanes = self.group_size // UNIT
                     if (col0 // UNIT) % lanes == 0:
                         g = col0 // self.group_size
@@ -232,7 +243,9 @@ def _scale_tensors(self, pscale, pub, ps, M):
     mUb = cute.make_tensor(pub, one) if const_expr(pub is not None) else None
     mS = None
     if const_expr(ps is not None):
-        n = M if const_expr(self.mode == "token") else M * (self.launch.N // self.group_size)
+        n = 1 if const_expr(self.mode == "static") else M
+        if const_expr(self.mode in ("group", "block")):
+            n = M * (self.launch.N // self.group_size)
         mS = cute.make_tensor(ps, cute.make_layout((n,)))
     return mScale, mUb, mS
 
@@ -274,16 +287,21 @@ class Fp8Quantize(Fp8Epilogue, RowKernelBase):
 class RMSNormFp8(Fp8Epilogue, RMSNormForward):
     """rmsnorm_fp8quant, and with a residual add_rmsnorm_fp8quant (residual <- x + residual in
     place): v = x's dtype(rmsnorm(h) * weight), quantized; optionally y = v. The RMSNorm forward's
-    ``normalize``; per token ``weighted``, whose amax rides the norm's one round in slot 1."""
+    ``normalize``; per token ``weighted``, whose amax rides the norm's one round in slot 1.
+
+    ``twice``: vLLM's value instead, v = to_T(to_T(h * rstd) * w) (rounded to x's dtype twice; per token its
+    amax in a round of its own); ``raw_sum``: the norm of x + residual in fp32, the residual stored rounded."""
 
     amax_slot = 1
 
     def __init__(self, launch: RowLaunch, x_dtype, res_dtype, w_dtype, mode: str, group_size: int,
-                 column_major: bool, ue8m0: bool, store_y: bool):
+                 column_major: bool, ue8m0: bool, store_y: bool, twice: bool = False, raw_sum: bool = False):
         RMSNormForward.__init__(self, launch, x_dtype, w_dtype, None, res_dtype, x_dtype, res_dtype, False)
         self.num_reductions = 2
         self.mode, self.group_size, self.column_major, self.ue8m0 = mode, group_size, column_major, ue8m0
-        self.store_y = store_y
+        self.store_y, self.twice, self.raw_sum = store_y, twice, raw_sum
+        if twice and store_y:
+            raise ValueError("twice-rounded values are not stored (vLLM's ops return codes only)")
 
     @cute.jit
     def __call__(self, px: cute.Pointer, pres: Optional[cute.Pointer], pw: cute.Pointer,
@@ -308,7 +326,20 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
         row = tXcX[0][0]
         view = lambda m: part(m, bidx)  # noqa: E731
-        amax = None  # per token: the row's amax, from the norm's one round (``weighted``)
+        if const_expr(self.twice):
+            rV = self.twice_rounded(mX, mRes, mW, eps, view, buf, mbar, part, tXcX, row, M)
+            amax = None
+        else:
+            rV, amax = self.once_rounded(mX, mRes, mW, mY, eps, view, buf, mbar, part, tXcX, row, M, bidx)
+        self.quantize_store(rV, tXcX, row, M, cy, mScale, mUb, mQ, mS, buf, mbar, amax)
+        self.launch_dependents()
+
+    @cute.jit
+    def once_rounded(self, mX: cute.Tensor, mRes: Optional[cute.Tensor], mW: cute.Tensor, mY: Optional[cute.Tensor],
+                     eps: Float32, view, buf, mbar, part, tXcX: cute.Tensor, row: Int32, M: Int32, bidx):
+        """The spec's values, v = to_T(rmsnorm(h) * w) in fp32 registers (T: x's dtype; stored to mY if given), and
+        per token the row's amax of them, from the norm's one round (``weighted``); else None."""
+        amax = None
         if const_expr(self.mode == "token"):
             v, rX, amax = self.weighted(mX, mRes, mW, eps, view, buf, mbar, part, tXcX, row, M)
         else:
@@ -330,8 +361,7 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
             rV.store(rY.load().to(Float32))
         if const_expr(amax is not None):
             amax = self.rounded(amax)
-        self.quantize_store(rV, tXcX, row, M, cy, mScale, mUb, mQ, mS, buf, mbar, amax)
-        self.launch_dependents()
+        return rV, amax
 
     @cute.jit
     def weighted(self, mX: cute.Tensor, mRes: Optional[cute.Tensor], mW: cute.Tensor, eps: Float32, view, buf,
@@ -356,6 +386,21 @@ class RMSNormFp8(Fp8Epilogue, RMSNormForward):
         return p * rstd, rX, amax
 
     @cute.jit
+    def twice_rounded(self, mX: cute.Tensor, mRes: Optional[cute.Tensor], mW: cute.Tensor, eps: Float32, view, buf,
+                      mbar, part, tXcX: cute.Tensor, row: Int32, M: Int32):
+        """vLLM's normalized values, v = to_T(to_T(h * rstd) * w) in fp32 registers (T: x's dtype)."""
+        h, rX, _, _, _, _, rW, _ = self.norm_inputs(mX, mW, None, mRes, mRes, view, part, tXcX, row, M, None)
+        ss = (h * h).reduce(cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0)
+        rstd = cute.math.rsqrt(self.row_allreduce(ss, add, Float32(0.0), buf, mbar, 0) / self.n + eps,
+                               fastmath=False)
+        rY = cute.make_rmem_tensor_like(rX, self.x_dtype)
+        rY.store((h * rstd).to(self.x_dtype))
+        rY.store((rY.load().to(Float32) * self.weight_values(rW)).to(self.x_dtype))
+        rV = cute.make_rmem_tensor_like(rX, Float32)
+        rV.store(rY.load().to(Float32))
+        return rV
+
+    @cute.jit
     def rounded(self, a: Float32) -> Float32:
         """a rounded to x's dtype as the values are (nearest even; rounding is monotone, so the row's amax of the
         rounded values is its amax rounded)."""
@@ -371,10 +416,11 @@ def _check_width(N: int, group_size: int) -> None:
         raise ValueError(f"N={N}: the FP8 kernels take a multiple of {UNIT} (and of the group) up to {MAX_N}")
 
 
-def _scale_ptrs(mode: str, ub: bool):
-    """Fake pointers: the static scale, the per-token upper bound, the scales out."""
+def _scale_ptrs(mode: str, ub: bool, scale_out: bool = True):
+    """Fake pointers: the static scale, the per-token upper bound, the scales out (a static scale's copy unless
+    not ``scale_out``)."""
     return (gmem_ptr(Float32, 4) if mode == "static" else None, gmem_ptr(Float32, 4) if ub else None,
-            None if mode == "static" else gmem_ptr(Float32, 4))
+            gmem_ptr(Float32, 4) if scale_out else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,6 +454,8 @@ class RMSNormFp8Key:
     ue8m0: bool = False
     ub: bool = False
     store_y: bool = False  # the normalized rows stored too (in x's dtype)
+    twice: bool = False  # vLLM's values: to_T(to_T(h * rstd) * w) (``RMSNormFp8``)
+    raw_sum: bool = False  # the norm of x + residual in fp32, the residual stored rounded
 
 
 @memo
@@ -433,6 +481,7 @@ def compiled_rmsnorm_fp8(k: RMSNormFp8Key):
     """Compile (or fetch) the fused RMSNorm + FP8 kernel for ``k`` (with a residual when ``k.res_dtype``)."""
     x_dtype, res_dtype, w_dtype, N, arch, mode = k.x_dtype, k.res_dtype, k.w_dtype, k.N, k.arch, k.mode
     group_size, column_major, ue8m0, ub, store_y = k.group_size, k.column_major, k.ue8m0, k.ub, k.store_y
+    twice, raw_sum = k.twice, k.raw_sum
     _check_width(N, group_size)
     xd, wd = cute_dtype(x_dtype), cute_dtype(w_dtype)
     rd = cute_dtype(res_dtype) if res_dtype else None
@@ -440,11 +489,13 @@ def compiled_rmsnorm_fp8(k: RMSNormFp8Key):
 
     def build():
         one = Int64(launch.vec)
-        pscale, pub, ps = _scale_ptrs(mode, ub)
-        return compile_kernel(RMSNormFp8(launch, xd, rd, wd, mode, group_size, column_major, ue8m0, store_y),
+        pscale, pub, ps = _scale_ptrs(mode, ub, not (twice and mode == "static"))  # vLLM's static ops return none
+        return compile_kernel(RMSNormFp8(launch, xd, rd, wd, mode, group_size, column_major, ue8m0, store_y, twice,
+                                         raw_sum),
                               gmem_ptr(xd), gmem_ptr(rd) if rd else None, gmem_ptr(wd), pscale, pub,
                               gmem_ptr(xd) if store_y else None, gmem_ptr(Uint32, 16), ps, Int32(1), one, one, one,
                               Float32(1e-6), fake_stream(), arch=arch)
 
+    flags = (store_y, launch) if not (twice or raw_sum) else (store_y, twice, raw_sum, launch)  # old keys kept
     return CACHE.get(("rmsnorm_fp8", x_dtype, res_dtype, w_dtype, N, arch, mode, group_size, column_major, ue8m0, ub,
-                      store_y, launch), build)
+                      *flags), build)

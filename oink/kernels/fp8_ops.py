@@ -78,7 +78,8 @@ def _plan(kind: str):
         def run(a):
             x, scale = a["x"], a.get("scale")
             q = new_q()
-            s = scale.reshape(1).float().clone() if static else empty_scales(x, M, N, None, g, cms)
+            # a static scale's copy comes back (an output can't alias an input): written by the kernel
+            s = empty_scales(x, M, N, scale, g, cms) if M or not static else scale.reshape(1).float().clone()
             y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else None
             if M:
                 sc, bound = (_scalar(scale) if static else None), (_scalar(a["scale_ub"]) if has_ub else None)
@@ -91,10 +92,9 @@ def _plan(kind: str):
                     if copy_w:
                         w = dense(w)
                     fn(x.data_ptr(), None if res is None else res.data_ptr(), w.data_ptr(), ps, pub,
-                       None if y is None else y.data_ptr(), q.data_ptr(), None if static else s.data_ptr(), M, ldx,
-                       ldr, ldy, eps, stream())
+                       None if y is None else y.data_ptr(), q.data_ptr(), s.data_ptr(), M, ldx, ldr, ldy, eps, stream())
                 else:
-                    fn(x.data_ptr(), ps, pub, q.data_ptr(), None if static else s.data_ptr(), M, ldx, stream())
+                    fn(x.data_ptr(), ps, pub, q.data_ptr(), s.data_ptr(), M, ldx, stream())
             return (q, s, y) if return_y else (q, s)
 
         return run
@@ -145,9 +145,83 @@ def plan_group_quant(arch, a: dict):
     return run
 
 
+# ---- vLLM's fused RMSNorm + FP8 ops (oink.ops_vllm): the fused kernel with vLLM's values (``RMSNormFp8``'s
+# ``twice``), written into their out-parameters
+VLLM_NORM_MODES = {"rms_norm_static_fp8_quant": "static", "fused_add_rms_norm_static_fp8_quant": "static",
+                   "rms_norm_dynamic_per_token_quant": "token", "rms_norm_per_block_quant": "block"}
+
+
+def check_vllm_norm(t: dict, arch: str) -> str | None:
+    op = "rmsnorm" if t.get("residual") is None else "add_rmsnorm"
+    why = _launch_reason(t["input"].shape[-1], t.get("group_size", 0) if "is_scale_transposed" in t else 0,
+                         "add_rmsnorm", arch, op)
+    if why is None and t.get("residual") is not None:  # updated in place: no copy possible
+        why = in_place_reason("residual", t["residual"], UNIT)
+    return why
+
+
+def _plan_vllm_norm(name: str):
+    """vLLM's norm + FP8 op ``name`` through the fused kernel: codes straight into ``result`` where it is 16-byte
+    aligned (else through a copy), scales straight into ``scale`` where its layout is the kernel's (per token:
+    contiguous; per block: row-major, or transposed with strides (1, T)), else written in the kernel's layout and
+    copied (TMA-aligned columns: their pad rows untouched); the static scale and the bound read where they are."""
+    mode = VLLM_NORM_MODES[name]
+
+    def make(arch, a: dict):
+        x, w, res, out, scale = a["input"], a["weight"], a.get("residual"), a["result"], a["scale"]
+        N = x.shape[-1]
+        M = x.numel() // N
+        if not M:
+            return lambda a: None
+        g = a["group_size"] if mode == "block" else 0
+        col = mode == "block" and bool(a["is_scale_transposed"])
+        ub = a.get("scale_ub") is not None
+        copy_x, ldx = row_layout(x, UNIT)
+        copy_w = not kernel_ready_rows(w, UNIT)
+        ldr = row_layout(res, UNIT)[1]
+        direct_q = out.data_ptr() % 16 == 0
+        if mode == "token":
+            direct_s = scale.is_contiguous()
+        elif mode == "block":
+            direct_s = scale.stride() == ((1, M) if col else (N // g, 1)) or M == 1 and scale.is_contiguous()
+        else:
+            direct_s = True
+        fn = compiled_rmsnorm_fp8(RMSNormFp8Key(
+            dtype_name(x), N, arch, w_dtype=dtype_name(w), res_dtype=dtype_name(res), mode=mode, group_size=g,
+            column_major=col, ue8m0=bool(a.get("scale_ue8m0", False)), ub=ub, twice=True,
+            raw_sum=mode != "static"))
+        stream = stream_of(x.device)
+
+        def run(a):
+            x, w, res, out, scale, bound = a["input"], a["weight"], a.get("residual"), a["result"], a["scale"], \
+                a.get("scale_ub")
+            if copy_x:
+                x = dense(x)
+            if copy_w:
+                w = dense(w)
+            codes = out if direct_q else torch.empty_like(out)
+            scales = scale
+            if not direct_s:
+                scales = (x.new_empty((M,), dtype=torch.float32) if mode == "token" else
+                          empty_scales(x, M, N, None, g, col))
+            fn(x.data_ptr(), None if res is None else res.data_ptr(), w.data_ptr(),
+               scale.data_ptr() if mode == "static" else None, bound.data_ptr() if ub else None, None,
+               codes.data_ptr(), None if mode == "static" else scales.data_ptr(), M, ldx, ldr, 0,
+               float(a["epsilon"]), stream())
+            if not direct_q:
+                out.copy_(codes)
+            if not direct_s:
+                scale.copy_(scales.reshape(scale.shape))
+
+        return run
+
+    return make
+
+
 PLANS = {"fp8_quantize": _plan("quantize"), "silu_mul_fp8quant": _plan("silu_mul"),
          "rmsnorm_fp8quant": _plan("add_rmsnorm"), "add_rmsnorm_fp8quant": _plan("add_rmsnorm"),
-         "per_token_group_fp8_quant": plan_group_quant}
+         "per_token_group_fp8_quant": plan_group_quant, **{name: _plan_vllm_norm(name) for name in VLLM_NORM_MODES}}
 
 CHECKS = {"fp8_quantize": check_quantize, "silu_mul_fp8quant": check_silu_mul, "rmsnorm_fp8quant": check_rmsnorm,
-          "add_rmsnorm_fp8quant": check_rmsnorm, "per_token_group_fp8_quant": check_group_quant}
+          "add_rmsnorm_fp8quant": check_rmsnorm, "per_token_group_fp8_quant": check_group_quant,
+          **{name: check_vllm_norm for name in VLLM_NORM_MODES}}

@@ -205,6 +205,9 @@ class RMSNormForward(RowKernelBase):
         # x (and the residual) copied into shared memory (cp.async) and read from there again after the
         # reduction, so that no register holds them across its barriers (``stage_rows``)
         self.stage = stage
+        # the norm of the residual sum in fp32 rather than of the sum stored (vLLM's dynamic FP8 norms); never
+        # with ``late_params`` or ``stage``, which read the stored sum again
+        self.raw_sum = False
         self.pivot_setting = config.get().ln_pivot  # (the compile cache keys on it: ``compiled_forward``)
         if self.shifted and (heads > 1 or stage):
             raise ValueError(f"shifted rows: one head, unstaged; got {launch}")
@@ -477,16 +480,17 @@ class RMSNormForward(RowKernelBase):
     @cute.jit
     def row_values(self, rX: cute.Tensor, rRes, rResO, smem_rows, tXcX: cute.Tensor):
         """This thread's row values in fp32: x, or x + residual rounded to the residual output's dtype
-        (the stored sum; the norm is of that rounded value), kept in ``rResO``; read from ``smem_rows``
-        (``stage_loads``) where staged, the vectors past N (never copied there) as 0."""
+        (the stored sum, kept in ``rResO``; the norm is of that rounded value, or with ``raw_sum`` of the fp32 sum);
+        read from ``smem_rows`` (``stage_loads``) where staged, the vectors past N (never copied there) as 0."""
         if const_expr(smem_rows is not None):
             cute.autovec_copy(smem_rows[0], rX)
             if const_expr(rRes is not None):
                 cute.autovec_copy(smem_rows[1], rRes)
         h = rX.load().to(Float32)
         if const_expr(rRes is not None):
-            rResO.store((h + rRes.load().to(Float32)).to(self.res_out_dtype))
-            h = rResO.load().to(Float32)
+            total = h + rRes.load().to(Float32)
+            rResO.store(total.to(self.res_out_dtype))
+            h = total if const_expr(self.raw_sum) else rResO.load().to(Float32)
         if const_expr(smem_rows is not None and not self.launch.even_n):
             h = self.zero_padding(h, rX, tXcX)
         return h
