@@ -27,7 +27,7 @@ from oink import config  # noqa: E402
 from oink.kernels import cross_entropy as ce  # noqa: E402
 from oink.kernels.compile import CACHE  # noqa: E402
 from oink.kernels.fp8 import whole_warp_launch  # noqa: E402
-from oink.kernels.reduction import RowLaunch, cluster_rows, pick_row_launch, whole_warp_rows  # noqa: E402
+from oink.kernels.row_rules import RowLaunch, cluster_rows, pick_row_launch, whole_warp_rows  # noqa: E402
 from oink.tune import keys_of, time_op, trial  # noqa: E402
 from pytest_oink.bench_runner import gate  # noqa: E402
 from pytest_oink.providers import SPECS, build  # noqa: E402

@@ -31,12 +31,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .memo import memo
 from .launch_table import pick
 from .cross_entropy_forms import CrossEntropyForms
 from .cross_entropy_rules import (PLAIN, SOFTCAP_LEAN_MAX, CEOptions, backward_min_ctas, cross_entropy_launch,
                                   option_launch, softcap_form, stream_launch, stream_rows)
-from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, add, shifted_window
+from .reduction import LOG2E, RowKernelBase, add
+from .row_rules import MAX_N, RowLaunch, shifted_window
 
 MODES = ("forward", "backward", "fwd_bwd")
 

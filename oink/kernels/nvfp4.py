@@ -35,9 +35,11 @@ from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import config
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .memo import memo
 from .launch_table import pick
-from .reduction import MAX_N, RowKernelBase, RowLaunch, pick_row_launch
+from .reduction import RowKernelBase
+from .row_rules import MAX_N, RowLaunch, pick_row_launch
 from .reduction import pure_asm as _asm
 from .rmsnorm import RMSNormForward
 
