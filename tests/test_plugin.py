@@ -433,7 +433,7 @@ def test_fp4_gate_view_counts_rounding_steps():
     rounding step passes, two fail, and -0 (code 0x8) equals +0."""
     import torch
 
-    from pytest_oink.providers import _fp4_code_steps
+    from oink.measure.gate import _fp4_code_steps
     from pytest_oink.tolerances import tolerance
 
     q = torch.tensor([[0x21, 0x08]], dtype=torch.uint8)  # codes 1, 2, 8 (-0), 0
@@ -452,7 +452,8 @@ def test_mx_fused_gate_view_survives_a_scale_step():
     passes, codes shuffled inside a block fail, and the scale bytes must stay within one."""
     import torch
 
-    from pytest_oink.providers import MX_FUSED_GATE, _mx_block_ratios
+    from oink.measure.gate import _mx_block_ratios
+    from pytest_oink.providers import MX_FUSED_GATE
     from pytest_oink.tolerances import tolerance
 
     def block(codes, scale):  # 32 codes -> (q [1, 16], sf [1, 1] e8m0)
@@ -649,14 +650,14 @@ def test_torch_compile_provider_marks_rows_dynamic_not_parameters():
     the first call, never a weight's (whose first dim is N, equal to M at 4096 x 4096)."""
     import torch
 
-    from pytest_oink import providers
+    from pytest_oink.registry import compiled
 
     seen = []
     orig = torch.compile
     try:
         torch.compile = lambda fn: (lambda a: seen.append({k: getattr(v, "_dynamo_weak_dynamic_indices", None)
                                                             for k, v in a.items()}))
-        run = providers._compiled(lambda a: None)
+        run = compiled(lambda a: None)
     finally:
         torch.compile = orig
     run({"x": torch.randn(8, 8), "weight": torch.randn(8), "target": torch.zeros(8, dtype=torch.long), "eps": 1e-6})
