@@ -15,7 +15,7 @@ GS = torch.tensor([10.0])
 
 def inputs(op, M=4, N=32, dtype=torch.float32):
     """Keyword arguments for ``op`` with fresh random data."""
-    x = lambda: torch.randn(M, N, dtype=dtype)  # noqa: E731
+    x = lambda: torch.randn(M, N, dtype=dtype)  # noqa: E731  (a closure over this scope)
     w = torch.randn(N, dtype=dtype)
     rstd = torch.rand(M) + 0.5
     logits = torch.randn(M, N, dtype=dtype)

@@ -7,10 +7,10 @@ import pytest
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
-from oink.kernels.compile import CACHE, SUPPORTED_ARCHS  # noqa: E402
-from tests.helpers import set_dev, set_knob  # noqa: E402
-from oink.kernels.row_rules import RowLaunch, pick_row_launch  # noqa: E402
-from oink.kernels.rowsumsq import compiled_rowsumsq  # noqa: E402
+from oink.kernels.compile import CACHE, SUPPORTED_ARCHS  # noqa: E402  (after the cutlass importorskip)
+from tests.helpers import set_dev, set_knob  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.row_rules import RowLaunch, pick_row_launch  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.rowsumsq import compiled_rowsumsq  # noqa: E402  (after the cutlass importorskip)
 
 # Widths that reach every branch of pick_row_launch: 1..1024 threads per row, uneven tails
 # (predicated), clusters of 2, 4 and 8 CTAs.
@@ -57,8 +57,8 @@ def test_unknown_arch_is_refused():
 
 
 # ---- RMSNorm family: every flag combination x widths reaching every heuristic branch
-from oink.kernels.rmsnorm import compiled_forward  # noqa: E402
-from oink.kernels.rmsnorm_rules import ForwardKey  # noqa: E402
+from oink.kernels.rmsnorm import compiled_forward  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.rmsnorm_rules import ForwardKey  # noqa: E402  (after the cutlass importorskip)
 
 NORM_WIDTHS = [64, 1000, 4096, 16384, 131072, 262144]
 
@@ -171,9 +171,9 @@ def test_rmsnorm_width_limit():
         compiled_forward(ForwardKey("bfloat16", 262144 * 2, "sm_90a"))
 
 
-from oink.kernels.partial_sum import compiled_partial_sum, quads_per_cta  # noqa: E402
-from oink.kernels.rmsnorm_bwd import compiled_backward  # noqa: E402
-from oink.kernels.rmsnorm_bwd_rules import BackwardKey  # noqa: E402
+from oink.kernels.partial_sum import compiled_partial_sum, quads_per_cta  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.rmsnorm_bwd import compiled_backward  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.rmsnorm_bwd_rules import BackwardKey  # noqa: E402  (after the cutlass importorskip)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -239,7 +239,7 @@ def test_narrow_rows_hold_an_aligned_threads_values(monkeypatch):
     from oink.kernels.rmsnorm_rules import forward_launch
     from oink.kernels.rmsnorm_bwd_rules import NARROW_MAX_VALUES, backward_launch
 
-    shape = lambda L: (L.threads_per_row, L.cluster_n, L.iters)  # noqa: E731
+    shape = lambda L: (L.threads_per_row, L.cluster_n, L.iters)  # noqa: E731  (a closure over this scope)
     assert shape(backward_launch(2109, 16, "sm_90a")) == (256, 1, 9)  # 1-element accesses: 16 a thread at most
     assert shape(backward_launch(2538, 16, "sm_90a")) == (256, 1, 5)  # 2-element: 8
     assert shape(backward_launch(11646, 16, "sm_90a")) == (256, 4, 6)
@@ -261,7 +261,7 @@ def test_layernorm_forward_takes_the_fewest_whole_warps():
     tilings and rows of less than a warp keep theirs."""
     from oink.kernels.rmsnorm_rules import forward_launch
 
-    shape = lambda L: (L.threads_per_row, L.num_threads, L.iters)  # noqa: E731
+    shape = lambda L: (L.threads_per_row, L.num_threads, L.iters)  # noqa: E731  (a closure over this scope)
     assert shape(forward_launch(4240, 16, "sm_90a", 16, True)) == (160, 160, 4)
     assert shape(forward_launch(2120, 16, "sm_90a", 16, True)) == (96, 192, 3)
     assert shape(forward_launch(7168, 16, "sm_90a", 16, True)) == (224, 224, 4)  # exact
@@ -343,7 +343,7 @@ def test_layernorm_backward_compiles(arch, dtype, w, has_db):
                                                       layernorm=True)))
 
 
-from oink.kernels.softmax import MODES, SoftmaxKey, compiled_softmax  # noqa: E402
+from oink.kernels.softmax import MODES, SoftmaxKey, compiled_softmax  # noqa: E402  (after the cutlass importorskip)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -394,8 +394,8 @@ def test_softmax_merges_online_where_it_was_measured_faster():
     assert not online_reduction(one_cta, "forward") and not online_reduction(cluster8, "forward")
 
 
-from oink.kernels.cross_entropy import MODES as CE_MODES  # noqa: E402
-from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy  # noqa: E402
+from oink.kernels.cross_entropy import MODES as CE_MODES  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy  # noqa: E402  (after the cutlass importorskip)
 
 # vocabularies: tiny and odd (scalar loads), one warp, the forward's CTAs of 64 threads (3072; an odd
 # 8322's window and 9216: 18 accesses a thread), Llama-2's 32000 (forward: 2 CTAs of 256),
@@ -609,8 +609,8 @@ def test_forward_stages_rows_where_the_tile_fits(arch, monkeypatch):
     assert not ran_staged(CACHE.used)
 
 
-from oink.kernels.rmsnorm_bwd import compiled_split_backward  # noqa: E402
-from oink.kernels.rmsnorm_bwd_rules import split_rows  # noqa: E402
+from oink.kernels.rmsnorm_bwd import compiled_split_backward  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.rmsnorm_bwd_rules import split_rows  # noqa: E402  (after the cutlass importorskip)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)

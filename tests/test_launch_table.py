@@ -418,7 +418,7 @@ def test_an_entry_serves_a_range_of_widths_on_its_card(override, monkeypatch, ca
         18432: {"launch": [192, 192, 4], "iters": 3, "card": "H100"},
         20480: {"launch": [128, 128, 4], "iters": 5, "card": "H100", "n": [19968, 20480]},
         65536: {"launch": [64, 128, 16], "iters": 8}}}})
-    at = lambda N: launch_table.entry("test/k", "sm_90a", N)  # noqa: E731
+    at = lambda N: launch_table.entry("test/k", "sm_90a", N)  # noqa: E731  (a closure over this scope)
     assert at(18432) is None  # the CPU, no card: entries for a card do not apply
     card("H100")
     assert at(18432)[0] == at(17408)[0] == at(19584)[0] == 18432
@@ -433,7 +433,7 @@ def test_an_entry_scales_to_the_widths_it_serves(override, monkeypatch, card):
     with the accesses a thread nearest its own; where no tiling is exact, the rule's launch."""
     _tables(monkeypatch, {"sm_90a": {"test/k": {18432: {"launch": [192, 192, 4], "iters": 3},
                                                 131072: {"launch": [128, 128, 16], "iters": 8}}}})
-    rule = lambda N: pick_row_launch(N, 16)  # noqa: E731
+    rule = lambda N: pick_row_launch(N, 16)  # noqa: E731  (a closure over this scope)
     assert launch_table.pick("test/k", "sm_90a", rule(18432)).threads_per_row == 192  # as measured
     near = launch_table.pick("test/k", "sm_90a", rule(19456))  # 2432 units over 4 CTAs: 608 = 32 x 19
     assert (near.cluster_n, near.rows_per_cta, near.even_n) == (4, 1, True) and near.iters in (1, 2, 19)

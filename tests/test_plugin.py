@@ -466,7 +466,7 @@ def test_mx_fused_gate_view_survives_a_scale_step():
     shuffled = [0, 1, 2, 3, 4, 5, 6, 7] * 4
     ref = _mx_block_ratios(block(ref_codes, 127))
     tol = [tolerance(f, torch.float32) for f in MX_FUSED_GATE]
-    ok = lambda view: all(compare(a, b, *t).passed for a, b, t in zip(view, ref, tol))  # noqa: E731
+    ok = lambda view: all(compare(a, b, *t).passed for a, b, t in zip(view, ref, tol))  # noqa: E731  (a closure over this scope)
     assert ok(_mx_block_ratios(block(halved, 128)))
     assert not ok(_mx_block_ratios(block(shuffled, 127)))
     assert not ok(_mx_block_ratios(block(ref_codes, 129)))
@@ -728,7 +728,7 @@ def test_gate_compares_each_spec_with_its_own_reference():
 
     twice = OpSpec("softmax", inputs, lambda a: (a["x"] * 2,), lambda M, N, e: 2 * M * N * e)
     thrice = OpSpec("softmax", inputs, lambda a: (a["x"] * 3,), lambda M, N, e: 2 * M * N * e)
-    run = lambda a: (a["x"] * 3,)  # noqa: E731
+    run = lambda a: (a["x"] * 3,)  # noqa: E731  (a closure over this scope)
     case, cpu = Case("t", "my_op", 4, 64, "float32"), torch.device("cpu")
     assert not gate(twice, run, case, torch.float32, cpu)["passed"]
     assert gate(thrice, run, case, torch.float32, cpu)["passed"]

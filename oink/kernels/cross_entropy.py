@@ -106,7 +106,7 @@ class CrossEntropy(CrossEntropyForms, RowKernelBase):
                  plse_in: Optional[cute.Pointer], ploss: Optional[cute.Pointer], plse_out: Optional[cute.Pointer],
                  pdx: Optional[cute.Pointer], M: Int32, ldx: Int64, lddx: Int64, ignore_index: Int32,
                  stream: cuda.CUstream):
-        vector = lambda p: cute.make_tensor(p, cute.make_layout((M,))) if const_expr(p is not None) else None  # noqa: E731
+        vector = lambda p: cute.make_tensor(p, cute.make_layout((M,))) if const_expr(p is not None) else None  # noqa: E731  (a closure over this scope)
         if const_expr(self.shifted):  # rows start anywhere: only scalar accesses through these views
             mX = self.shifted_matrix(px, M, ldx)
             mDx = self.shifted_matrix(pdx, M, lddx) if const_expr(pdx is not None) else None

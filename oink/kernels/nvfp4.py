@@ -295,7 +295,7 @@ class AddRMSNormFp4(Fp4Epilogue, RMSNormForward):
         tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
         row = tXcX[0][0]
         # the residual output aliases the residual: each element is read before it is written
-        view = lambda m: part(m, bidx)  # noqa: E731
+        view = lambda m: part(m, bidx)  # noqa: E731  (a closure over this scope)
         v, rX, _, _ = self.normalize(mX, mW, None, mRes, mRes, eps, view, buf, mbar, part, tXcX, row, M, None)
         gs = mGS[0] if const_expr(mGS is not None) else None
         if const_expr(mY is not None):

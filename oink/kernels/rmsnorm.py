@@ -109,11 +109,11 @@ class RMSNormForward(RowKernelBase):
         if const_expr(self.shifted):  # each thread's row through its window
             row = bidx * L.rows_per_cta + cute.arch.thread_idx()[0] // L.threads_per_row
             tXcX, _, shift = self.row_window(mX, row, M, part)
-            view = lambda m: self.row_window(m, row, M, part)[1]  # noqa: E731
+            view = lambda m: self.row_window(m, row, M, part)[1]  # noqa: E731  (a closure over this scope)
         else:
             tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
             row = tXcX[0][0]
-            view = lambda m: part(m, bidx)  # noqa: E731
+            view = lambda m: part(m, bidx)  # noqa: E731  (a closure over this scope)
         y, rX, rstd, mean = self.normalize(mX, mW, mB, mRes, mResO, eps, view, buf, mbar, part, tXcX, row, M, shift)
         rO = cute.make_rmem_tensor_like(rX, self.out_dtype)
         rO.store(y.to(self.out_dtype))
@@ -143,8 +143,8 @@ class RMSNormForward(RowKernelBase):
                                                                         row, M, shift)
         mean = Float32(0.0)
         if const_expr(self.layernorm):
-            again = lambda: self.reload(src, rX, rRes, rResO, smem_rows, tXcX)  # noqa: E731
-            inside = lambda v: self.row_columns(v, rX, tXcX, shift)  # noqa: E731
+            again = lambda: self.reload(src, rX, rRes, rResO, smem_rows, tXcX)  # noqa: E731  (a closure over this scope)
+            inside = lambda v: self.row_columns(v, rX, tXcX, shift)  # noqa: E731  (a closure over this scope)
             if const_expr(self.pivoted):
                 h, mean, var = self.pivot_moments(h, again, inside, self.pivot(mX, row, M), buf, mbar)
             else:
@@ -484,7 +484,7 @@ def compiled_forward(k: ForwardKey):
         kernel = RMSNormForward(launch, xd, *dts[:3], dts[4], dts[3], store_rstd, layernorm, float(weight_offset),
                                 heads, late, stage, n=N)
         kernel.min_ctas = ctas
-        ptr = lambda dt: None if dt is None else gmem_ptr(dt)  # noqa: E731
+        ptr = lambda dt: None if dt is None else gmem_ptr(dt)  # noqa: E731  (a closure over this scope)
         one = Int64(launch.vec)
         return compile_kernel(
             kernel, gmem_ptr(xd), ptr(dts[0]), ptr(dts[1]), ptr(dts[2]), gmem_ptr(dts[4]), ptr(dts[3]),
