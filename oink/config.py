@@ -78,26 +78,7 @@ DEV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.defau
 DEV: dict = {}
 
 
-# OINK_* variables once read: now development settings, or (None) settled comparisons whose losing side
-# is gone (the partials' sum in torch, power-of-two backward rows); named in a warning where one is still set
-RETIRED = {"OINK_FWD_UPT": "fwd_upt", "OINK_FWD_LATE": "fwd_late", "OINK_FWD_STAGE": "fwd_stage",
-           "OINK_FP4_UPT": "fp4_upt", "OINK_BWD_UPT": "bwd_upt", "OINK_BWD_TPSM": "bwd_tpsm",
-           "OINK_BWD_DEPTH": "bwd_depth", "OINK_BWD_SPLIT": "bwd_split", "OINK_BWD_PARTIAL_SUM": None,
-           "OINK_SOFTMAX_ONLINE": "softmax_online", "OINK_CE_STREAM": "ce_stream", "OINK_BWD_EXACT": None}
-
-
-def _warn_retired() -> None:
-    for name, setting in RETIRED.items():
-        if os.environ.get(name, "").strip():
-            import warnings
-
-            how = (f"to force it (tests, sweeps) use oink.config.override({setting}=...) or python -m oink.tune "
-                   f"--set {setting}=..." if setting else "the comparison is settled and its other side removed")
-            warnings.warn(f"{name} is no longer read: {how}", stacklevel=3)
-
-
 def _from_env() -> Config:
-    _warn_retired()
     env = os.environ.get
     return Config(
         force_reference=truthy(env("OINK_FORCE_REFERENCE")), arch=env("OINK_ARCH") or None,

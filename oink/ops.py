@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import checks as c
-from .declare import PUBLIC, batch_invariant, declare, explain  # noqa: F401
+from .declare import PUBLIC, batch_invariant, declare, explain  # noqa: F401  (re-exported: oink.ops' declaration helpers)
 from .declare import absent as _absent
 from .reference.cross_entropy import REDUCTIONS
 
@@ -562,11 +562,11 @@ def cross_entropy_fwd_bwd_(dloss, logits, target, ignore_index=-100, label_smoot
 
 
 # the FP4 and FP8 ops: their own module, imported here so that every op is declared with oink.ops
-from .ops_quant import (add_rmsnorm_fp4quant, add_rmsnorm_fp8quant, add_rmsnorm_mxfp4quant,  # noqa: E402,F401
+from .ops_quant import (add_rmsnorm_fp4quant, add_rmsnorm_fp8quant, add_rmsnorm_mxfp4quant,  # noqa: E402,F401  (at the end: declared after the ops it builds on; re-exported)
                         fp8_quantize, mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize, nvfp4_quantize,
                         rmsnorm_fp8quant, silu_mul_fp4quant, silu_mul_fp8quant, silu_mul_mxfp4quant)
 # vLLM's fused RMSNorm + FP8 ops under vLLM's names: torch.ops.oink.<name> only (not public oink.<name>)
-from . import ops_vllm  # noqa: E402,F401
+from . import ops_vllm  # noqa: E402,F401  (at the end: declared after the ops it builds on; re-exported)
 
 
 __all__ = list(PUBLIC)

@@ -49,7 +49,7 @@ from oink import config
 from oink.kernels import launch_table
 from oink.kernels.compile import CACHE
 from oink.kernels.fp8 import UNIT as FP8_UNIT
-from oink.kernels.rmsnorm import ran_staged
+from oink.kernels.rmsnorm_rules import ran_staged
 from oink.measure.gate import Case, gate, spec_of
 from oink.measure.gate import inputs as _inputs
 from oink.measure.timer import Rotation, copies_for_cold_cache, median, time_cuda_graph

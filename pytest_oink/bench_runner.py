@@ -7,7 +7,7 @@ import time
 import pytest
 
 # the gate, the inputs it draws and its out-of-memory refusals: oink.measure.gate's (the tuner's too)
-from oink.measure.gate import _EXPECTED, GATE_MAX_ELEMS, GATE_SEEDS, gate  # noqa: F401
+from oink.measure.gate import _EXPECTED, GATE_MAX_ELEMS, GATE_SEEDS, gate  # noqa: F401  (re-exported for the plugin's modules and tests)
 from oink.measure.gate import inputs as _inputs
 from oink.measure.gate import refusing_out_of_memory
 

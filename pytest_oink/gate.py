@@ -6,7 +6,7 @@ index; NaN/Inf mismatches are reported on their own, and a NaN never passes. The
 """
 from __future__ import annotations
 
-from oink.measure.gate import GateStats, compare  # noqa: F401
+from oink.measure.gate import GateStats, compare  # noqa: F401  (re-exported for the plugin's modules and tests)
 from oink.measure.tolerances import tolerance
 
 

@@ -1,7 +1,8 @@
 """The registry of (op, provider) -> builder (``provider``, ``PROVIDERS``, ``LABELS``) and the helpers builders
-share (a peer's module, the GPU-only refusal, torch.compile with dynamic rows). ``pytest_oink.providers``
-registers Oink's, torch's and the peers' builders for the bench entries' ops, ``pytest_oink.training`` the
-training suite's; both import from here, neither imports the other's builders. No torch at import."""
+share (a peer's builders recorded for registration: ``Peer``; a peer's module, the GPU-only refusal, torch.compile
+with dynamic rows). ``pytest_oink.providers`` registers Oink's and torch's builders for the bench entries' ops and
+calls ``pytest_oink.peers.register`` (one module a peer library) and ``pytest_oink.training.register``; all import
+from here, none imports another's builders. No torch at import."""
 from __future__ import annotations
 
 import importlib
@@ -12,6 +13,7 @@ from oink.measure.gate import Unavailable
 
 PROVIDERS: dict[tuple[str, str], Callable] = {}
 LABELS: dict[tuple[str, str], str] = {}  # (op, provider) -> note shown in reports
+EPS = 1e-6  # the bench entries' eps (oink/reference/bench.py), which the peers' calls pass
 
 
 def provider(op: str, name: str, label: str = ""):
@@ -22,6 +24,27 @@ def provider(op: str, name: str, label: str = ""):
         return builder
 
     return deco
+
+
+class Peer:
+    """A provider's builders (a peer library's, or Oink's unfused compositions), recorded beside their code by
+    ``serves`` and put in the registry by ``register`` (``pytest_oink.peers.register``, once)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.builders: list[tuple[str, str, str, Callable]] = []  # (op, provider, label, builder)
+
+    def serves(self, op: str, label: str = "", name: str | None = None):
+        """A decorator: the builder serves ``op`` as provider ``name`` (default: the peer's)."""
+        def record(builder):
+            self.builders.append((op, name or self.name, label, builder))
+            return builder
+
+        return record
+
+    def register(self) -> None:
+        for op, name, label, builder in self.builders:
+            provider(op, name, label)(builder)
 
 
 def peer(module: str, pip_name: str):

@@ -80,7 +80,7 @@ class Row:
 
     def csv_row(self) -> dict:
         g, p = self.gate or {}, self.profile or {}
-        fmt = lambda v, k=1e3: "" if v is None else f"{v * k:.6g}"  # noqa: E731
+        fmt = lambda v, k=1e3: "" if v is None else f"{v * k:.6g}"  # noqa: E731  (a closure over this scope)
         return {
             "suite": self.suite, "seed": "" if self.seed is None else self.seed, "op": self.op,
             "provider": self.provider,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from oink.measure.timer import (GraphTiming, Rotation, copies_for_cold_cache, median,  # noqa: F401
+from oink.measure.timer import (GraphTiming, Rotation, copies_for_cold_cache, median,  # noqa: F401  (re-exported for the plugin's modules and tests)
                                 time_cuda_events, time_cuda_graph)
 
 

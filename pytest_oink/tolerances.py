@@ -2,4 +2,4 @@
 (the tuner gates with it too), re-exported here for the plugin and the tests."""
 from __future__ import annotations
 
-from oink.measure.tolerances import FAMILIES, tolerance  # noqa: F401
+from oink.measure.tolerances import FAMILIES, tolerance  # noqa: F401  (re-exported for the plugin's modules and tests)

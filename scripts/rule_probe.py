@@ -23,16 +23,16 @@ from pathlib import Path
 
 import torch
 
-from oink import config  # noqa: E402
-from oink.kernels import cross_entropy as ce  # noqa: E402
-from oink.kernels.compile import CACHE  # noqa: E402
-from oink.kernels.fp8 import whole_warp_launch  # noqa: E402
-from oink.kernels.reduction import RowLaunch, cluster_rows, pick_row_launch, whole_warp_rows  # noqa: E402
-from oink.tune import keys_of, time_op, trial  # noqa: E402
-from pytest_oink.bench_runner import gate  # noqa: E402
-from pytest_oink.providers import SPECS, build  # noqa: E402
-from pytest_oink.suites import Case  # noqa: E402
-from pytest_oink.timing import measure_roofline  # noqa: E402
+from oink import config
+from oink.kernels import cross_entropy as ce
+from oink.kernels.compile import CACHE
+from oink.kernels.fp8 import whole_warp_launch
+from oink.kernels.row_rules import RowLaunch, cluster_rows, pick_row_launch, whole_warp_rows
+from oink.tune import keys_of, time_op, trial
+from pytest_oink.bench_runner import gate
+from pytest_oink.providers import SPECS, build
+from pytest_oink.suites import Case
+from pytest_oink.timing import measure_roofline
 
 
 def _quack_like(N, vec):
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
                         ok = g["passed"]
                         us = time_op(spec, run, case, dtype, device) * 1e6 if ok else None
                         why = "" if ok else g.get("report", "gate failed")[:200]
-                    except Exception as e:  # noqa: BLE001
+                    except Exception as e:  # noqa: BLE001  (any failure of a probed launch is its row's result)
                         ok, us, why = False, None, f"{type(e).__name__}: {e}"[:200]
                     ran = sorted(CACHE.used_launches())
                 frac = spec.nbytes(M, N, dtype.itemsize) / (us * 1e-6) / (roof.copy_tbs * 1e12) if us else None
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
                 try:
                     g = gate(spec, prun, case, dtype, device)
                     us = time_op(spec, prun, case, dtype, device) * 1e6 if g["passed"] else None
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001  (any failure of a probed launch is its row's result)
                     us = None
                     print(f"# {op} {N}: {p} raised {type(e).__name__}: {str(e)[:120]}", flush=True)
                 row[p] = us

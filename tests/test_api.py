@@ -15,7 +15,7 @@ GS = torch.tensor([10.0])
 
 def inputs(op, M=4, N=32, dtype=torch.float32):
     """Keyword arguments for ``op`` with fresh random data."""
-    x = lambda: torch.randn(M, N, dtype=dtype)  # noqa: E731
+    x = lambda: torch.randn(M, N, dtype=dtype)  # noqa: E731  (a closure over this scope)
     w = torch.randn(N, dtype=dtype)
     rstd = torch.rand(M) + 0.5
     logits = torch.randn(M, N, dtype=dtype)
@@ -368,13 +368,12 @@ def test_knobs_are_read_once_and_reloaded(monkeypatch):
 
 def test_development_settings_are_not_environment_knobs(monkeypatch):
     """The A/B switches and the sweeps' launch dials are set in code (``config.override``, ``python -m
-    oink.tune --set``), never from the environment: a retired OINK_* name is ignored, with a warning
-    naming what replaced it; an override holds inside its block only, nested ones included."""
+    oink.tune --set``), never from the environment: an OINK_* variable named like one is not read; an override
+    holds inside its block only, nested ones included."""
     from oink import config
 
     monkeypatch.setenv("OINK_BWD_DEPTH", "3")
-    with pytest.warns(UserWarning, match=r"OINK_BWD_DEPTH is no longer read.*bwd_depth"):
-        assert config.reload().bwd_depth is None
+    assert config.reload().bwd_depth is None
     monkeypatch.delenv("OINK_BWD_DEPTH")
     with config.override(bwd_depth=3, fwd_stage=True) as inside:
         assert inside is config.get() and (inside.bwd_depth, inside.fwd_stage) == (3, True)

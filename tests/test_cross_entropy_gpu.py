@@ -205,7 +205,7 @@ def test_streamed_forward_limits(monkeypatch, mode, N, dtype, opts, seed):
     +inf, ignored targets (loss 0), against the reference on the same logits. Each tile folds with no +inf
     branch; a thread whose max is +inf counts its +inf logits by reading its tiles again."""
     from oink.kernels import cross_entropy_rules as rules
-    from oink.kernels.reduction import shifted_window
+    from oink.kernels.row_rules import shifted_window
     from tests.helpers import set_dev
 
     o = {"plain": {}, "smooth": dict(label_smoothing=0.1), "zloss": dict(z_loss=1e-4)}[opts]

@@ -11,14 +11,14 @@ import torch
 import torch._dynamo.testing
 
 import oink
-import oink.ops  # noqa: F401
+import oink.ops  # noqa: F401  (registers the custom ops)
 
 GS = torch.tensor([10.0])
 
 
 def op_samples():
     M, N = 5, 64
-    x = lambda dt=torch.float32: torch.randn(M, N, dtype=dt)  # noqa: E731
+    x = lambda dt=torch.float32: torch.randn(M, N, dtype=dt)  # noqa: E731  (a closure over this scope)
     w = torch.randn(N)
     logits, target = torch.randn(M, N), torch.tensor([1, -100, 3, 0, 63])
     q, sf = oink.reference.nvfp4_quantize(x(), GS)

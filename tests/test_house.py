@@ -1,6 +1,7 @@
 """The house rules a next engineer can rely on: ``oink`` works without the plugin's stack (the tuner gates and
 times with ``oink.measure``, which ``pytest_oink`` imports, never the other way round), and no module of
-``oink`` or ``pytest_oink`` takes part in an import cycle, counting the imports inside functions. CPU only."""
+``oink`` or ``pytest_oink`` takes part in an import cycle, counting the imports inside functions, or is over
+``MAX_LINES`` lines. CPU only."""
 from __future__ import annotations
 
 import ast
@@ -202,3 +203,12 @@ def _raw_imports_of(top: str) -> list[str]:
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             hits += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n.partition(".")[0] == top]
     return hits
+
+
+MAX_LINES = 600  # a module a reader takes in at one sitting; past it, split it by what its parts are
+
+
+def test_no_module_is_over_the_line_bar():
+    long = {f"{path.relative_to(ROOT)}": n for path, _ in _modules().values()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them): {long}"

@@ -7,10 +7,10 @@ import pytest
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
-from oink.kernels.compile import CACHE, SUPPORTED_ARCHS  # noqa: E402
-from tests.helpers import set_dev, set_knob  # noqa: E402
-from oink.kernels.reduction import RowLaunch, pick_row_launch  # noqa: E402
-from oink.kernels.rowsumsq import compiled_rowsumsq  # noqa: E402
+from oink.kernels.compile import CACHE, SUPPORTED_ARCHS  # noqa: E402  (after the cutlass importorskip)
+from tests.helpers import set_dev, set_knob  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.row_rules import RowLaunch, pick_row_launch  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.rowsumsq import compiled_rowsumsq  # noqa: E402  (after the cutlass importorskip)
 
 # Widths that reach every branch of pick_row_launch: 1..1024 threads per row, uneven tails
 # (predicated), clusters of 2, 4 and 8 CTAs.
@@ -57,7 +57,8 @@ def test_unknown_arch_is_refused():
 
 
 # ---- RMSNorm family: every flag combination x widths reaching every heuristic branch
-from oink.kernels.rmsnorm import ForwardKey, compiled_forward  # noqa: E402
+from oink.kernels.rmsnorm import compiled_forward  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.rmsnorm_rules import ForwardKey  # noqa: E402  (after the cutlass importorskip)
 
 NORM_WIDTHS = [64, 1000, 4096, 16384, 131072, 262144]
 
@@ -95,7 +96,7 @@ def test_rmsnorm_forward_windows_compile(arch, dtype, w, residual):
     parameters gathered at the window's offset, bias with the weight; LayerNorm's too. Even widths,
     narrow_rows' widths, a residual, a weight wider than x and per-head parameters keep the narrow kernel
     (the same compile as without a window)."""
-    from oink.kernels.rmsnorm import forward_window
+    from oink.kernels.rmsnorm_rules import forward_window
 
     wd = None if w is None else (dtype if w == "same" else w)
     for N in (7, 455, 5135, 94557, 94558):
@@ -170,8 +171,9 @@ def test_rmsnorm_width_limit():
         compiled_forward(ForwardKey("bfloat16", 262144 * 2, "sm_90a"))
 
 
-from oink.kernels.partial_sum import compiled_partial_sum, quads_per_cta  # noqa: E402
-from oink.kernels.rmsnorm_bwd import BackwardKey, compiled_backward  # noqa: E402
+from oink.kernels.partial_sum import compiled_partial_sum, quads_per_cta  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.rmsnorm_bwd import compiled_backward  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.rmsnorm_bwd_rules import BackwardKey  # noqa: E402  (after the cutlass importorskip)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -219,7 +221,7 @@ def test_rmsnorm_backward_compiles(arch, dtype, w, has_db, dres):
 def test_forward_launch_for_a_wider_weight(monkeypatch):
     """An fp32 weight with 16-bit x: 2 units a thread where that tiles the row exactly, else the
     default; the ``fwd_upt`` setting overrides both."""
-    from oink.kernels.rmsnorm import forward_launch
+    from oink.kernels.rmsnorm_rules import forward_launch
 
     assert forward_launch(4096, 16, "sm_90a").threads_per_row == 128
     assert forward_launch(4096, 16, "sm_90a", 32).threads_per_row == 256
@@ -234,10 +236,10 @@ def test_narrow_rows_hold_an_aligned_threads_values(monkeypatch):
     what 2 (RMSNorm) or 4 (LayerNorm) aligned accesses hold, in CTAs of at most 256 threads, a cluster only
     where one CTA can't; ``values=False`` and fp32 rows keep the budget in accesses; the forward with an fp32
     weight holds up to 24 values a thread before a cluster."""
-    from oink.kernels.rmsnorm import forward_launch
-    from oink.kernels.rmsnorm_bwd import NARROW_MAX_VALUES, backward_launch
+    from oink.kernels.rmsnorm_rules import forward_launch
+    from oink.kernels.rmsnorm_bwd_rules import NARROW_MAX_VALUES, backward_launch
 
-    shape = lambda L: (L.threads_per_row, L.cluster_n, L.iters)  # noqa: E731
+    shape = lambda L: (L.threads_per_row, L.cluster_n, L.iters)  # noqa: E731  (a closure over this scope)
     assert shape(backward_launch(2109, 16, "sm_90a")) == (256, 1, 9)  # 1-element accesses: 16 a thread at most
     assert shape(backward_launch(2538, 16, "sm_90a")) == (256, 1, 5)  # 2-element: 8
     assert shape(backward_launch(11646, 16, "sm_90a")) == (256, 4, 6)
@@ -257,9 +259,9 @@ def test_layernorm_forward_takes_the_fewest_whole_warps():
     """A LayerNorm row no whole-warp tiling covers exactly takes the fewest whole warps holding it in 4
     accesses a thread (4240 bf16: 160 threads, not 256 x 3), whole rows a CTA of at least 128 threads; exact
     tilings and rows of less than a warp keep theirs."""
-    from oink.kernels.rmsnorm import forward_launch
+    from oink.kernels.rmsnorm_rules import forward_launch
 
-    shape = lambda L: (L.threads_per_row, L.num_threads, L.iters)  # noqa: E731
+    shape = lambda L: (L.threads_per_row, L.num_threads, L.iters)  # noqa: E731  (a closure over this scope)
     assert shape(forward_launch(4240, 16, "sm_90a", 16, True)) == (160, 160, 4)
     assert shape(forward_launch(2120, 16, "sm_90a", 16, True)) == (96, 192, 3)
     assert shape(forward_launch(7168, 16, "sm_90a", 16, True)) == (224, 224, 4)  # exact
@@ -269,7 +271,7 @@ def test_layernorm_forward_takes_the_fewest_whole_warps():
 def test_backward_launch_whole_warp_rows(monkeypatch):
     """Rows that whole warps cover exactly take that many threads (no idle last access); others
     keep the power-of-two shape."""
-    from oink.kernels.rmsnorm_bwd import backward_launch
+    from oink.kernels.rmsnorm_bwd_rules import backward_launch
 
     for N, tpr in ((6144, 384), (7168, 448), (8192, 512), (4096, 256)):
         L = backward_launch(N, 16, "sm_90a")
@@ -341,7 +343,7 @@ def test_layernorm_backward_compiles(arch, dtype, w, has_db):
                                                       layernorm=True)))
 
 
-from oink.kernels.softmax import MODES, SoftmaxKey, compiled_softmax  # noqa: E402
+from oink.kernels.softmax import MODES, SoftmaxKey, compiled_softmax  # noqa: E402  (after the cutlass importorskip)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -392,8 +394,8 @@ def test_softmax_merges_online_where_it_was_measured_faster():
     assert not online_reduction(one_cta, "forward") and not online_reduction(cluster8, "forward")
 
 
-from oink.kernels.cross_entropy import MODES as CE_MODES  # noqa: E402
-from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy  # noqa: E402
+from oink.kernels.cross_entropy import MODES as CE_MODES  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy  # noqa: E402  (after the cutlass importorskip)
 
 # vocabularies: tiny and odd (scalar loads), one warp, the forward's CTAs of 64 threads (3072; an odd
 # 8322's window and 9216: 18 accesses a thread), Llama-2's 32000 (forward: 2 CTAs of 256),
@@ -557,7 +559,7 @@ def test_layernorm_ragged_widths_compile(arch):
 @pytest.mark.parametrize("D,heads", [(64, 4), (128, 8), (128, 32), (256, 40)])
 def test_per_head_norm_compiles(arch, D, heads):
     # QK-norm: weight/bias [H, D], row r of x [..., H, D] takes head r % H
-    from oink.kernels.rmsnorm_bwd import backward_launch, head_launch
+    from oink.kernels.rmsnorm_bwd_rules import backward_launch, head_launch
 
     assert callable(compiled_forward(ForwardKey("bfloat16", D, arch, w_dtype="float32", b_dtype="float32",
                                                 store_rstd=True, heads=heads)))
@@ -565,43 +567,6 @@ def test_per_head_norm_compiles(arch, D, heads):
     assert L is not None and L.rows_per_cta % heads == 0
     assert callable(compiled_backward(BackwardKey("bfloat16", D, arch, w_dtype="float32", dout_dtype="bfloat16",
                                                   has_db=True, heads=heads)))
-
-
-def test_forward_loads_parameters_late_where_registers_limit_it():
-    """``late_params``: the LayerNorm forward from 12288 columns (rows of narrow accesses past 4096 columns and
-    20 values a thread), a wider weight in CTAs of 1024 threads; never for a plain RMSNorm, and never by the row
-    count (it takes none: batch invariance)."""
-    from oink.kernels.reduction import RowLaunch
-    from oink.kernels.rmsnorm import late_params
-
-    def launch(N, threads=512):
-        return RowLaunch(N=N, vec=math.gcd(N, 8), threads_per_row=threads, num_threads=threads)
-
-    assert late_params(launch(16384), True, False)
-    assert not late_params(launch(8192), True, False)
-    assert late_params(launch(5124, 256), True, False, narrow=True)  # 24 values a thread
-    assert not late_params(launch(4100, 256), True, False, narrow=True)  # 20
-    assert not late_params(launch(4094, 128), True, False, narrow=True)  # past 20, not past 4096 columns
-    assert not late_params(launch(5124, 256), False, False, narrow=True)
-    assert late_params(launch(16384, 1024), False, True)
-    assert not late_params(launch(18432, 576), False, True)
-    assert not late_params(launch(262144), False, True)
-    assert not late_params(launch(16384, 1024), False, False)
-
-
-def test_a_residual_is_never_staged(monkeypatch):
-    """``stage_rows``: a tile with a residual is never staged, whatever the table or the ``fwd_stage`` setting asks
-    (staged with its fp32 residual, the forward gave other bits at identical calls on an H100); without one, the
-    table's choice or the setting."""
-    from oink import config
-    from oink.kernels.reduction import RowLaunch
-    from oink.kernels.rmsnorm import stage_rows
-
-    launch = RowLaunch(N=131072, vec=8, threads_per_row=128, num_threads=128, cluster_n=8)
-    assert stage_rows(launch, 16, 0, True) and not stage_rows(launch, 16, 0, False)
-    assert not stage_rows(launch, 16, 32, True) and not stage_rows(launch, 16, 16, True)
-    with config.override(fwd_stage=True):
-        assert not stage_rows(launch, 16, 32, False) and stage_rows(launch, 16, 0, False)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -625,7 +590,7 @@ def test_forward_stages_rows_where_the_tile_fits(arch, monkeypatch):
     tests/test_wide_rows_gpu.py runs on a GPU), and never otherwise; a residual never (``stage_rows``); False
     never."""
     from oink.kernels.profile import ROW_FAMILIES
-    from oink.kernels.rmsnorm import STAGE_MAX_BYTES, ran_staged
+    from oink.kernels.rmsnorm_rules import STAGE_MAX_BYTES, ran_staged
 
     set_dev(monkeypatch, fwd_stage=True)
     for family in ("rmsnorm_fwd", "rmsnorm_fwd_w32", "rmsnorm_fwd_res", "layernorm_fwd"):
@@ -644,19 +609,8 @@ def test_forward_stages_rows_where_the_tile_fits(arch, monkeypatch):
     assert not ran_staged(CACHE.used)
 
 
-from oink.kernels.rmsnorm_bwd import compiled_split_backward, split_rows  # noqa: E402
-
-
-def test_direct_sums_only_for_one_cta_of_one_row():
-    from oink.kernels.rmsnorm_bwd import direct_sums
-
-    one = RowLaunch(N=4096, vec=8, threads_per_row=256, num_threads=256)
-    two_rows = RowLaunch(N=512, vec=8, threads_per_row=64, num_threads=128)
-    assert direct_sums(one, 1, 1) and direct_sums(one, 1, 1000)  # one CTA walks every row
-    assert direct_sums(RowLaunch(N=131072, vec=8, threads_per_row=512, num_threads=512, cluster_n=16), 1, 1)
-    assert not direct_sums(one, 2, 2)  # two CTAs: two partial rows to add
-    assert direct_sums(two_rows, 1, 1) and not direct_sums(two_rows, 1, 2)  # two rows a CTA: only for one row
-    assert not direct_sums(one, 1, 1, heads=2)
+from oink.kernels.rmsnorm_bwd import compiled_split_backward  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.rmsnorm_bwd_rules import split_rows  # noqa: E402  (after the cutlass importorskip)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -674,7 +628,7 @@ def test_one_row_backward_storing_dweight_compiles(arch):
 def test_split_backward_takes_rows_too_wide_for_one_kernel(monkeypatch):
     """The split where a thread of the largest cluster the arch takes would hold too much of a row:
     SM90's cluster of 16 holds 131072 columns (bf16 and fp32), SM100's portable 8 only 65536."""
-    from oink.kernels.rmsnorm_bwd import _fitted_launch
+    from oink.kernels.rmsnorm_bwd_rules import _fitted_launch
 
     for bits in (16, 32):
         for layernorm in (False, True):

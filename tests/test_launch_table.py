@@ -6,7 +6,7 @@ import pytest
 
 from oink import config
 from oink.kernels import launch_table
-from oink.kernels.reduction import RowLaunch, pick_row_launch
+from oink.kernels.row_rules import RowLaunch, pick_row_launch
 
 ENTRIES = [(arch, key, N, e) for arch, keys in launch_table.table().items() for key, by_n in keys.items()
            for N, e in by_n.items()]
@@ -107,7 +107,7 @@ def test_stage_belongs_to_its_entrys_launch(override, monkeypatch):
 
 def test_backward_grid_takes_the_knob_then_the_table_then_the_default(override, monkeypatch):
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
-    from oink.kernels.rmsnorm_bwd import TUNING, backward_launch, backward_tpsm, persistent_ctas
+    from oink.kernels.rmsnorm_bwd_rules import TUNING, backward_launch, backward_tpsm, persistent_ctas
 
     def table():
         return {"sm_90a": {"rmsnorm_bwd/x16": {65536: {"launch": [256, 256, 8], "grid": 2048}}}}
@@ -286,7 +286,8 @@ def _compile(arch: str, key: str, N: int):
     op, variant = rest if len(rest) == 2 else (None, rest[0])  # the norms' keys have no op part
     x16 = {"x16": "bfloat16", "x32": "float32"}
     if family in ("rmsnorm_fwd", "layernorm_fwd"):
-        from oink.kernels.rmsnorm import ForwardKey, compiled_forward
+        from oink.kernels.rmsnorm import compiled_forward
+        from oink.kernels.rmsnorm_rules import ForwardKey
 
         x, w = x16[variant[:3]], {"w0": None, "w16": "bfloat16", "w32": "float32"}[variant[3:]]
         ln = family == "layernorm_fwd"
@@ -295,7 +296,8 @@ def _compile(arch: str, key: str, N: int):
         return compiled_forward(ForwardKey(x, N, arch, w_dtype=w, res_dtype=w or x, res_out_dtype=w or x,
                                            layernorm=ln, few=few))  # a residual
     if family in ("rmsnorm_bwd", "layernorm_bwd"):
-        from oink.kernels.rmsnorm_bwd import BackwardKey, compiled_backward
+        from oink.kernels.rmsnorm_bwd import compiled_backward
+        from oink.kernels.rmsnorm_bwd_rules import BackwardKey
 
         x, ln = x16[variant], family == "layernorm_bwd"
         return compiled_backward(BackwardKey(x, N, arch, w_dtype=x, dout_dtype=x, has_db=ln, layernorm=ln, few=few))
@@ -340,7 +342,7 @@ def test_entry_compiles_for_its_arch(arch, key, N, entry, card):
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
     from oink.kernels.compile import CACHE
 
-    from oink.kernels.rmsnorm import ran_staged
+    from oink.kernels.rmsnorm_rules import ran_staged
 
     card(entry.get("card"))
     CACHE.clear_used()
@@ -416,7 +418,7 @@ def test_an_entry_serves_a_range_of_widths_on_its_card(override, monkeypatch, ca
         18432: {"launch": [192, 192, 4], "iters": 3, "card": "H100"},
         20480: {"launch": [128, 128, 4], "iters": 5, "card": "H100", "n": [19968, 20480]},
         65536: {"launch": [64, 128, 16], "iters": 8}}}})
-    at = lambda N: launch_table.entry("test/k", "sm_90a", N)  # noqa: E731
+    at = lambda N: launch_table.entry("test/k", "sm_90a", N)  # noqa: E731  (a closure over this scope)
     assert at(18432) is None  # the CPU, no card: entries for a card do not apply
     card("H100")
     assert at(18432)[0] == at(17408)[0] == at(19584)[0] == 18432
@@ -431,7 +433,7 @@ def test_an_entry_scales_to_the_widths_it_serves(override, monkeypatch, card):
     with the accesses a thread nearest its own; where no tiling is exact, the rule's launch."""
     _tables(monkeypatch, {"sm_90a": {"test/k": {18432: {"launch": [192, 192, 4], "iters": 3},
                                                 131072: {"launch": [128, 128, 16], "iters": 8}}}})
-    rule = lambda N: pick_row_launch(N, 16)  # noqa: E731
+    rule = lambda N: pick_row_launch(N, 16)  # noqa: E731  (a closure over this scope)
     assert launch_table.pick("test/k", "sm_90a", rule(18432)).threads_per_row == 192  # as measured
     near = launch_table.pick("test/k", "sm_90a", rule(19456))  # 2432 units over 4 CTAs: 608 = 32 x 19
     assert (near.cluster_n, near.rows_per_cta, near.even_n) == (4, 1, True) and near.iters in (1, 2, 19)
@@ -474,142 +476,6 @@ def test_the_users_overlay_is_read_over_the_shipped_table(tmp_path, monkeypatch)
 
 def test_the_table_has_fewer_entries_than_before_the_rules():
     assert len(ENTRIES) < 90  # the exact-width table of the nineteenth session had 90
-
-
-# searched winners on the H100 (launch_table.json before the rules) that the wide-row rule gives unaided
-SEARCHED = [(18432, 8, 16, (192, 192, 4)), (131072, 8, 16, (128, 128, 16)), (262144, 8, 16, (256, 256, 16))]
-
-
-@pytest.mark.parametrize("N,vec,cluster,shape", SEARCHED)
-def test_the_wide_row_rule_finds_the_searched_winners(N, vec, cluster, shape):
-    from oink.kernels.reduction import cluster_rows
-
-    L = cluster_rows(N, vec, cluster)
-    assert (L.threads_per_row, L.num_threads, L.cluster_n) == shape
-
-
-@pytest.mark.parametrize("cluster", [8, 16])
-@pytest.mark.parametrize("vec", [1, 4, 8])
-def test_the_wide_row_rule_between_measured_widths(vec, cluster):
-    """At every width (odd ones too): a valid launch within the cluster limit and 1024 threads; a CTA's
-    share tiled exactly wherever a whole-warp tiling of at most 8 accesses exists; at most 8 accesses a
-    thread unless even 1024 threads of the widest cluster need more."""
-    import math
-
-    from oink.kernels.reduction import CLUSTER_ROWS_MIN_N, cluster_rows
-
-    for N in sorted({int(2 ** (14 + 4 * i / 97)) // vec * vec for i in range(98)}):
-        if N <= CLUSTER_ROWS_MIN_N:
-            continue
-        L = cluster_rows(N, vec, cluster)
-        assert L.cluster_n <= cluster and L.num_threads <= 1024 and L.rows_per_cta == 1
-        assert L.iters <= 8 or (L.threads_per_row == 1024 and L.cluster_n == cluster), L
-        share = N // vec / L.cluster_n
-        exact = share == int(share) and any(
-            share % it == 0 and (share // it) % 32 == 0 and share // it <= 1024 for it in range(1, 9))
-        assert L.even_n or not exact, L
-        assert math.ceil(N / vec / (L.threads_per_row * L.cluster_n)) == L.iters
-
-
-def test_narrow_access_rows_count_values_a_thread():
-    """A 16-bit row whose width is not a multiple of 8 takes as many values a thread as an aligned row of
-    the same width (more, narrower accesses), within ``NARROW_ROWS_N`` only; aligned rows, fp32 and rows
-    outside it keep the family's launch."""
-    from oink.kernels.reduction import NARROW_ROWS_N, narrow_rows
-
-    for N in (4097, 4619, 4750, 8077, 9116, 16383):
-        L = narrow_rows(N, 16)
-        assert L.vec < 8 and L.cluster_n == 1 and 16 < L.iters * L.vec <= 32  # values a thread: 2-4 aligned units
-    assert narrow_rows(8077, 16).threads_per_row == 256  # 32 one-element accesses, not 1024 threads over 2 CTAs
-    assert narrow_rows(8192, 16) is None and narrow_rows(8077, 32) is None
-    assert narrow_rows(NARROW_ROWS_N[0], 16) is None and narrow_rows(NARROW_ROWS_N[1] + 1, 16) is None
-
-
-def test_short_and_even_narrow_rows_count_values_in_the_norm_forwards():
-    """With ``short`` (the norm forwards), rows of 2-element accesses count values a thread at any width up to
-    16384, rows of 4 up to ``NARROW_SHORT_N`` columns (a row of up to 32 values a thread then fits a warp);
-    odd widths (1-element accesses, read through windows) and rows of 4 between it and 4096 do not."""
-    from oink.kernels.reduction import NARROW_SHORT_N, narrow_rows
-
-    for N in (6, 210, 746, 1018, 1030, 2050, 3078, 4094):
-        L = narrow_rows(N, 16, 4, NARROW_SHORT_N)
-        assert L.vec == 2 and L.cluster_n == 1 and L.iters * L.vec <= 32, L
-        assert N < 1024 or 16 < L.iters * L.vec, L
-        assert narrow_rows(N, 16) is None  # without it, the range starts past 4096
-    for N in (300, 644, 1020):
-        L = narrow_rows(N, 16, 4, NARROW_SHORT_N)
-        assert L.vec == 4 and L.threads_per_row <= 32 and 16 < L.iters * L.vec <= 32, L
-        assert narrow_rows(N, 16) is None
-    assert narrow_rows(1027, 16, 4, NARROW_SHORT_N) is None  # odd: the windows' widths
-    assert narrow_rows(1028, 16, 4, NARROW_SHORT_N) is None and narrow_rows(2052, 16, 4, NARROW_SHORT_N) is None
-    assert narrow_rows(NARROW_SHORT_N, 16, 4, NARROW_SHORT_N) is None  # aligned
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_wide_narrow_access_rows_take_small_ctas_holding_more_values(arch):
-    """Past ``CLUSTER_ROWS_MIN_N``, a 16-bit row of 2-element accesses takes CTAs of 256 threads
-    holding up to ``NARROW_CLUSTER_VALUES`` values a thread (one padded access more) where a cluster holds
-    it so, fewer threads a row than an access count gives; LayerNorm never clusters 16 CTAs of more
-    than 256 threads; aligned rows, odd widths, rows of 4-element accesses, a wider weight and a residual
-    keep ``cluster_rows``' launch."""
-    from oink.kernels.reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, NARROW_CLUSTER_VALUES, WIDE_CLUSTER,
-                                        cluster_rows, narrow_cluster_rows)
-    from oink.kernels.rmsnorm import forward_launch
-
-    widest = WIDE_CLUSTER.get(arch, MAX_CLUSTER)
-    for N in (16386, 20482, 33794, 49474, 67810, 98306, 131750):
-        L = narrow_cluster_rows(N, 16, widest)
-        assert L.vec == 2 and L.cluster_n <= widest
-        assert L.num_threads == 256 or L.cluster_n == widest, L
-        assert L.iters * L.vec <= NARROW_CLUSTER_VALUES + L.vec, L
-        assert forward_launch(N, 16, arch) == L
-        old = cluster_rows(N, L.vec, widest)
-        assert L.threads_per_row * L.cluster_n <= old.threads_per_row * old.cluster_n and L.iters >= old.iters
-    assert forward_launch(67810, 16, arch).num_threads == 256  # 1024 x 8 counted in accesses
-    for N in (180226, 262142):  # a cluster of 16 would take 512-thread CTAs: LayerNorm keeps its cluster of 8
-        ln = forward_launch(N, 16, arch, layernorm=True)
-        assert ln.cluster_n <= MAX_CLUSTER or ln.num_threads <= 256
-    for N, bits in ((65536, 16), (CLUSTER_ROWS_MIN_N + 1, 16), (67810, 32), (CLUSTER_ROWS_MIN_N - 2, 16),
-                    (90116, 16)):
-        assert narrow_cluster_rows(N, bits, widest) is None
-    assert forward_launch(67810, 16, arch, w_bits=32) == cluster_rows(67810, 2, widest)
-    assert forward_launch(67810, 16, arch, residual=True) == cluster_rows(67810, 2, widest)  # the fused add's
-    assert forward_launch(1030, 16, arch, residual=True) != forward_launch(1030, 16, arch)
-
-
-def test_backward_depth_one_where_several_rows_leave_an_access_idle():
-    """RMSNorm's CTAs of several rows whose last access is partly idle take depth 1; even rows, one row a CTA
-    and LayerNorm keep the family's depth; ``bwd_depth`` still wins."""
-    from oink import config
-    from oink.kernels.rmsnorm_bwd import TUNING, backward_depth, backward_launch
-
-    several = [backward_launch(N, 16, "sm_90a") for N in (368, 578, 904)]
-    assert all(L.rows_per_cta > 1 and not L.even_n and backward_depth(L, False) == 1 for L in several)
-    for N in (512, 1024, 1256, 8192):
-        assert backward_depth(backward_launch(N, 16, "sm_90a"), False) == TUNING["rmsnorm"][2]
-    assert backward_depth(several[0], True) == TUNING["layernorm"][2]
-    with config.override(bwd_depth=2):
-        assert backward_depth(several[0], False) == 2
-
-
-def test_backward_pairs_of_narrow_rows_replace_a_cluster():
-    """RMSNorm backward rows of 2-element accesses that the values' budget would split over a cluster take two
-    rows of 128 threads a CTA up to ``NARROW_PAIR_VALUES`` values a thread; wider ones, LayerNorm, rows with a
-    dresidual, fp32 and rows of 4-element accesses keep the rule before."""
-    from oink.kernels.rmsnorm_bwd import NARROW_PAIR_VALUES, backward_launch, split_rows, thread_values
-
-    top = 128 * NARROW_PAIR_VALUES
-    for arch in ("sm_90a", "sm_100a"):
-        for N in (4098, 4702, top - 2):
-            L = backward_launch(N, 16, arch)
-            assert (L.threads_per_row, L.num_threads, L.cluster_n) == (128, 256, 1), (N, L)
-            assert thread_values(L) <= NARROW_PAIR_VALUES
-            assert not split_rows(N, 16, arch, False)  # the split kernels took these rows at 10x the time
-        assert backward_launch(4094, 16, arch).cluster_n == 1 and backward_launch(4094, 16, arch).num_threads == 256
-        for other in (backward_launch(top + 2, 16, arch), backward_launch(4702, 16, arch, layernorm=True),
-                      backward_launch(4702, 16, arch, dres=True), backward_launch(4100, 16, arch)):
-            assert other.threads_per_row != 128, other
-        assert backward_launch(4702, 32, arch).threads_per_row == 512
 
 
 @pytest.mark.parametrize("mode", ["backward", "fwd_bwd"])

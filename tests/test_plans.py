@@ -348,7 +348,7 @@ def test_a_few_rows_entry_serves_only_where_it_keeps_the_order(monkeypatch, rows
     other rows a CTA with the key's own threads, accesses and cluster a row (``launch_table.same_order``); one
     that splits a row otherwise is ignored, as its rows' bits would differ from the same rows in a larger batch."""
     from oink.kernels import launch_table
-    from oink.kernels.reduction import RowLaunch
+    from oink.kernels.row_rules import RowLaunch
 
     N, key = 4096, "rmsnorm_fwd/x16w16"
     default = RowLaunch(N=N, vec=8, threads_per_row=128, num_threads=128, cluster_n=1)

@@ -433,7 +433,7 @@ def test_fp4_gate_view_counts_rounding_steps():
     rounding step passes, two fail, and -0 (code 0x8) equals +0."""
     import torch
 
-    from pytest_oink.providers import _fp4_code_steps
+    from oink.measure.gate import _fp4_code_steps
     from pytest_oink.tolerances import tolerance
 
     q = torch.tensor([[0x21, 0x08]], dtype=torch.uint8)  # codes 1, 2, 8 (-0), 0
@@ -452,7 +452,8 @@ def test_mx_fused_gate_view_survives_a_scale_step():
     passes, codes shuffled inside a block fail, and the scale bytes must stay within one."""
     import torch
 
-    from pytest_oink.providers import MX_FUSED_GATE, _mx_block_ratios
+    from oink.measure.gate import _mx_block_ratios
+    from pytest_oink.providers import MX_FUSED_GATE
     from pytest_oink.tolerances import tolerance
 
     def block(codes, scale):  # 32 codes -> (q [1, 16], sf [1, 1] e8m0)
@@ -465,7 +466,7 @@ def test_mx_fused_gate_view_survives_a_scale_step():
     shuffled = [0, 1, 2, 3, 4, 5, 6, 7] * 4
     ref = _mx_block_ratios(block(ref_codes, 127))
     tol = [tolerance(f, torch.float32) for f in MX_FUSED_GATE]
-    ok = lambda view: all(compare(a, b, *t).passed for a, b, t in zip(view, ref, tol))  # noqa: E731
+    ok = lambda view: all(compare(a, b, *t).passed for a, b, t in zip(view, ref, tol))  # noqa: E731  (a closure over this scope)
     assert ok(_mx_block_ratios(block(halved, 128)))
     assert not ok(_mx_block_ratios(block(shuffled, 127)))
     assert not ok(_mx_block_ratios(block(ref_codes, 129)))
@@ -649,14 +650,14 @@ def test_torch_compile_provider_marks_rows_dynamic_not_parameters():
     the first call, never a weight's (whose first dim is N, equal to M at 4096 x 4096)."""
     import torch
 
-    from pytest_oink import providers
+    from pytest_oink.registry import compiled
 
     seen = []
     orig = torch.compile
     try:
         torch.compile = lambda fn: (lambda a: seen.append({k: getattr(v, "_dynamo_weak_dynamic_indices", None)
                                                             for k, v in a.items()}))
-        run = providers._compiled(lambda a: None)
+        run = compiled(lambda a: None)
     finally:
         torch.compile = orig
     run({"x": torch.randn(8, 8), "weight": torch.randn(8), "target": torch.zeros(8, dtype=torch.long), "eps": 1e-6})
@@ -727,7 +728,7 @@ def test_gate_compares_each_spec_with_its_own_reference():
 
     twice = OpSpec("softmax", inputs, lambda a: (a["x"] * 2,), lambda M, N, e: 2 * M * N * e)
     thrice = OpSpec("softmax", inputs, lambda a: (a["x"] * 3,), lambda M, N, e: 2 * M * N * e)
-    run = lambda a: (a["x"] * 3,)  # noqa: E731
+    run = lambda a: (a["x"] * 3,)  # noqa: E731  (a closure over this scope)
     case, cpu = Case("t", "my_op", 4, 64, "float32"), torch.device("cpu")
     assert not gate(twice, run, case, torch.float32, cpu)["passed"]
     assert gate(thrice, run, case, torch.float32, cpu)["passed"]

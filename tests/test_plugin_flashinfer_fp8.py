@@ -1,4 +1,4 @@
-"""The fp8 suite's FlashInfer providers (pytest_oink/providers.py) on a CPU: without FlashInfer their rows are
+"""The fp8 suite's FlashInfer providers (pytest_oink/peers/flashinfer.py) on a CPU: without FlashInfer their rows are
 skipped with the reason, and against a fake ``flashinfer`` package (plain torch, FlashInfer's arithmetic and
 layouts as its 0.7 sources have them) each passes Oink's correctness gate, which proves the argument mapping
 and the outputs' conversion; the same fake with the scale inverted, or the block scales in the wrong layout,
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pytest_oink import providers
+from pytest_oink.peers import flashinfer as flashinfer_builders
 from pytest_oink.bench_runner import gate
 from pytest_oink.providers import SPECS, Unavailable
 from pytest_oink.suites import Case
@@ -155,7 +156,7 @@ def fake_flashinfer(tmp_path, monkeypatch):
     for name in [n for n in sys.modules if n == "flashinfer" or n.startswith("flashinfer.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.syspath_prepend(str(package.parent))
-    monkeypatch.setattr(providers, "_needs_cuda", lambda device: None)
+    monkeypatch.setattr(flashinfer_builders, "needs_cuda", lambda device: None)
     monkeypatch.delenv("FAKE_FLASHINFER", raising=False)
     yield package
     _drop_flashinfer_modules()  # before monkeypatch puts back whatever was there

@@ -11,7 +11,7 @@ import torch
 
 from pytest_oink import bench_runner, report, suites
 from pytest_oink.providers import SPECS, Unavailable, build, providers_for
-from tests.helpers import ONE_ROW, PLUGIN, _plugin_runs_see_no_gpu, oink_on_pythonpath  # noqa: F401
+from tests.helpers import ONE_ROW, PLUGIN, _plugin_runs_see_no_gpu, oink_on_pythonpath  # noqa: F401  (autouse fixture and helpers)
 
 TRAINING_OPS = tuple(suites.TRAINING_MODELS)
 

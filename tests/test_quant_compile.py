@@ -6,14 +6,14 @@ import pytest
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
-from oink.kernels.compile import SUPPORTED_ARCHS  # noqa: E402
+from oink.kernels.compile import SUPPORTED_ARCHS  # noqa: E402  (after the cutlass importorskip)
 
 DTYPES = ("float32", "float16", "bfloat16")
 
 
 # ---- FP4 (NVFP4 and MXFP4)
-from oink.kernels.nvfp4 import MODES as FP4_MODES  # noqa: E402
-from oink.kernels.nvfp4 import (AddRMSNormFp4Key, Fp4Key, compiled_add_rmsnorm_fp4, compiled_fp4,  # noqa: E402
+from oink.kernels.nvfp4 import MODES as FP4_MODES  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.nvfp4 import (AddRMSNormFp4Key, Fp4Key, compiled_add_rmsnorm_fp4, compiled_fp4,  # noqa: E402  (after the cutlass importorskip)
                                 fp4_launch)
 
 # one block, one warp, an odd block count (uneven rows), the study's widths, cluster widths
@@ -65,7 +65,7 @@ def test_nvfp4_launch_units_are_scale_blocks():
 
 
 # ---- FP8 (every scale mode and layout flag is a compile-time variant)
-from oink.kernels.fp8 import Fp8Key, RMSNormFp8Key, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch  # noqa: E402
+from oink.kernels.fp8 import Fp8Key, RMSNormFp8Key, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch  # noqa: E402  (after the cutlass importorskip)
 
 FP8_MODES = [("static", 0, False, False, False), ("token", 0, False, False, False), ("token", 0, False, False, True)]
 FP8_MODES += [("group", g, cm, ue, False) for g in (64, 128) for cm in (False, True) for ue in (False, True)]

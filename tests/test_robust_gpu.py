@@ -249,7 +249,7 @@ def test_rmsnorm_per_head_kernel(shape, dtype, seed):
     x64 = x.double()
     check(y, _rms64(x64, w.double()) + b.double(), "rmsnorm", dtype, "outlier", "y")
     dy = torch.randn(shape, device="cuda", generator=g).to(dtype)
-    from oink.kernels.rmsnorm_bwd import backward_launch, head_launch
+    from oink.kernels.rmsnorm_bwd_rules import backward_launch, head_launch
 
     # a CTA must hold whole heads: fp32 at 40 x 256 would need 1280 threads, so it is the reference
     fits = head_launch(backward_launch(D, x.element_size() * 8, "sm_90a"), H) is not None

@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
-from oink.arch import SUPPORTED_ARCHS  # noqa: E402
-from oink.kernels.profile import ROW_FAMILIES, cubin_resources, launch_resources  # noqa: E402
-from pytest_oink.suites import SWEEP_VOCABS  # noqa: E402
-from tests.helpers import set_knob  # noqa: E402
+from oink.arch import SUPPORTED_ARCHS  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.profile import ROW_FAMILIES, cubin_resources, launch_resources  # noqa: E402  (after the cutlass importorskip)
+from pytest_oink.suites import SWEEP_VOCABS  # noqa: E402  (after the cutlass importorskip)
+from tests.helpers import set_knob  # noqa: E402  (after the cutlass importorskip)
 
 WIDE = (12288, 14336, 18432, 28672, 65536)  # where the old heuristics spilled
 # Known limit: a cluster of 8 CTAs of 256 threads leaves 8 fp32 units a LayerNorm backward thread.
@@ -64,7 +64,7 @@ RULE_LIMITS = {(f, "float32", "sm_100a", 229376) for f in ("rmsnorm_fwd", "rmsno
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("family", RULE_FAMILIES)
 def test_wide_row_rule_does_not_spill(keep_cubin, family, dtype, arch):
-    """The launch ``reduction.cluster_rows`` gives at widths nobody searched compiles, takes the rule's
+    """The launch ``row_rules.cluster_rows`` gives at widths nobody searched compiles, takes the rule's
     cluster (no table entry applies on the CPU) and keeps its values in registers."""
     found = {N: _resources(family, dtype, N, arch) for N in RULE_WIDTHS}
     spilled = {N: r[:2] for N, r in found.items()
@@ -77,9 +77,9 @@ def test_wide_row_rule_does_not_spill(keep_cubin, family, dtype, arch):
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("family", ("rmsnorm_fwd", "rmsnorm_fwd_res", "layernorm_fwd", "softmax_fwd"))
 def test_narrow_access_rows_do_not_spill(keep_cubin, family, arch):
-    """16-bit rows whose width is not a multiple of 8 (``reduction.narrow_rows``: 32 one-element accesses a
+    """16-bit rows whose width is not a multiple of 8 (``row_rules.narrow_rows``: 32 one-element accesses a
     thread at 8077; the norm forwards' rows of 2-element accesses from 1025 columns, and past 16384 in CTAs of
-    256 threads of up to 17 accesses, ``reduction.narrow_cluster_rows``) keep their values in registers."""
+    256 threads of up to 17 accesses, ``row_rules.narrow_cluster_rows``) keep their values in registers."""
     widths = (4097, 4619, 4750, 8077, 12290, 16383)
     if family != "softmax_fwd":
         widths += (1030, 3078, 33794, 67810, 131750)
@@ -91,12 +91,12 @@ def test_narrow_access_rows_do_not_spill(keep_cubin, family, arch):
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_staged_rule_does_not_spill(keep_cubin, arch):
-    """RMSNorm's 16-bit rows of 4- and 2-element accesses past 16384 columns (``rmsnorm.staged_rows``: 8-32 accesses
-    a thread) take the staged rule's launch, staged (but rows of 2-element accesses the rule would spread over CTAs
-    of 1024 threads: sm_100a's cluster of 8 past 131072 columns), keep their values in registers, and where the rule
-    caps them (``staged_min_ctas``) fit that many CTAs a SM."""
+    """RMSNorm's 16-bit rows of 4- and 2-element accesses past 16384 columns (``rmsnorm_rules.staged_rows``: 8-32
+    accesses a thread) take the staged rule's launch, staged (but rows of 2-element accesses the rule would
+    spread over CTAs of 1024 threads: sm_100a's cluster of 8 past 131072 columns), keep their values in
+    registers, and where the rule caps them (``staged_min_ctas``) fit that many CTAs a SM."""
     from oink.kernels.compile import CACHE
-    from oink.kernels.rmsnorm import ForwardKey, forward_launch_of, ran_staged, staged_min_ctas, staged_rows
+    from oink.kernels.rmsnorm_rules import ForwardKey, forward_launch_of, ran_staged, staged_min_ctas, staged_rows
 
     found, capped = {}, 0
     for N in (16388, 40964, 73124, 171988, 200004, 262140, 16386, 33794, 67810, 88002, 120002, 139266, 180226, 262142):
@@ -122,7 +122,8 @@ def test_forward_register_cap(keep_cubin, arch, monkeypatch):
     rule's own cap: RMSNorm's rows of 2-element accesses staged, weight late (67810: 256 threads of 17 accesses),
     at most 64 registers as the rule has it (4 CTAs), at most 51 at 5 CTAs a SM, no spill on sm_90a."""
     from oink.kernels.profile import compiled_resources
-    from oink.kernels.rmsnorm import ForwardKey, compiled_forward
+    from oink.kernels.rmsnorm import compiled_forward
+    from oink.kernels.rmsnorm_rules import ForwardKey
     from tests.helpers import set_dev
 
     key = ForwardKey("bfloat16", 67810, arch, w_dtype="bfloat16", out_dtype="bfloat16")
@@ -151,9 +152,11 @@ def test_rows_counted_in_values_do_not_spill(keep_cubin, family, arch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_rmsnorm_backward_pairs_of_narrow_rows_do_not_spill(keep_cubin, dtype, arch):
     """RMSNorm backward rows of 2-element accesses past 4096 columns, two rows of 128 threads a CTA
-    (``rmsnorm_bwd.NARROW_PAIR_VALUES``), keep their values in registers; with a dresidual they keep the cluster."""
+    (``rmsnorm_bwd_rules.NARROW_PAIR_VALUES``), keep their values in registers; with a dresidual they keep the
+    cluster."""
     from oink.kernels.profile import compiled_resources
-    from oink.kernels.rmsnorm_bwd import NARROW_PAIR_VALUES, BackwardKey, backward_launch, compiled_backward
+    from oink.kernels.rmsnorm_bwd import compiled_backward
+    from oink.kernels.rmsnorm_bwd_rules import NARROW_PAIR_VALUES, BackwardKey, backward_launch
 
     widths = (4098, 4702, 128 * NARROW_PAIR_VALUES - 2)
     assert {(L.threads_per_row, L.num_threads, L.cluster_n) for L in (backward_launch(N, 16, arch) for N in widths)} \
@@ -169,7 +172,7 @@ def test_rmsnorm_backward_pairs_of_narrow_rows_do_not_spill(keep_cubin, dtype, a
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_layernorm_narrow_rows_take_256_threads_without_spilling(keep_cubin, arch):
     """LayerNorm's 16-bit rows counted in values past 8192 columns (1- to 4-element accesses) take one CTA of 256
-    threads up to ``rmsnorm.LAYERNORM_NARROW_MAX_VALUES`` (56) values a thread (14330: 28 accesses of 2 elements;
+    threads up to ``rmsnorm_rules.LAYERNORM_NARROW_MAX_VALUES`` (56) values a thread (14330: 28 accesses of 2 elements;
     9045: 36 of one), else 512 (15100: 60; 16382: 64)."""
     found = {N: _resources("layernorm_fwd", "bfloat16", N, arch) for N in (8196, 9045, 13004, 14330, 15100, 16382)}
     spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"]}
@@ -181,7 +184,7 @@ def test_layernorm_narrow_rows_take_256_threads_without_spilling(keep_cubin, arc
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_layernorm_fewest_warps_do_not_spill(keep_cubin, dtype, arch):
-    """LayerNorm rows no whole-warp tiling covers, over the fewest whole warps (``reduction.fewest_warps``)."""
+    """LayerNorm rows no whole-warp tiling covers, over the fewest whole warps (``row_rules.fewest_warps``)."""
     found = {N: _resources("layernorm_fwd", dtype, N, arch) for N in (1064, 2120, 4240, 9000, 15000)}
     spilled = {N: r[:2] for N, r in found.items() if r[1]["frame_bytes"]}
     assert not spilled, f"layernorm_fwd {dtype} {arch} spills at (launch, resources) {spilled}"
@@ -194,7 +197,7 @@ def test_layernorm_fewest_warps_do_not_spill(keep_cubin, dtype, arch):
 def test_wide_backward_one_kernel_does_not_spill(keep_cubin, layernorm, dtype, arch):
     """The one-kernel norm backward between 65536 columns and the split (SM90's cluster of 16; known
     limit: LayerNorm fp32 at 131072, 96 bytes, 0.95 of the copy ceiling at 2048 rows on H100)."""
-    from oink.kernels.rmsnorm_bwd import split_rows
+    from oink.kernels.rmsnorm_bwd_rules import split_rows
 
     family = "layernorm_bwd" if layernorm else "rmsnorm_bwd"
     bits = 16 if dtype == "bfloat16" else 32
@@ -218,7 +221,8 @@ def test_window_launches_do_not_spill(keep_cubin, op, dtype, arch):
     window stops at MAX_N (262143 columns' window of 262152 took sm_100a an access a thread more, which
     spilled), LayerNorm's at LAYERNORM_WINDOW_MAX_N."""
     from oink.kernels.profile import compiled_resources
-    from oink.kernels.rmsnorm import ForwardKey, compiled_forward, forward_window
+    from oink.kernels.rmsnorm import compiled_forward
+    from oink.kernels.rmsnorm_rules import ForwardKey, forward_window
     from oink.kernels.softmax import SoftmaxKey, compiled_softmax, softmax_window
 
     # the widest windows; RMSNorm's 16-bit only (fp32 rows past 229376 on sm_100a spill aligned too: RULE_LIMITS)
@@ -262,10 +266,11 @@ def test_softmax_backward_modes_take_the_wide_cluster(keep_cubin, family):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("layernorm", [False, True], ids=["rmsnorm", "layernorm"])
 def test_split_backward_does_not_spill(keep_cubin, layernorm, dtype, arch):
-    """The kernels the norm backward of rows too wide for one cluster takes (``rmsnorm_bwd.split_rows``),
+    """The kernels the norm backward of rows too wide for one cluster takes (``rmsnorm_bwd_rules.split_rows``),
     at the split's narrowest width (SM100's; SM90's is past 131072), an uneven one and the widest."""
     from oink.kernels.profile import compiled_resources
-    from oink.kernels.rmsnorm_bwd import BackwardKey, compiled_split_backward
+    from oink.kernels.rmsnorm_bwd import compiled_split_backward
+    from oink.kernels.rmsnorm_bwd_rules import BackwardKey
 
     for N in (73728, 151936, 262144):
         fn_a, fn_b, _ = compiled_split_backward(BackwardKey(dtype, N, arch, w_dtype=dtype, dout_dtype=dtype,
@@ -279,8 +284,9 @@ def test_a_spilling_launch_is_seen(keep_cubin):
     """The check can fail: 8 units a thread of bf16 LayerNorm at 1024 threads (the old heuristic's
     65536) has 64 registers a thread and spills."""
     from oink.kernels.profile import compiled_resources
-    from oink.kernels.reduction import RowLaunch
-    from oink.kernels.rmsnorm import ForwardKey, compiled_forward
+    from oink.kernels.row_rules import RowLaunch
+    from oink.kernels.rmsnorm import compiled_forward
+    from oink.kernels.rmsnorm_rules import ForwardKey
     from oink.tune import trial
 
     with trial({("layernorm_fwd/x16w16", "sm_90a", 65536): (1024, 1024, 1)}):
@@ -310,7 +316,7 @@ def test_cross_entropy_streamed_rows_do_not_spill(keep_cubin, monkeypatch, dtype
     again to count them) keep their values in registers."""
     from oink.kernels.cross_entropy import CrossEntropyKey, compiled_cross_entropy
     from oink.kernels.cross_entropy_rules import CEOptions, stream_rows
-    from oink.kernels.reduction import shifted_window
+    from oink.kernels.row_rules import shifted_window
     from oink.kernels.profile import compiled_resources
     from tests.helpers import set_dev
 
@@ -427,7 +433,7 @@ def test_cross_entropy_backward_keeps_its_ctas_a_sm(keep_cubin, arch):
 
 def test_backward_min_ctas_caps_only_where_ptxas_took_more():
     from oink.kernels.cross_entropy_rules import backward_min_ctas
-    from oink.kernels.reduction import RowLaunch
+    from oink.kernels.row_rules import RowLaunch
 
     wide = RowLaunch(N=256000, vec=8, threads_per_row=256, num_threads=256, cluster_n=16)  # 8 accesses, 64 values
     assert backward_min_ctas(wide, 16, plain=False) == 3  # 80 registers a thread

@@ -275,7 +275,7 @@ def sat(t):
 
 def _data(T, H, dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)  # noqa: E731
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)  # noqa: E731  (a closure over this scope)
     return mk(T, 2 * H)[:, :H], mk(T, H), (1 + 0.3 * torch.randn(H, generator=g)).to(dtype).to(device)
 
 

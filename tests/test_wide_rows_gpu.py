@@ -44,21 +44,21 @@ def _gated_launches(op, N, dtype, M) -> set:
     return CACHE.used_launches()
 
 
-# the wide-row rule (reduction.cluster_rows) at widths no table entry serves: whole-warp tilings of 128-416
+# the wide-row rule (row_rules.cluster_rows) at widths no table entry serves: whole-warp tilings of 128-416
 # threads over clusters of 4-16, padded shares (40968 = 8 x 5121; 100008 = 8 x 12501, 7 accesses a thread, whose
 # loads past the row read its last vector: ``RMSNormForward.load_clamped``), and odd widths (one element an access)
 # (and the softmax backward modes': softmax.BWD_WIDE_MIN_N, full-width 16-bit rows on sm_90a)
 RULE_OPS = ("rmsnorm_forward", "rmsnorm_forward_w32", "fused_add_rmsnorm_", "layernorm", "softmax_forward",
             "softmax_backward", "softmax_fwd_bwd")
 RULE_CASES = [(op, N) for op in RULE_OPS for N in (24576, 40968, 53248, 98304, 100008, 180224, 40961, 147457)]
-# reduction.narrow_rows: 16-bit rows whose width is not a multiple of 8, one CTA of many narrow accesses a thread
+# row_rules.narrow_rows: 16-bit rows whose width is not a multiple of 8, one CTA of many narrow accesses a thread
 # (the softmax reads rows of 1- and 2-element accesses through aligned windows: 16383's, of 16392 columns,
 # takes a cluster; 16380, of 4-element accesses, does not)
 NARROW_CASES = [(op, N) for op in ("rmsnorm_forward", "fused_add_rmsnorm_", "layernorm", "softmax_forward")
                 for N in (4619, 4750, 8077, 16380 if op == "softmax_forward" else 16383)]
 # and the norm forwards' rows of 2-element accesses counted in values: one CTA up to 16384 columns (narrow_rows'
 # short, which also counts rows of 4 up to 1024 so), CTAs of 256 threads over a cluster past 16384
-# (reduction.narrow_cluster_rows; RMSNorm's staged: rmsnorm.staged_rows)
+# (row_rules.narrow_cluster_rows; RMSNorm's staged: rmsnorm_rules.staged_rows)
 NARROW_CASES += [(op, N) for op in ("rmsnorm_forward", "layernorm")
                  for N in (210, 644, 746, 1018, 1020, 1030, 3078, 9044, 11002, 20482, 49474, 67810, 98306, 131750,
                            180226)]
@@ -85,8 +85,9 @@ def test_wide_row_rule_runs_correctly(op, N, dtype, M):
     assert any(L[2] > 1 for L in ran), f"no clustered launch ran: {ran}"
 
 
-# RMSNorm's rows of 4- and 2-element accesses past 16384 columns (rmsnorm.staged_rows): staged in shared memory over a
-# cluster of 2-16 CTAs of 256-512 threads, 8-32 accesses a thread, registers capped (staged_min_ctas), padded shares
+# RMSNorm's rows of 4- and 2-element accesses past 16384 columns (rmsnorm_rules.staged_rows): staged in shared memory
+# over a cluster of 2-16 CTAs of 256-512 threads, 8-32 accesses a thread, registers capped (staged_min_ctas), padded
+# shares
 STAGED_WIDTHS = (16388, 40964, 73124, 123460, 200004, 262140, 16386, 33794, 88002, 150002, 200002, 262142)
 
 
@@ -97,7 +98,7 @@ STAGED_WIDTHS = (16388, 40964, 73124, 123460, 200004, 262140, 16386, 33794, 8800
 @pytest.mark.parametrize("N", STAGED_WIDTHS)
 def test_staged_rule_runs_correctly(N, dtype, M):
     from oink.kernels.compile import CACHE
-    from oink.kernels.rmsnorm import ran_staged
+    from oink.kernels.rmsnorm_rules import ran_staged
 
     ran = _gated_launches("rmsnorm_forward", N, dtype, M)
     assert ran_staged(CACHE.used) and any(L[2] > 1 for L in ran), f"no staged launch ran: {ran}"
@@ -119,7 +120,7 @@ def test_split_backward_runs_correctly(op, N, dtype, M):
     import torch
 
     from oink.kernels.compile import CACHE
-    from oink.kernels.rmsnorm_bwd import split_launches, split_rows
+    from oink.kernels.rmsnorm_bwd_rules import split_launches, split_rows
     from pytest_oink.bench_runner import gate
     from pytest_oink.providers import SPECS, build
 
@@ -196,7 +197,7 @@ def test_staged_forward_runs_correctly(op, N, dtype, M, monkeypatch):
 
     from tests.helpers import set_dev
     from oink.kernels.compile import CACHE
-    from oink.kernels.rmsnorm import STAGE_MAX_BYTES, ran_staged
+    from oink.kernels.rmsnorm_rules import STAGE_MAX_BYTES, ran_staged
     from pytest_oink.bench_runner import gate
     from pytest_oink.providers import SPECS, build
 
@@ -269,7 +270,7 @@ def test_one_row_backward_writes_dweight_directly(layernorm, weight, N, path):
 
 
 # the norm backward's CTAs of several rows whose last access is partly idle: pipeline depth 1
-# (``rmsnorm_bwd.backward_depth``), rows of 8-, 4-, 2- and 1-element accesses
+# (``rmsnorm_bwd_rules.backward_depth``), rows of 8-, 4-, 2- and 1-element accesses
 SEVERAL_ROWS_NS = (200, 300, 368, 424, 469, 578, 680, 750, 904)
 
 
@@ -290,6 +291,6 @@ def test_backward_of_several_rows_a_cta_runs_correctly(N, dtype):
 @pytest.mark.parametrize("M", (3, 333, 5000))
 def test_backward_of_narrow_row_pairs_runs_correctly(N, M, dtype):
     """RMSNorm backward rows of 2-element accesses past 4096 columns, two rows of 128 threads a CTA
-    (``rmsnorm_bwd.NARROW_PAIR_VALUES``; 4862: its widest), also where a CTA's second row lies past M."""
+    (``rmsnorm_bwd_rules.NARROW_PAIR_VALUES``; 4862: its widest), also where a CTA's second row lies past M."""
     ran = _gated_launches("rmsnorm_backward", N, dtype, M)
     assert any(tuple(L[:3]) == (128, 256, 1) for L in ran), f"no launch of two rows of 128 threads ran: {ran}"

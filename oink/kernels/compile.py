@@ -130,26 +130,6 @@ class CompileCache:
 CACHE = CompileCache()
 
 
-def memo(fn: Callable) -> Callable:
-    """``fn`` (a ``compiled_*`` function or a launch heuristic) cached on its positional arguments
-    until ``config.reload()``: a launch with known dtypes and N costs one dict lookup, not the
-    heuristic and the key building again. Keyword calls go straight through."""
-    cache: dict = {}
-    config.ON_RELOAD.append(cache.clear)
-
-    @functools.wraps(fn)
-    def cached(*args, **kwargs):
-        if kwargs:
-            return fn(*args, **kwargs)
-        r = cache.get(args)
-        if r is None:
-            r = cache[args] = fn(*args)
-        return r
-
-    cached.cache_clear = cache.clear
-    return cached
-
-
 # block size of each compiled function, for occupancy in kernel profiles: id(fn) -> threads
 BLOCK_THREADS: dict[int, int] = {}
 # the compiled object behind each TVM-FFI launcher (its artifacts, for kernel profiles): id -> fn

@@ -31,12 +31,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .memo import memo
 from .launch_table import pick
 from .cross_entropy_forms import CrossEntropyForms
 from .cross_entropy_rules import (PLAIN, SOFTCAP_LEAN_MAX, CEOptions, backward_min_ctas, cross_entropy_launch,
                                   option_launch, softcap_form, stream_launch, stream_rows)
-from .reduction import LOG2E, MAX_N, RowKernelBase, RowLaunch, add, shifted_window
+from .reduction import LOG2E, RowKernelBase, add
+from .row_rules import MAX_N, RowLaunch, shifted_window
 
 MODES = ("forward", "backward", "fwd_bwd")
 
@@ -104,7 +106,7 @@ class CrossEntropy(CrossEntropyForms, RowKernelBase):
                  plse_in: Optional[cute.Pointer], ploss: Optional[cute.Pointer], plse_out: Optional[cute.Pointer],
                  pdx: Optional[cute.Pointer], M: Int32, ldx: Int64, lddx: Int64, ignore_index: Int32,
                  stream: cuda.CUstream):
-        vector = lambda p: cute.make_tensor(p, cute.make_layout((M,))) if const_expr(p is not None) else None  # noqa: E731
+        vector = lambda p: cute.make_tensor(p, cute.make_layout((M,))) if const_expr(p is not None) else None  # noqa: E731  (a closure over this scope)
         if const_expr(self.shifted):  # rows start anywhere: only scalar accesses through these views
             mX = self.shifted_matrix(px, M, ldx)
             mDx = self.shifted_matrix(pdx, M, lddx) if const_expr(pdx is not None) else None

@@ -12,7 +12,8 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from .fma_exp2 import exp2_affine_fma, exp2_fma
-from .reduction import LOG2E, WARP, add
+from .reduction import LOG2E, add
+from .row_rules import WARP
 
 # every this many exps of a softcap forward's capped logits, one is on the FMA pipe (``CrossEntropyForms.capped_sum``:
 # 16-bit logits ``exp2_affine_fma``, fp32 ``exp2_fma``): more, and the instructions it adds bind it instead

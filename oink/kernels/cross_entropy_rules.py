@@ -8,7 +8,7 @@ import dataclasses
 import math
 
 from .. import config
-from .reduction import MAX_CLUSTER, RowLaunch, cluster_rows, least_padding, pick_row_launch
+from .row_rules import MAX_CLUSTER, RowLaunch, cluster_rows, least_padding, pick_row_launch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,10 +21,12 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import config
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .memo import memo
 from .launch_table import pick
 from .nvfp4 import _asm, div_rn, f32_bits, f32_from_bits, fp4_launch
-from .reduction import MAX_N, RowKernelBase, RowLaunch, add, fmax
+from .reduction import RowKernelBase, add, fmax
+from .row_rules import MAX_N, RowLaunch
 from .rmsnorm import RMSNormForward
 
 UNIT = 16  # values a thread unit holds: its codes are one 128-bit store

@@ -9,7 +9,7 @@ import torch
 
 from .. import config
 from .compile import driver_checked
-from .reduction import MAX_N
+from .row_rules import MAX_N
 
 
 def dtype_name(t: torch.Tensor | torch.dtype | None) -> str | None:

@@ -1,6 +1,6 @@
 """Tuned launch shapes per arch and card, kept as data (``launch_table.json``), over each family's rule.
 
-A launch heuristic (each family's rule, ``reduction.cluster_rows`` for wide rows) computes its own
+A launch heuristic (each family's rule, ``row_rules.cluster_rows`` for wide rows) computes its own
 choice, then asks ``pick(key, arch, default)``: an entry of (arch, key) whose width range ("n": [lo, hi])
 holds N and whose "card" is the GPU in use (``use_card``; an entry without one serves any card) wins,
 the rule's choice elsewhere. An entry was measured at one width ("at"); at another width of its range its
@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 
 from .. import config
-from .reduction import WARP, RowLaunch, share_tilings
+from .row_rules import WARP, RowLaunch, share_tilings
 
 TABLE_PATH = Path(__file__).with_name("launch_table.json")
 

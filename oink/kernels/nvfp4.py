@@ -35,9 +35,11 @@ from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import config
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .memo import memo
 from .launch_table import pick
-from .reduction import MAX_N, RowKernelBase, RowLaunch, pick_row_launch
+from .reduction import RowKernelBase
+from .row_rules import MAX_N, RowLaunch, pick_row_launch
 from .reduction import pure_asm as _asm
 from .rmsnorm import RMSNormForward
 
@@ -293,7 +295,7 @@ class AddRMSNormFp4(Fp4Epilogue, RMSNormForward):
         tXcX = part(cute.make_identity_tensor(mX.shape), bidx)
         row = tXcX[0][0]
         # the residual output aliases the residual: each element is read before it is written
-        view = lambda m: part(m, bidx)  # noqa: E731
+        view = lambda m: part(m, bidx)  # noqa: E731  (a closure over this scope)
         v, rX, _, _ = self.normalize(mX, mW, None, mRes, mRes, eps, view, buf, mbar, part, tXcX, row, M, None)
         gs = mGS[0] if const_expr(mGS is not None) else None
         if const_expr(mY is not None):

@@ -13,8 +13,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .. import config
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
-from .reduction import WARP, add
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .memo import memo
+from .reduction import add
+from .row_rules import WARP
 
 THREADS = 256
 # CTAs the grid should reach: every SM of an H100/H200 has one (a column's partials are read by one CTA)

@@ -9,8 +9,10 @@ import struct
 
 from .compile import BLOCK_THREADS, CACHE, COMPILED, driver_checked
 from .cross_entropy import CrossEntropyKey, compiled_cross_entropy
-from .rmsnorm import ForwardKey, compiled_forward
-from .rmsnorm_bwd import BackwardKey, compiled_backward
+from .rmsnorm import compiled_forward
+from .rmsnorm_rules import ForwardKey
+from .rmsnorm_bwd import compiled_backward
+from .rmsnorm_bwd_rules import BackwardKey
 from .softmax import SoftmaxKey, compiled_softmax
 
 # EIATTR codes of the cubin's .nv.info notes (format 4: a u16 size, then a u32 symbol and a u32 value)

@@ -9,11 +9,12 @@ from .compile import stream_of
 from .host import (allocator, dense, dtype_name, in_place_reason, kernel_ready_rows, prepare_vector, resident_clusters,
                    row_layout, vec_for, width_reason, window_key)
 from .launch_table import few_rows
-from .rmsnorm import ForwardKey, compiled_forward, forward_window
+from .rmsnorm import compiled_forward
+from .rmsnorm_rules import ForwardKey, forward_window
 from .partial_sum import compiled_partial_sum
-from .rmsnorm_bwd import (BackwardKey, backward_launch, backward_tpsm, compiled_backward,
-                          compiled_split_backward, direct_sums, head_launch, persistent_ctas, split_groups,
-                          split_rows)
+from .rmsnorm_bwd import compiled_backward, compiled_split_backward
+from .rmsnorm_bwd_rules import (BackwardKey, backward_launch, backward_tpsm, direct_sums, head_launch, persistent_ctas,
+                                split_groups, split_rows)
 
 
 def heads_of(weight, bias) -> int:

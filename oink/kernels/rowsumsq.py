@@ -8,8 +8,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
-from .reduction import RowKernelBase, RowLaunch, add, pick_row_launch
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .memo import memo
+from .reduction import RowKernelBase, add
+from .row_rules import RowLaunch, pick_row_launch
 
 
 class RowSumSquares(RowKernelBase):

@@ -20,18 +20,20 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from .. import config
-from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr, memo
+from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
+from .memo import memo
 from .launch_table import pick
-from .reduction import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, WIDE_CLUSTER, RowKernelBase, RowLaunch, add,
-                        cluster_rows, narrow_rows, pick_row_launch, shifted_window)
+from .reduction import RowKernelBase, add
+from .row_rules import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, WIDE_CLUSTER, RowLaunch, cluster_rows, narrow_rows,
+                        pick_row_launch, shifted_window)
 
 MODES = ("forward", "backward", "fwd_bwd")
 
 
 def softmax_launch(N: int, x_bits: int, arch: str, mode: str = "forward") -> RowLaunch:
     """Launch heuristic for the softmax family (the one place it is chosen): forward rows wider than
-    ``CLUSTER_ROWS_MIN_N`` take the wide-row rule (``reduction.cluster_rows``), 16-bit ones whose width is
-    not a multiple of 8 ``reduction.narrow_rows``; else at most 4 units a
+    ``CLUSTER_ROWS_MIN_N`` take the wide-row rule (``row_rules.cluster_rows``), 16-bit ones whose width is
+    not a multiple of 8 ``row_rules.narrow_rows``; else at most 4 units a
     thread, wider rows over a cluster; the backward modes hold two rows' values (y and dy, or x
     and dy), so their CTAs stop at 512 threads (128 registers a thread), and where the portable
     cluster leaves a thread more than ``BWD_MAX_UNITS`` they take the arch's wider cluster; their full-width
