@@ -77,7 +77,7 @@ def _torch_builder(op: str):
 
 def _compile_builder(op: str):
     def build(device):
-        if specs()[op].mutates and device.type != "cuda":
+        if specs()[op].mutates == ("x", "residual") and device.type != "cuda":
             return _compiled_out_of_place_with_copies()
         # the entry's call compiled, on oink.reference: the spec's reference is one lambda for every op (and a
         # partial, a wrapper of torch's), where torch.compile's cache of one function recompiles 8 times, then
@@ -532,7 +532,11 @@ for _fmt, _q in (("fp4quant", "nvfp4_quantize"), ("mxfp4quant", "mxfp4_quantize"
     provider(f"silu_mul_{_fmt}", "oink-unfused", label=f"torch silu * up then oink {_q}")(_oink_unfused_silu(_q))
 
 
-ALL_PROVIDERS = ("oink", "oink-unfused", "quack", "liger", "flashinfer", "flashinfer-cuda", "torch", "torch.compile")
+# ---- the fused QK norm + rotary embedding's peers: their own module (registered on import)
+from . import rope_peers  # noqa: E402,F401
+
+ALL_PROVIDERS = ("oink", "oink-unfused", "quack", "liger", "flashinfer", "flashinfer-cuda", "vllm", "torch",
+                 "torch.compile")
 
 
 def providers_for(op: str, wanted=None) -> list[str]:
