@@ -87,8 +87,8 @@ def fused_qk_norm_rope(qkv: Tensor, num_heads_q: int, num_heads_k: int, num_head
     q, k = qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight,
                         cos_sin_cache, is_neox, position_ids)
     D, T = head_dim, qkv.shape[0]
-    qkv[:, :num_heads_q * D].copy_(q.reshape(T, -1))
-    qkv[:, num_heads_q * D:(num_heads_q + num_heads_k) * D].copy_(k.reshape(T, -1))
+    qkv[:, :num_heads_q * D].copy_(q.reshape(T, num_heads_q * D))
+    qkv[:, num_heads_q * D:(num_heads_q + num_heads_k) * D].copy_(k.reshape(T, num_heads_k * D))
 
 
 def rope_cache(max_position: int, rotary_dim: int, base: float = 10000.0, dtype=torch.float32,
