@@ -196,6 +196,6 @@ BENCH = {
                           only_in=SUITES),
     # vLLM's in-place op as vLLM calls it (torch.ops.oink, through the dispatcher); Gemma's offset has no slot
     "vllm_fused_qk_norm_rope": Bench("rope", lambda *a: dict(_qk_inputs(*a), weight_offset=0.0), _qk_bytes, _fused,
-                                     oink=_torch_ops_fused, mutates=("qkv",),
+                                     oink=_torch_ops_fused, mutates=("qkv",), block=64,
                                      only_in=("qk-norm-rope", "launch", "invariance")),
 }
