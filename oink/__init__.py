@@ -26,7 +26,8 @@ def register(force: bool = False) -> bool:
     Registers ``torch.ops.oink.rmsnorm`` and ``torch.ops.oink.fused_add_rms_norm``, vLLM's fused
     RMSNorm + FP8 ops under vLLM's names and schemas (``rms_norm_static_fp8_quant``,
     ``fused_add_rms_norm_static_fp8_quant``, ``rms_norm_dynamic_per_token_quant``,
-    ``rms_norm_per_block_quant``, ``per_token_group_fp8_quant``; see docs/vllm-ops.md), and the other
+    ``rms_norm_per_block_quant``, ``per_token_group_fp8_quant``; see docs/vllm-ops.md), vLLM's
+    ``fused_qk_norm_rope``, and the other
     ops when ``VLLM_USE_OINK_OPS`` or ``VLLM_USE_OINK_RMSNORM`` is truthy (1/true/yes/on).
     Idempotent; never imports vllm. vLLM calls it unguarded at start-up, so it never raises: a
     failure is logged as a warning (logger ``oink``) and vLLM runs on with its own kernels.

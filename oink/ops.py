@@ -567,6 +567,8 @@ from .ops_quant import (add_rmsnorm_fp4quant, add_rmsnorm_fp8quant, add_rmsnorm_
                         rmsnorm_fp8quant, silu_mul_fp4quant, silu_mul_fp8quant, silu_mul_mxfp4quant)
 # vLLM's fused RMSNorm + FP8 ops under vLLM's names: torch.ops.oink.<name> only (not public oink.<name>)
 from . import ops_vllm  # noqa: E402,F401  (at the end: declared after the ops it builds on; re-exported)
+# the fused QK norm + rotary embedding: oink.qk_norm_rope, and vLLM's in-place torch.ops.oink.fused_qk_norm_rope
+from .ops_rope import qk_norm_rope  # noqa: E402,F401
 
 
 __all__ = list(PUBLIC)

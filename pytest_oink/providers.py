@@ -77,7 +77,7 @@ def _torch_builder(op: str):
 
 def _compile_builder(op: str):
     def build(device):
-        if specs()[op].mutates and device.type != "cuda":
+        if specs()[op].mutates == ("x", "residual") and device.type != "cuda":
             return _compiled_out_of_place_with_copies()
         # the entry's call compiled, on oink.reference: the spec's reference is one lambda for every op (and a
         # partial, a wrapper of torch's), where torch.compile's cache of one function recompiles 8 times, then
@@ -108,7 +108,8 @@ def _compiled_out_of_place_with_copies():
     return run
 
 
-ALL_PROVIDERS = ("oink", "oink-unfused", "quack", "liger", "flashinfer", "flashinfer-cuda", "torch", "torch.compile")
+ALL_PROVIDERS = ("oink", "oink-unfused", "quack", "liger", "flashinfer", "flashinfer-cuda", "vllm", "torch",
+                 "torch.compile")
 
 
 def providers_for(op: str, wanted=None) -> list[str]:

@@ -61,7 +61,8 @@ def needs_cuda(device):
         raise Unavailable("GPU-only provider; no CUDA device")
 
 
-PARAMS = ("weight", "bias", "scale")  # inputs whose first dim is never the rows (N; a static scale's 1)
+# inputs whose first dim is never the rows (N; a static scale's 1; qk_norm_rope's per-head weights and its cache)
+PARAMS = ("weight", "bias", "scale", "q_weight", "k_weight", "cos_sin_cache")
 
 
 def compiled(fn, *first):

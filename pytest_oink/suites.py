@@ -132,6 +132,16 @@ def _invariance_shapes(op: str, seed: int, dtype: str = "bfloat16"):
     return [(1, N) for N in random_widths(op, seed)]
 
 
+# The fused QK norm + rotary embedding's suite: model shapes (qkv's width (Hq + 2 Hk) * D, heads as published:
+# oink.reference.rope.MODELS, which the op's inputs read them from) at decode and prefill tokens.
+QK_NORM_ROPE_MODELS = {"Qwen3-8B": 6144, "Qwen3-32B": 10240, "Gemma 3 27B": 8192, "Llama 4 Scout": 7168}
+QK_NORM_ROPE_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+
+
+def _qk_norm_rope_shapes(op: str):
+    return [(T, N) for N in QK_NORM_ROPE_MODELS.values() for T in QK_NORM_ROPE_TOKENS]
+
+
 # The training suite: lm heads of real models and their loss (``training.TRAINING_MODELS``: each model's
 # tokens a step at its vocabulary).
 def _training_shapes(op: str):
@@ -139,7 +149,7 @@ def _training_shapes(op: str):
     return [(M, model[1]) for M in model[4]] if model else []
 
 
-DEDICATED = ("fp8", "training")  # suites that run only the ops whose spec names them (OpSpec.only_in)
+DEDICATED = ("fp8", "training", "qk-norm-rope")  # suites that run only the ops whose spec names them (OpSpec.only_in)
 HOST_TIMED = ("launch",)  # suites timed as eager calls on the host (bench_runner), not as kernels
 SEEDED = ("random", "invariance")  # suites whose shapes are drawn from --oink-seed: called (op, seed, dtype)
 SUITES = {
@@ -153,6 +163,7 @@ SUITES = {
     "random": _random_shapes,
     "training": _training_shapes,
     "invariance": _invariance_shapes,
+    "qk-norm-rope": _qk_norm_rope_shapes,
 }
 CHECKS_INVARIANCE = ("invariance",)  # suites whose rows are checked for batch invariance without the option
 # what each suite is, and whether it is sized for a GPU (skipped on a CPU unless asked)
@@ -172,6 +183,8 @@ ABOUT = {
                    True),
     "training": ("lm head + loss, forward and backward (linear cross-entropy): Llama-3, Qwen-2.5 7B/14B, Gemma-2 "
                  "(softcap 30) vocabularies and hidden sizes, M 4096-32768 tokens; time and peak memory", True),
+    "qk-norm-rope": ("fused per-head QK RMSNorm + rotary embedding on packed qkv (public and vLLM's in-place op): "
+                     "Qwen3 8B/32B, Gemma 3 27B, Llama 4 Scout heads (N = qkv's width), T 1-16384 tokens", True),
 }
 
 # how long a suite took where it was measured (bench/RESULTS.md, "Suite runs"); None: not yet timed
@@ -186,6 +199,7 @@ DURATION = {
     "random": None,
     "training": None,
     "invariance": None,
+    "qk-norm-rope": None,
     "sweep": "7.5 min on one H100 for its 12 norm, softmax and cross-entropy ops with every peer (1663 rows,"
              " before its 2048 x 131072 and 1024 x 262144 shapes)",
 }

@@ -45,6 +45,11 @@ def inputs(op, M=4, N=32, dtype=torch.float32):
         "rmsnorm_fp8quant": dict(x=x(), weight=w, scale=torch.tensor([0.02]), return_y=True),
         "add_rmsnorm_fp8quant": dict(x=x(), residual=x(), weight=w, group_size=64 if N % 64 == 0 else 0),
         "silu_mul_fp8quant": dict(x=torch.randn(M, 2 * N, dtype=dtype)),
+        # packed qkv of 2 q heads, 1 k and 1 v head of 64 (its own widths: head_dim is 64, 128 or 256)
+        "qk_norm_rope": dict(qkv=torch.randn(M, 256, dtype=torch.bfloat16), num_heads_q=2, num_heads_k=1,
+                             num_heads_v=1, head_dim=64, eps=1e-6, q_weight=torch.randn(64, dtype=torch.bfloat16),
+                             k_weight=torch.randn(64), cos_sin_cache=R.rope.rope_cache(16, 32), is_neox=False,
+                             position_ids=torch.randint(0, 16, (M,)), weight_offset=1.0),
     }[op]
 
 
@@ -279,6 +284,9 @@ BAD = [
      ValueError, "multiple of 32"),
     ("silu_mul_mxfp4quant", dict(x=torch.randn(4, 65)), ValueError, "must be even"),
     ("silu_mul_mxfp4quant", dict(x=torch.randn(4, 96)), ValueError, "multiple of 32"),
+    ("qk_norm_rope", dict(num_heads_k=2), ValueError, "qkv: width 256 must be"),
+    ("qk_norm_rope", dict(head_dim=32), ValueError, "head_dim: 32 is not supported"),
+    ("qk_norm_rope", dict(position_ids=torch.tensor([0, 1, 2, 16])), ValueError, r"position_ids\[3\] = 16 is outside"),
 ]
 
 

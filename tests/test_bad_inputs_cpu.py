@@ -199,6 +199,10 @@ def _inplace_cases():
                                                    output_s=torch.zeros(3, 1), group_size=64, eps=1e-10,
                                                    fp8_min=-448.0, fp8_max=448.0, scale_ue8m0=False),
                                       ("output_q", "output_s")),
+        "fused_qk_norm_rope": (lambda: dict(qkv=torch.randn(3, 4 * N), num_heads_q=2, num_heads_k=1, num_heads_v=1,
+                                            head_dim=N, eps=1e-6, q_weight=torch.rand(N) + 0.5,
+                                            k_weight=torch.rand(N) + 0.5, cos_sin_cache=torch.randn(8, N),
+                                            is_neox=True, position_ids=torch.arange(3)), ("qkv",)),
     }
 
 
@@ -290,6 +294,8 @@ BAD_OTHERS = {  # (the argument named, arguments replaced): one that is read, no
     "rms_norm_dynamic_per_token_quant": [("scale_ub", dict(scale_ub=torch.tensor([1.0, 2.0])))],
     "rms_norm_per_block_quant": [("group_size", dict(group_size=32)), ("input", dict(input=torch.randn(3, 96)))],
     "per_token_group_fp8_quant": [("group_size", dict(group_size=48))],
+    "fused_qk_norm_rope": [("q_weight", dict(q_weight=torch.ones(32))),
+                           ("position_ids", dict(position_ids=torch.tensor([0, 8, 1])))],  # past the cache's 8
 }
 
 

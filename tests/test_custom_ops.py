@@ -55,6 +55,12 @@ def op_samples():
         (o.rmsnorm_fp8quant, (x(), w, 1e-6, None, 64, False, False, None, True)),
         (o.add_rmsnorm_fp8quant, (x(), x(), w, 1e-6, None, 0, False, False, None, False)),
         (o.silu_mul_fp8quant, (x(), None, 0, False, False, None)),
+        # packed qkv [5, (2 + 1 + 1) * 64]: the public op (Gemma's offset) and vLLM's in place (partial GPT-J rotary)
+        (o.qk_norm_rope, (x(torch.bfloat16).repeat(1, 4), 2, 1, 1, 64, 1e-6, torch.randn(64, dtype=torch.bfloat16),
+                          torch.randn(64), oink.reference.rope.rope_cache(8, 64), True, torch.arange(M), 1.0)),
+        (o.fused_qk_norm_rope, (x(torch.float16).repeat(1, 4), 2, 1, 1, 64, 1e-6, torch.randn(64, dtype=torch.float16),
+                                torch.randn(64, dtype=torch.float16), oink.reference.rope.rope_cache(8, 32,
+                                dtype=torch.float16), False, torch.arange(M))),
     ]
 
 

@@ -47,7 +47,7 @@ _OVERRIDES = {
 
 
 # every family the table knows: the plain ones take the dtype's bounds, the others their overrides
-FAMILIES = ("default", "rmsnorm", "layernorm", "softmax", *dict.fromkeys(f for f, _ in _OVERRIDES))
+FAMILIES = ("default", "rmsnorm", "layernorm", "softmax", "rope", *dict.fromkeys(f for f, _ in _OVERRIDES))
 
 
 def tolerance(family: str, dtype) -> tuple[float, float]:
