@@ -4,9 +4,9 @@ public ``oink.<name>``). Declared as ``oink.ops`` declares the others (see ``oin
 
 Arithmetic (vLLM's CUDA kernel's order, one rounding): ``oink.reference.rope``; docs: docs/ops.md.
 
-Path: the reference on every device for now (``kernels=None``). Batch-invariant there too: the reference sums a
-head's squares as a fixed pairwise tree of elementwise adds, never a torch reduction (which a GPU splits by the
-batch's size), so a row's bits never depend on the batch.
+Path: the CuTeDSL kernel on a GPU (``oink.kernels.rope``), the reference otherwise. Batch-invariant on both: the
+kernel sums a head's squares in one warp's fixed butterfly, the reference as a fixed pairwise tree of elementwise
+adds, never a torch reduction (which a GPU splits by the batch's size).
 """
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ HALF = (torch.float16, torch.bfloat16)
 QKV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp32 beyond vLLM's (reference path)
 WARP_GROUPINGS = (1, 2, 4, 8)  # vLLM's forced_token_heads_per_warp when > 0
 
-rope_kernels = None  # the kernel family's loader (``kernels=``), once the CuTeDSL kernel lands
+def rope_kernels():
+    from .kernels import rope_ops
+
+    return rope_ops
 
 
 def _declare(schema: str, **kw):
@@ -136,7 +139,9 @@ def qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_we
     Returns:
         (q [T, Hq, head_dim], k [T, Hk, head_dim]) in qkv's dtype.
 
-    Path: the reference on every device (no CuTeDSL kernel yet); batch-invariant everywhere.
+    Path: on a GPU, the CuTeDSL kernel (one warp a head; ``oink.kernels.rope_ops.check`` says which calls it
+    declines: fp32 qkv, unaligned or strided operands, a NeoX half of rotary_dim not a multiple of head_dim / 32);
+    the reference otherwise. Batch-invariant on both.
 
     Raises:
         TypeError, ValueError: an argument's type, dtype, shape, layout or device does not fit (the message names
@@ -161,7 +166,9 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
         forced_token_heads_per_warp: vLLM's launch grouping (-1 or <= 0 auto, else 1, 2, 4 or 8); no effect on
             the values, ignored here.
 
-    Path: the reference on every device (no CuTeDSL kernel yet); batch-invariant everywhere.
+    Path: on a GPU, the CuTeDSL kernel (one warp a head; ``oink.kernels.rope_ops.check`` says which calls it
+    declines: fp32 qkv, unaligned or strided operands, a NeoX half of rotary_dim not a multiple of head_dim / 32);
+    the reference otherwise. Batch-invariant on both.
 
     Raises:
         TypeError, ValueError: as ``oink.qk_norm_rope``; qkv's elements must not share memory.

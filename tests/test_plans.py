@@ -29,6 +29,8 @@ def recorder(monkeypatch):
     import oink.kernels.rmsnorm as rmsnorm
     import oink.kernels.rmsnorm_bwd as rmsnorm_bwd
     import oink.kernels.rmsnorm_ops as rmsnorm_ops
+    import oink.kernels.rope as rope
+    import oink.kernels.rope_ops as rope_ops
     import oink.kernels.softmax as softmax
     import oink.kernels.softmax_ops as softmax_ops
 
@@ -37,10 +39,10 @@ def recorder(monkeypatch):
     def fake_compile(kernel, *fake_args, arch):
         return lambda *args: calls.append(args)
 
-    for mod in (rmsnorm, rmsnorm_bwd, partial_sum, softmax, fp8, nvfp4, cross_entropy):
+    for mod in (rmsnorm, rmsnorm_bwd, partial_sum, softmax, fp8, nvfp4, cross_entropy, rope):
         monkeypatch.setattr(mod, "compile_kernel", fake_compile)
     monkeypatch.setattr(rmsnorm_ops, "resident_clusters", lambda index, cluster_n: 132 // cluster_n)
-    for mod in (rmsnorm_ops, softmax_ops, fp8_ops, nvfp4_ops, cross_entropy_ops, compile_mod):
+    for mod in (rmsnorm_ops, softmax_ops, fp8_ops, nvfp4_ops, cross_entropy_ops, rope_ops, compile_mod):
         monkeypatch.setattr(mod, "current_stream", lambda device: 0, raising=False)
         monkeypatch.setattr(mod, "stream_of", lambda device: lambda: 0, raising=False)
     monkeypatch.setenv("OINK_CACHE_DIR", "0")
@@ -536,3 +538,42 @@ def test_vllm_norms_write_their_out_parameters(recorder, op, layout):
     assert pub == (args["scale_ub"].data_ptr() if layout == "token" else None)
     if mode != "static":
         assert (ps == args["scale"].data_ptr()) == (layout != "tma")
+
+
+@pytest.mark.parametrize("op", ["qk_norm_rope", "fused_qk_norm_rope"])
+def test_qk_norm_rope_launch(recorder, op):
+    """The fused QK norm + rotary embedding: one launch over qkv (rows strided), q and k to fresh [T, H, D] tensors
+    (out of place) or into qkv; the weights, cache and positions read where they are; the declined layouts say why."""
+    from oink.kernels import rope_ops
+    from oink.reference.rope import rope_cache
+
+    T, Hq, Hk, D = 5, 8, 2, 128
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D + 64, dtype=torch.bfloat16)[:, :(Hq + 2 * Hk) * D]
+    qw, kw = torch.randn(D, dtype=torch.bfloat16), torch.randn(D, dtype=torch.bfloat16)
+    cache, pos = rope_cache(100, 64), torch.tensor([0, 5, 99, 3, 7])
+    a = dict(qkv=qkv, num_heads_q=Hq, num_heads_k=Hk, num_heads_v=Hk, head_dim=D, eps=1e-5, q_weight=qw,
+             k_weight=kw, cos_sin_cache=cache, is_neox=True, position_ids=pos)
+    if op == "qk_norm_rope":
+        a["weight_offset"] = 0.0
+    else:
+        a["forced_token_heads_per_warp"] = -1
+    assert rope_ops.check(a, "sm_90a") is None
+    for bad, why in ((dict(qkv=qkv.float()), "float16 and bfloat16"), (dict(qkv=qkv[:, 1:]), "aligned"),
+                     (dict(cos_sin_cache=rope_cache(100, 12)), "rotary_dim"),
+                     (dict(cos_sin_cache=rope_cache(100, 128)[:, :64]), "contiguous"),
+                     (dict(position_ids=torch.arange(10)[::2]), "strided"),
+                     (dict(k_weight=kw.float()), "different dtypes")):
+        assert why in (rope_ops.check({**a, **bad}, "sm_90a") or ""), bad
+    run = dispatch.prepare(op, "sm_90a", a)
+    recorder.clear()
+    out = run(a)
+    (call,) = recorder
+    pqkv, pq, pk, pwq, pwk, pcache, ppos, t, ld, positions, eps, _ = call
+    assert (pqkv, pwq, pwk, pcache, ppos) == (qkv.data_ptr(), qw.data_ptr(), kw.data_ptr(), cache.data_ptr(),
+                                             pos.data_ptr())
+    assert (t, ld, positions, eps) == (T, (Hq + 2 * Hk) * D + 64, 100, 1e-5)
+    if op == "qk_norm_rope":
+        q, k = out
+        assert q.shape == (T, Hq, D) and k.shape == (T, Hk, D) and (pq, pk) == (q.data_ptr(), k.data_ptr())
+    else:
+        assert out is None and pq is None and pk is None

@@ -106,3 +106,30 @@ def test_fp8_groups_stay_on_aligned_lanes():
                 assert L.vec == 16 and L.threads_per_row % (G // 16) == 0
     with pytest.raises(ValueError, match="multiple of 16"):
         compiled_fp8(Fp8Key("quantize", "bfloat16", 24, "sm_90a", mode="token"))
+
+
+# ---- the fused QK norm + rotary embedding (every flag is a compile-time variant; T, the row stride, eps and
+# the cache's length are runtime)
+from oink.kernels.rope import RopeKey, compiled_qk_norm_rope, rotary_reason  # noqa: E402  (after the importorskip)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("D,rd", [(64, 64), (64, 16), (128, 128), (128, 32), (256, 256), (256, 96)])
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("dtype,w_dtype,cache_dtype,pos_dtype", [("bfloat16", "bfloat16", "bfloat16", "int64"),
+                                                                  ("float16", "float32", "float32", "int32")])
+@pytest.mark.parametrize("out_of_place,offset", [(False, 0.0), (True, 1.0)])
+def test_qk_norm_rope_compiles(arch, D, rd, neox, dtype, w_dtype, cache_dtype, pos_dtype, out_of_place, offset):
+    key = RopeKey(dtype, w_dtype, cache_dtype, pos_dtype, D, rd, neox, 40, 8, arch, weight_offset=offset,
+                  out_of_place=out_of_place)
+    if rotary_reason(D, rd, neox):
+        with pytest.raises(ValueError, match="rotary_dim"):
+            compiled_qk_norm_rope(key)
+    else:
+        assert callable(compiled_qk_norm_rope(key))
+
+
+def test_rotary_widths_the_kernel_takes():
+    assert rotary_reason(128, 128, True) is None and rotary_reason(128, 8, True) is None
+    assert "not a multiple" in rotary_reason(128, 12, True) and rotary_reason(128, 12, False) is None
+    assert "not a multiple" in rotary_reason(256, 96 + 8, True)
