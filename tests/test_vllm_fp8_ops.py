@@ -633,7 +633,7 @@ def test_group_quant_kernel_is_the_reference_bit_for_bit(layout, T, H, gs):
     def outputs():
         q = torch.full((T, H), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)  # NaN codes
         s = {"row": lambda: torch.empty(T, G, device="cuda"), "column": lambda: torch.empty(G, T, device="cuda").t(),
-             "tma": lambda: torch.empty_strided((T, G), (1, S), device="cuda")}[layout]()
+             "tma": lambda: tma_scales(T, G, "cuda")[0]}[layout]()  # its storage holds the pad rows
         s.as_strided((s.untyped_storage().nbytes() // 4,), (1,)).fill_(float("nan"))
         return q, s
 
@@ -663,10 +663,9 @@ def _norm_call(op, x, w, res, T, H, scale_layout, g):
         args = (out, x, r, w, scale, EPS) if op.startswith("fused") else (out, x, w, scale, EPS)
         return args, [out] + ([r] if r is not None else [])
     G = H // g if g else 1
-    S = -(-T // 4) * 4
     s = {"token": lambda: torch.empty(T, 1, device="cuda"), "row": lambda: torch.empty(T, G, device="cuda"),
          "column": lambda: torch.empty(G, T, device="cuda").t(),
-         "tma": lambda: torch.empty_strided((T, G), (1, S), device="cuda")}[scale_layout]()
+         "tma": lambda: tma_scales(T, G, "cuda")[0]}[scale_layout]()  # its storage holds the pad rows
     s.as_strided((s.untyped_storage().nbytes() // 4,), (1,)).fill_(float("nan"))
     ub = torch.tensor(2.5, device="cuda")
     if g:
