@@ -71,6 +71,7 @@ class Config:
     # rows off 16-byte boundaries read through aligned windows where the rule has one (on); off by default: a
     # window's threads split a row by its offset from a 16-byte boundary, its index in the batch (batch invariance)
     windows: bool | None = None
+    rope_lanes: int | None = None  # QK norm + rotary embedding: lanes a head (32, or 16-byte loads' count; forced)
 
 
 DEV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not dataclasses.MISSING}

@@ -110,7 +110,7 @@ def test_fp8_groups_stay_on_aligned_lanes():
 
 # ---- the fused QK norm + rotary embedding (every flag is a compile-time variant; T, the row stride, eps and
 # the cache's length are runtime)
-from oink.kernels.rope import RopeKey, compiled_qk_norm_rope, rotary_reason  # noqa: E402  (after the importorskip)
+from oink.kernels.rope import RopeKey, compiled_qk_norm_rope, head_lanes, rotary_reason  # noqa: E402  (after the importorskip)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -119,10 +119,13 @@ from oink.kernels.rope import RopeKey, compiled_qk_norm_rope, rotary_reason  # n
 @pytest.mark.parametrize("dtype,w_dtype,cache_dtype,pos_dtype", [("bfloat16", "bfloat16", "bfloat16", "int64"),
                                                                   ("float16", "float32", "float32", "int32")])
 @pytest.mark.parametrize("out_of_place,offset", [(False, 0.0), (True, 1.0)])
-def test_qk_norm_rope_compiles(arch, D, rd, neox, dtype, w_dtype, cache_dtype, pos_dtype, out_of_place, offset):
+@pytest.mark.parametrize("lanes", ["16-byte", 32])
+def test_qk_norm_rope_compiles(arch, D, rd, neox, dtype, w_dtype, cache_dtype, pos_dtype, out_of_place, offset,
+                               lanes):
+    lanes = head_lanes(D, 16) if lanes == "16-byte" else lanes
     key = RopeKey(dtype, w_dtype, cache_dtype, pos_dtype, D, rd, neox, 40, 8, arch, weight_offset=offset,
-                  out_of_place=out_of_place)
-    if rotary_reason(D, rd, neox):
+                  out_of_place=out_of_place, lanes=lanes)
+    if rotary_reason(D, rd, neox, lanes):
         with pytest.raises(ValueError, match="rotary_dim"):
             compiled_qk_norm_rope(key)
     else:
@@ -130,6 +133,8 @@ def test_qk_norm_rope_compiles(arch, D, rd, neox, dtype, w_dtype, cache_dtype, p
 
 
 def test_rotary_widths_the_kernel_takes():
+    assert head_lanes(128, 16) == 16 and head_lanes(64, 16) == 8 and head_lanes(256, 16) == 32
     assert rotary_reason(128, 128, True) is None and rotary_reason(128, 8, True) is None
     assert "not a multiple" in rotary_reason(128, 12, True) and rotary_reason(128, 12, False) is None
     assert "not a multiple" in rotary_reason(256, 96 + 8, True)
+    assert rotary_reason(128, 64, False, 16) is None and "not a multiple" in rotary_reason(128, 68, False, 16)

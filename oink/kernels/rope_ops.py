@@ -6,7 +6,7 @@ import torch
 
 from .compile import stream_of
 from .host import allocator, dtype_name
-from .rope import WARP, RopeKey, compiled_qk_norm_rope, rotary_reason
+from .rope import RopeKey, compiled_qk_norm_rope, head_lanes, rotary_reason
 
 HALF = (torch.float16, torch.bfloat16)
 INT32_MAX = 2**31 - 1
@@ -17,24 +17,25 @@ def check(t: dict, arch: str) -> str | None:
     qkv, D = t["qkv"], t["head_dim"]
     if qkv.dtype not in HALF:
         return f"qkv dtype {qkv.dtype}: the kernel takes float16 and bfloat16"
-    E = D // WARP
+    lanes = head_lanes(D, qkv.element_size() * 8)
+    E = D // lanes
     vec = E * qkv.element_size()
     if qkv.data_ptr() % vec or (qkv.shape[0] > 1 and qkv.stride(0) % E):
         return f"qkv's rows are not {vec}-byte aligned (a lane's {E} values are one load)"
     for name in ("q_weight", "k_weight"):
         w = t[name]
-        if w.stride(0) != 1 or w.data_ptr() % (E * w.element_size()):
+        if w.stride(0) != 1 or w.data_ptr() % min(16, E * w.element_size()):
             return f"{name} is not contiguous and aligned to {E} values"
     if t["q_weight"].dtype != t["k_weight"].dtype:
         return "q_weight and k_weight of different dtypes"
     cache, pos = t["cos_sin_cache"], t["position_ids"]
-    if not cache.is_contiguous():
-        return "cos_sin_cache is not contiguous"
+    if not cache.is_contiguous() or cache.data_ptr() % 16:
+        return "cos_sin_cache is not contiguous and 16-byte aligned"
     if pos.numel() > 1 and pos.stride(0) != 1:
         return "position_ids is strided"
     if cache.shape[0] > INT32_MAX or qkv.shape[0] * (t["num_heads_q"] + t["num_heads_k"]) > INT32_MAX:
         return "more heads or cache rows than 32-bit indices count"
-    return rotary_reason(D, cache.shape[1], t["is_neox"])
+    return rotary_reason(D, cache.shape[1], t["is_neox"], lanes)
 
 
 def _plan(out_of_place: bool):
@@ -45,7 +46,8 @@ def _plan(out_of_place: bool):
         T, device = qkv.shape[0], qkv.device
         key = RopeKey(dtype_name(qkv), dtype_name(a["q_weight"]), dtype_name(cache), dtype_name(pos), D,
                       cache.shape[1], bool(a["is_neox"]), Hq, Hk, arch,
-                      weight_offset=float(a.get("weight_offset", 0.0)), out_of_place=out_of_place)
+                      weight_offset=float(a.get("weight_offset", 0.0)), out_of_place=out_of_place,
+                      lanes=head_lanes(D, qkv.element_size() * 8))
         new_q = allocator((T, Hq, D), qkv.dtype, device) if T else None
         new_k = allocator((T, Hk, D), qkv.dtype, device) if T else None
         fn = compiled_qk_norm_rope(key) if T else None
