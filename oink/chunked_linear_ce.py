@@ -34,8 +34,8 @@ log = logging.getLogger("oink.dispatch")
 # One chunk's logits buffer by default: as large as the hidden states, or Liger's rows (M / ceil(V / H) rounded
 # up to a power of two, so never more memory than Liger's at the same shape) where those are more, but never
 # fewer than CHUNK_MIN_ROWS: each chunk reads and writes all of dweight (V x H, whatever its rows), so thin
-# chunks spend their time there (H200: 256-row chunks at 4096 x 2304 x 256000 take 1.26x the time of 512-row
-# ones). At most CHUNK_MAX_BYTES and a quarter of the free memory.
+# chunks spend their time there rather than in the matmuls (timings: docs/tuning.md). At most CHUNK_MAX_BYTES and
+# a quarter of the free memory.
 CHUNK_MIN_ROWS = 512
 CHUNK_MAX_BYTES = 512 * 2**20
 CHUNK_ROW_MULTIPLE = 128  # whole matmul tiles a chunk

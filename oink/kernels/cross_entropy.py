@@ -298,7 +298,7 @@ class CrossEntropy(CrossEntropyForms, RowKernelBase):
                 # mask (a branch a tile is if-converted: every value would pay it). Those tiles: for the softcap's
                 # lean sums, each CTA's tiles wholly inside the row (a run-time count); for the others, all but
                 # each CTA's last ``masked_tiles`` (a compile-time count: fewer registers for the smoothing sum).
-                # Each way timed the faster for its kernels on an H200.
+                # Each way was timed the faster for its kernels.
                 first = 0
                 if const_expr(self.inside_tested and not self.shifted):
                     if const_expr(self.lean):

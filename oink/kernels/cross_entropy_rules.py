@@ -94,8 +94,8 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", 
     then a larger cluster; but their full-width 16-bit rows of 8192 columns or more (``wide_rows``) take the
     wide norms' rule, 128-thread CTAs over the smallest cluster that holds the row in 8 accesses a thread (16
     CTAs on sm_90a, 8 on sm_100a), the backward's retiled where that leaves its last access mostly idle
-    (``least_padding``): the fused mode's gives the shapes the H100's search had found there, and on an H200
-    both beat the rule before at most widths measured, widths never tuned on included (bench/RESULTS.md)."""
+    (``least_padding``): more, smaller CTAs a SM keep more rows loading while others reduce, as in the norms; the
+    fused mode's gives the shapes the table's search had found there (timings: docs/tuning.md)."""
     vec = math.gcd(N, 128 // x_bits)
     if mode == "forward" and HELD_THREADS * 4 < N // vec <= HELD_THREADS * HELD_MAX_UNITS:
         return RowLaunch(N=N, vec=vec, threads_per_row=HELD_THREADS, num_threads=HELD_THREADS)
@@ -116,14 +116,14 @@ def cross_entropy_launch(N: int, x_bits: int, arch: str, mode: str = "forward", 
 
 def wide_rows(N: int, x_bits: int, arch: str, mode: str, shifted: bool) -> bool:
     """Whether a dlogits row of N columns takes ``cluster_rows``: full-width (16-byte aligned, unshifted)
-    16-bit rows of 8192 columns or more, in the fused mode, and in the backward on sm_90a (where it was
-    measured; on sm_100a its options' kernels spilled at 7-8 accesses a thread)."""
+    16-bit rows of 8192 columns or more, in the fused mode, and in the backward on sm_90a (the arch it was
+    tuned on; on sm_100a its options' kernels spilled at 7-8 accesses a thread)."""
     fits = mode == "fwd_bwd" or (mode == "backward" and arch == "sm_90a")
     return fits and x_bits == 16 and not shifted and N % 8 == 0 and N >= 8192
 
 
 def option_launch(N: int, x_bits: int, arch: str, mode: str, shifted: bool = False) -> RowLaunch:
-    """The dlogits modes' heuristic launch with options (a table entry, measured on a card, still wins):
+    """The dlogits modes' heuristic launch with options (a table entry for the card in use still wins):
     ``wide_rows`` take the plain kernels' rule (``cross_entropy_launch``: CTAs of 128-512 threads over a
     cluster); other rows CTAs of at most 512 threads (128 registers a thread, where the plain kernels' 1024
     leave 64: the options keep a few more values live, and spilled at 1024) while a cluster of 8 holds the row
@@ -140,8 +140,8 @@ def backward_min_ctas(launch: RowLaunch, x_bits: int, plain: bool) -> int:
     values a thread (7 accesses: 96-128 registers) to 80 and a few to spare (at 81, 160-thread CTAs spilled 8
     bytes), the options' holding 64 or more (88 registers to the plain kernel's 79) to values + 16. Elsewhere
     none: ptxas takes what a cap leaves, and capped there grew kernels to it (48 to 64 registers) or spilled (the
-    plain one at 64 values). The capped kernels ran faster on an H200: options 1.04-1.26x, plain 1.02-1.22x
-    (bench/RESULTS.md)."""
+    plain one at 64 values). Where capped, a SM keeps a CTA more, so more loads in flight (timings:
+    docs/tuning.md)."""
     values, threads = launch.iters * launch.vec, launch.num_threads
     if x_bits != 16:
         return 0

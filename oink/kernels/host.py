@@ -136,9 +136,9 @@ _PROBE_PTX = b".version 7.8\n.target sm_90\n.address_size 64\n.visible .entry oi
 def resident_clusters(index: int, cluster_n: int) -> int:
     """Clusters of ``cluster_n`` CTAs that device ``index`` runs at once with one CTA a SM. A cluster's
     CTAs share a GPC, so where a GPC's SMs are not a multiple of ``cluster_n`` this is fewer than
-    SMs / cluster_n (H100: 15 clusters of 8, not 16; a persistent grid of 16 ran the 16th alone after
-    the others). The driver's answer (cuOccupancyMaxActiveClusters over an empty probe kernel), or
-    that division where it has none."""
+    SMs / cluster_n (a persistent grid sized by the division runs its last clusters alone, a second wave,
+    after the others; docs/tuning.md). The driver's answer (cuOccupancyMaxActiveClusters over an empty probe
+    kernel), or that division where it has none."""
     sms = sm_count(index)
     if cluster_n <= 1:
         return sms

@@ -6,7 +6,7 @@ holds N and whose "card" is the GPU in use (``use_card``; an entry without one s
 the rule's choice elsewhere. An entry was measured at one width ("at"); at another width of its range its
 launch keeps its cluster and rows a CTA and takes the whole-warp tiling of the row's share whose accesses
 a thread are nearest the measured ones ("iters"), or the rule's choice where no such tiling exists.
-A card with no entries (an H200 where the table was searched on an H100), and the CPU, get the rules.
+A card with no entries (one the table was never searched on), and the CPU, get the rules.
 ``scripts/tune_launch.py`` and ``python -m oink.tune`` fill the table: on a GPU they try ``candidates``
 for each key an op looks up, gate each against the op's reference, time it, and keep the fastest that
 passed. ``python -m oink.tune`` writes a user's overlay (``overlay_path``), read before the shipped table.

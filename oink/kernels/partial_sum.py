@@ -19,7 +19,7 @@ from .reduction import add
 from .row_rules import WARP
 
 THREADS = 256
-# CTAs the grid should reach: every SM of an H100/H200 has one (a column's partials are read by one CTA)
+# CTAs the grid should reach: about one for every SM of a current GPU (a column's partials are read by one CTA)
 MIN_CTAS = 128
 # partial rows a thread reads, at most, where a CTA of fewer columns allows it: the loop's unroll, one batch
 LOADS = 8
@@ -28,9 +28,9 @@ LOADS = 8
 def quads_per_cta(cols: int, parts: int = 0) -> int:
     """float4 columns a CTA of ``THREADS`` owns: 8 where that leaves ``MIN_CTAS`` CTAs and a thread at most
     ``LOADS`` of the ``parts`` partial rows, fewer (down to 1) for narrow rows or many partial rows, so that
-    the grid spans the GPU and each thread's loads go out in one batch. With 8 a CTA at 368 columns (12 CTAs
-    over 2112 partial rows, 66 loads a thread) it took 17 us, as long as the backward itself (H200,
-    bench/RESULTS.md)."""
+    the grid spans the GPU and each thread's loads go out in one batch. With 8 a CTA, narrow rows left most SMs
+    idle and a thread dozens of loads, and the sum took as long as the backward itself (docs/tuning.md,
+    "The norm backward's grid")."""
     q = 8
     while q > 1 and (-(-cols // q) < MIN_CTAS or -(-parts // (THREADS // q)) > LOADS):
         q //= 2

@@ -222,8 +222,8 @@ class RMSNormForward(RowKernelBase):
         warp vote). Several rows over several warps a CTA (a CTA-wide vote: a barrier more) keep two rounds;
         so does fp32 x (its 1e-5 bound leaves no room for the pivot's cancellation), and so do rows of
         narrower accesses than 16 bytes whose values are read again after the round (late parameters, staged):
-        there ptxas gave the one round 17-28 registers more a thread, a CTA a SM fewer, and 22094, 45058 and
-        71300 columns ran 1.06-1.34x the two rounds' time (H200)."""
+        there ptxas gave the one round 17-28 registers more a thread, a CTA a SM fewer, which cost more than the
+        round saves (timings: docs/tuning.md)."""
         L = self.launch
         uniform = L.rows_per_cta == 1 or L.threads_per_row <= WARP
         if self.pivot_setting is not None:  # the ``ln_pivot`` development setting

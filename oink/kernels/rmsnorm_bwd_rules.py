@@ -17,7 +17,7 @@ from .row_rules import WIDE_CLUSTER, RowLaunch, pick_row_launch, whole_warp_rows
 # is sized for, pipeline depth), chosen by sweeps of each dial (``python -m oink.tune --set``; docs/tuning.md).
 # Both kernels hold ~110-255 registers a thread, so a SM holds one or two CTAs; the grid is counted
 # in the clusters the GPU runs at once (``persistent_ctas``). A grid of more runs in waves and writes
-# more dweight/dbias partial rows: slower on H100 except where a table entry says so ("grid").
+# more dweight/dbias partial rows, all read again by the sum: slower but where a table entry says so ("grid").
 # Depth 1: the next tile is loaded into a second register set that is moved into place after each
 # tile; depth D >= 2: D register sets in rotation (the loop body unrolled D times), D - 1 tiles
 # ahead. RMSNorm gains from the rotation at depth 2 (depth 3 spills at 8192); LayerNorm, near 255
@@ -31,8 +31,8 @@ TUNING = {"rmsnorm": (2, 512, 2), "layernorm": (4, 256, 1)}
 BWD_MAX_THREADS = {"rmsnorm": 512, "layernorm": 256}
 # The most x values a thread holds without spilling (scripts/spill_scan.py; 24 and 40 spilled at
 # 73728 bf16). A row the portable cluster of 8 leaves wider than that takes a cluster of 16 where
-# the arch is measured with it (8 spilling CTAs ran far below the copy ceiling, 16 CTAs have no
-# spill); a row wider even then, the split kernels (``split_rows``).
+# the arch takes one (``WIDE_CLUSTER``: a spilling thread's local-memory traffic costs far more than twice the
+# CTAs, which spill nothing); a row wider even then, the split kernels (``split_rows``).
 BWD_MAX_VALUES = {"rmsnorm": 16, "layernorm": 32}
 
 
@@ -40,15 +40,14 @@ BWD_MAX_VALUES = {"rmsnorm": 16, "layernorm": 32}
 # its threads hold as many values as an aligned row's, in 8 / vec times the accesses, over CTAs of at most
 # NARROW_MAX_THREADS threads and at most NARROW_MAX_VALUES values a thread (LayerNorm: 26 held in 255
 # registers at 6571 columns, 30 spilled). Counted in accesses, such rows took 8 / vec times the threads, in
-# clusters, and ran 2.6-7.7x slower (H200, 2109-11646 columns); 512-thread CTAs ran 1.4x slower than
-# clusters of 256 at 6571, and LayerNorm's cluster of 2 at 6571 1.7x slower than one CTA (bench/RESULTS.md).
+# clusters (a DSMEM exchange a row, many short loads); CTAs of 512 threads leave a SM one, and a cluster of 2
+# costs LayerNorm more than one CTA's more values a thread. Timings: docs/tuning.md, "The numbers behind the rules".
 NARROW_MAX_THREADS = 256
 NARROW_MAX_VALUES = {"rmsnorm": 16, "layernorm": 26}
 # An RMSNorm row of 2-element accesses too wide for that budget in one CTA (past 4096 columns) takes rows of
-# 128 threads holding up to this many values, two rows a CTA, not a cluster of 2 (the DSMEM exchange a row):
-# at 16000 rows 4098-4862 columns ran 0.79-0.81 of the cluster's time (0.80-0.97 of Quack's; 2378 x 4702 the
-# same as the cluster's); 44-48 values (5404, 6002) ran 1.2-1.6x slower, 64 (8190) spilled (H200,
-# bench/RESULTS.md). Not with a dresidual: an fp32 one took 254 registers and spilled at 4702.
+# 128 threads holding up to this many values, two rows a CTA, not a cluster of 2 (the DSMEM exchange a row costs
+# more than the values' registers up to here; past it the registers cost more, and 64 values spilled). Not with a
+# dresidual: an fp32 one took 254 registers and spilled at 4702. Timings: docs/tuning.md.
 NARROW_PAIR_VALUES = 38
 
 
@@ -150,8 +149,8 @@ def backward_tpsm(N: int, x_bits: int, arch: str, layernorm: bool = False, few: 
 
 def backward_depth(launch: RowLaunch, layernorm: bool) -> int:
     """The pipeline depth of the backward for ``launch``: ``bwd_depth``, else the family's (``TUNING``), but 1 for
-    CTAs of several rows whose last access is partly idle (RMSNorm's rows of 4 or 2 a CTA, ``even_n`` false: its
-    depth 2 ran 1.02-1.64x depth 1's time at 272-788 columns, H200, bench/RESULTS.md)."""
+    CTAs of several rows whose last access is partly idle (RMSNorm's rows of 4 or 2 a CTA, ``even_n`` false: such
+    short rows leave little latency for a second register set to hide, and depth 2 ran slower; docs/tuning.md)."""
     depth = _knobs(layernorm)[2]
     if config.get().bwd_depth or launch.rows_per_cta == 1 or launch.even_n:
         return depth

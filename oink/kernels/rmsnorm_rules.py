@@ -23,18 +23,18 @@ from .row_rules import (CLUSTER_ROWS_MIN_N, MAX_CLUSTER, MAX_N, NARROW_SHORT_N, 
 FWD_MAX_UNITS = 4
 LAYERNORM_MAX_THREADS = 640
 # LayerNorm's rows of narrower accesses than 16 bytes past this width, a thread holding more than this many values,
-# load their parameters late (``late_params``; 12288 columns for the others): in CTAs of 256 threads at 21-48 values
-# a thread (5124-12286 columns, 1- to 4-element accesses) late ran 0.54-0.94 of early's time, at 4100 (20) 1.06x
-# (H200); narrower rows not measured
+# load their parameters late (``late_params``; 12288 columns for the others): a thread holding that many values has
+# no registers to spare for the parameters across the reduction, while one holding fewer overlaps their loads with
+# the row's (narrower rows untried; timings: docs/tuning.md)
 LAYERNORM_LATE_NARROW_N = 4096
 LAYERNORM_LATE_NARROW_VALUES = 20
 # LayerNorm's windows (``forward_window``) up to this width: past it their CTAs of 512-1024 threads spilled
-# (180225 and 262137 columns, both archs), and 150001 columns' window ran no faster than the narrow kernel (H200)
+# (180225 and 262137 columns, both archs), and near it the window gained nothing over the narrow kernel
 LAYERNORM_WINDOW_MAX_N = 131072
 # LayerNorm's rows counted in values (``narrow_rows``) keep one CTA of at most this many threads, up to
-# LAYERNORM_NARROW_MAX_VALUES a thread (else the CTA of 512): CTAs of 512 held 73-77 registers (one CTA a SM), and
-# 256 threads ran 0.55-0.64 of their time at 8196, 8198, 9045 and 13004 columns, 0.93-1.01 at 10244-14330 (H200,
-# 256 MB a case; 1- to 4-element accesses); at 64 values a thread (16382, 2-element accesses) 1.13x.
+# LAYERNORM_NARROW_MAX_VALUES a thread (else the CTA of 512): CTAs of 512 held 73-77 registers, one CTA a SM, while
+# two CTAs of 256 keep more loads in flight; at more values a thread the 512 threads' fewer values a thread win
+# (timings: docs/tuning.md).
 LAYERNORM_NARROW_MAX_THREADS = 256
 LAYERNORM_NARROW_MAX_VALUES = 56
 WIDE_WEIGHT_MAX_THREADS = 512
@@ -45,21 +45,21 @@ WIDE_WEIGHT_NARROW_VALUES = 24  # values of x a thread holds before a narrow row
 def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: bool = False,
                    residual: bool = False) -> RowLaunch:
     """Launch heuristic for the forward (the one place it is chosen, but for the keys ``staged_rows`` takes, which
-    ``forward_launch_of`` asks first: they hold more than a width). Measured on SM90 only;
-    SM100 takes the same shapes until a Blackwell card can tune them. Rows wider than
+    ``forward_launch_of`` asks first: they hold more than a width). Tuned on SM90 only;
+    SM100 takes the same shapes until they can be tuned there. Rows wider than
     ``CLUSTER_ROWS_MIN_N`` take the wide-row rule (``row_rules.cluster_rows``; 16-bit rows of 2-element
     accesses ``row_rules.narrow_cluster_rows``), 16-bit rows whose width is not a multiple of 8 (but a
     weight wider than x) ``row_rules.narrow_rows``, those of 2-element accesses at any width and of 4 up to
     1024 columns too (``NARROW_SHORT_N``). A ``residual`` (the fused add: twice the loads, more registers)
     keeps the access count for rows of 2- and 4-element accesses outside 4097-16384: counted in values, rows
-    of 2 ran 0.91-1.16x the time (H200, random seeds 7373-9595).
+    of 2 gained nothing there (twice the loads a value; timings: docs/tuning.md).
     A unit is one 128-bit access of x, 4 a thread; a weight or residual wider than x (fp32 with bf16 x:
     ``w_bits``, the widest) costs two accesses a unit, so rows then take 2 units a thread where that still
     covers the row exactly in one CTA (faster there, as at N = 4096; where the tile would not be exact, as at
     6144 and 7168, 4 units a thread stay faster); such rows whose width is not a multiple of x's vector
     hold as many values a thread, in narrower accesses, and up to ``WIDE_WEIGHT_NARROW_VALUES`` in one CTA
-    (counted in accesses, 3151 and 6571 columns took clusters of 512-thread CTAs and ran 2.1-2.4x slower;
-    10378 and 11130 at 22 values a thread ran in 0.68 of a cluster of 2's time, 15001 at 30 in 1.11x; H200).
+    (counted in accesses, such rows took clusters of 512-thread CTAs, one a SM; past that many values a thread
+    the registers cost more than a cluster of 2's exchange; timings: docs/tuning.md).
     LayerNorm's rows counted in values keep CTAs of 256 threads (``LAYERNORM_NARROW_MAX_THREADS``); its other
     rows take whole warps where that tiles them exactly (7168 bf16: 224 threads): its
     padded tail costs registers (mask, corrected mean: 105 instead of 80 at 256 threads).
@@ -69,7 +69,7 @@ def forward_launch(N: int, x_bits: int, arch: str, w_bits: int = 0, layernorm: b
     if N > CLUSTER_ROWS_MIN_N:
         counted = w_bits <= x_bits and not residual  # a row's values counted, not its accesses
         spread = narrow_cluster_rows(N, x_bits, WIDE_CLUSTER.get(arch, MAX_CLUSTER)) if counted else None
-        # LayerNorm's clusters of 16 CTAs of 512 threads: 1.3-1.4x a cluster of 8 of 1024 (163844, 180226, H200)
+        # not LayerNorm's clusters of 16 CTAs of 512 threads: slower than a cluster of 8 of 1024 (docs/tuning.md)
         if spread is not None and not (layernorm and spread.cluster_n > MAX_CLUSTER and spread.num_threads > 256):
             return spread
         # LayerNorm's two reduction rounds: a cluster of 16 cost more than 8
@@ -124,19 +124,18 @@ STAGE_MAX_BYTES = 128 * 1024
 
 # 16-bit RMSNorm rows of 4-element accesses (N % 8 == 4) wider than CLUSTER_ROWS_MIN_N (``staged_rows``): staged
 # in shared memory, the weight loaded after the reduction, over CTAs of 256 threads in a cluster of up to 8, up to
-# this many accesses a thread (the staged tile is no register's), then CTAs of 512 (1024: slower at 171988), then
-# on sm_90a a cluster of 16 CTAs of 256 (512 x 8 at 16 accesses ran 1.2-1.3x its time at 250004-262140). Held in
-# registers, such a thread stopped at 5-6 accesses and the row took 16 CTAs. H200 (bench/RESULTS.md).
+# this many accesses a thread (the staged tile is no register's), then CTAs of 512 (not 1024: one a SM), then
+# on sm_90a a cluster of 16 CTAs of 256 (more, smaller CTAs a SM rather than 512 x 8 at 16 accesses). Held in
+# registers, such a thread stopped at 5-6 accesses and the row took 16 CTAs. Timings: docs/tuning.md.
 STAGED_MAX_ITERS = 12
 # Rows of 2-element accesses (N % 4 == 2) keep ``narrow_cluster_rows``' CTAs of 256 threads past its 17 accesses,
-# up to this many (on sm_90a every width: 16 CTAs), where it takes CTAs of 512: at 150002-262142, 19-32 accesses
-# over 16 CTAs of 256 ran 0.75-0.93 of 10-16 over 16 CTAs of 512, both staged (H200).
+# up to this many (on sm_90a every width: 16 CTAs), where it takes CTAs of 512: a staged thread's accesses hold no
+# registers, so more of them cost little, and smaller CTAs share a SM (timings: docs/tuning.md).
 STAGED_NARROW_MAX_ITERS = 32
 # CTAs of 256 threads a SM the staged kernel keeps room for (``RMSNormForward.min_ctas``), by the row's elements an
 # access and up to how many accesses a thread: ptxas left to itself holds a staged row's values in 66-94 registers
-# (2-3 CTAs a SM), while the loads in flight that hide HBM's latency come from more CTAs. Capped, rows of
-# 2-element accesses ran 0.84-0.99 of the uncapped staged kernel's time, those of 4 (at up to 13 accesses)
-# 0.77-1.00 (H200). Each cap is the most CTAs that compile without a spill on sm_90a and sm_100a (test_spills):
+# (2-3 CTAs a SM), while the loads in flight that hide HBM's latency come from more CTAs (the capped kernel's
+# timings: docs/tuning.md). Each cap is the most CTAs that compile without a spill on sm_90a and sm_100a (test_spills):
 # 4 CTAs leave 64 registers, and a thread of 16 4-element or 22 2-element accesses spilled there; past 24
 # 2-element accesses 3 CTAs spilled on sm_100a, and on sm_90a ran as fast as 2 (ptxas' own choice there).
 STAGED_CTAS = {2: ((17, 4), (24, 3)), 4: ((13, 4),)}
@@ -202,11 +201,10 @@ def forward_window(k: ForwardKey) -> int | None:
     """The width of the aligned windows the forward for ``k`` reads its rows through, or None (aligned rows,
     or no window asked): RMSNorm or LayerNorm of one head, without a residual, its parameters of x's width, on
     rows of an odd width outside ``narrow_rows``' (whose launch stays), the window no wider than ``MAX_N``
-    (LayerNorm's: ``LAYERNORM_WINDOW_MAX_N``). Measured on an H200 against the narrow kernel: rows of odd widths
-    ran 0.35-0.9 of its time at most shapes (LayerNorm 0.41-0.75 at 423-33333 columns, 1.03x at 94557); rows
-    whose accesses already held 4 or 8 bytes ran 1.0-1.3x (the weight gathered a value at a time costs more than
-    the wider accesses save), and so did rows with a residual (its window held 60% more registers a thread) or an
-    fp32 weight."""
+    (LayerNorm's: ``LAYERNORM_WINDOW_MAX_N``). Against the narrow kernel, rows of odd widths gain the window's
+    16-byte accesses for 1-element ones; rows whose accesses already held 4 or 8 bytes do not (the weight gathered a
+    value at a time costs more than the wider accesses save), nor do rows with a residual (its window held 60%
+    more registers a thread) or an fp32 weight (timings: docs/tuning.md)."""
     bits = dtype_bits(k.x_dtype)
     if (not k.window or k.heads != 1 or k.res_dtype or widest_bits(k.w_dtype, k.b_dtype) > bits
             or k.N % 2 == 0):
@@ -235,7 +233,7 @@ def staged_rows(k: ForwardKey) -> RowLaunch | None:
         held = cluster_rows(k.N, 2, launch.cluster_n, 256, STAGED_NARROW_MAX_ITERS, max_threads=256)
         if launch.num_threads > 256 and held.iters <= STAGED_NARROW_MAX_ITERS:
             return held
-        return launch if launch.num_threads <= 512 else None  # (1024 threads staged: not measured)
+        return launch if launch.num_threads <= 512 else None  # (1024 threads staged: untried)
     launch = cluster_rows(k.N, 4, MAX_CLUSTER, 256, STAGED_MAX_ITERS, max_threads=512)
     if launch.iters > STAGED_MAX_ITERS and k.arch in WIDE_CLUSTER:  # past 196608 columns: 16 CTAs of 256 threads
         launch = cluster_rows(k.N, 4, WIDE_CLUSTER[k.arch], 256, 2 * STAGED_MAX_ITERS, max_threads=256)

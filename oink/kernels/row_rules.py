@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 WARP = 32
 MAX_CLUSTER = 8  # the portable cluster size on SM90 and SM100
-WIDE_CLUSTER = {"sm_90a": 16}  # the non-portable cluster size an arch's heuristics take (measured on H100)
+WIDE_CLUSTER = {"sm_90a": 16}  # the non-portable cluster size an arch's heuristics take (only where tuned with it)
 MAX_N = 262144  # the widest row the row kernels take (wider rows use the reference)
 
 
@@ -77,16 +77,17 @@ def pick_row_launch(N: int, widest_bits: int, units_per_thread: int = 4,
 
 # Rows wider than this take ``cluster_rows``' launch in the norm and softmax forwards: a bf16 row would need
 # more than 512 threads of one CTA at 4 units a thread. Counted in columns, not units, so rows whose width
-# is not a multiple of 8 (narrower accesses) and fp32 rows take it from the same width on, the narrowest
-# it was measured at (20480, bf16 and fp32).
+# is not a multiple of 8 (narrower accesses) and fp32 rows take it from the same width on (the rule was tuned
+# from there up: docs/tuning.md, "The numbers behind the rules").
 CLUSTER_ROWS_MIN_N = 16384
 
 
 # Rows of 16-bit values whose width is not a multiple of 8 (accesses narrower than 16 bytes) within these
-# widths count a thread's budget in values, not accesses (``narrow_rows``): measured from 4619 to 8077.
+# widths count a thread's budget in values, not accesses (``narrow_rows``): counted in accesses, such a row takes
+# 8 / vec times the threads, each a few short loads, and a cluster sooner.
 # With ``short`` (the norm forwards), rows of 2-element accesses (widths of 2 x an odd number) from that width on
-# (1030-3078 columns: 0.65-0.79 of the access-counted launch's time; rows of 4-element accesses 0.85-1.07x, and
-# stay), below it rows of 2 and 4 too (a row then fits a warp; 138-1020: RMSNorm 0.45-1.02, LayerNorm 0.53-1.10; H200).
+# (rows of 4-element accesses, whose loads are twice as wide, gain nothing there and stay), below it rows of 2 and
+# 4 too (a row then fits a warp). Timings: docs/tuning.md, "The numbers behind the rules".
 NARROW_ROWS_N = (4096, CLUSTER_ROWS_MIN_N)
 NARROW_SHORT_N = 1024
 
@@ -115,10 +116,9 @@ def narrow_cluster_rows(N: int, x_bits: int, max_cluster: int) -> RowLaunch | No
     """The cluster launch for a row of 16-bit values whose accesses hold 2 elements, wider than
     ``CLUSTER_ROWS_MIN_N``: ``cluster_rows`` over CTAs of 256 threads, a thread's accesses capped at
     ``NARROW_CLUSTER_VALUES`` values (and one more access), not 8 accesses: counted in accesses, such a row
-    took 4x an aligned row's threads, CTAs of 512-1024 (one a SM, its loads stopped at each barrier).
-    RMSNorm forward on an H200, 20482-180226 columns: 0.65-0.85 of that launch's time. None where the row
-    is aligned, not 16-bit, of 1-element accesses (odd widths: ``shifted_window``) or of 4 (their cap of
-    9 accesses is an aligned row's 8: only the CTAs grew, 0.84-1.34x the time)."""
+    took 4x an aligned row's threads, CTAs of 512-1024 (one a SM, its loads stopped at each barrier). None
+    where the row is aligned, not 16-bit, of 1-element accesses (odd widths: ``shifted_window``) or of 4 (their
+    cap of 9 accesses is an aligned row's 8: only the CTAs would grow, no faster)."""
     vec = math.gcd(N, 128 // x_bits)
     if x_bits != 16 or vec != 2 or N <= CLUSTER_ROWS_MIN_N:
         return None
@@ -200,7 +200,7 @@ def fewest_warps(launch: RowLaunch, max_iters: int, max_threads: int = 1024) -> 
     """``launch``'s row (one CTA) over the fewest whole warps that hold it in at most ``max_iters`` accesses a
     thread, CTAs of at least 128 threads (whole rows); unchanged where that needs more than ``max_threads``
     threads or a cluster. Fewer threads a row leave a SM room for more rows, so more bytes in flight, where a
-    power of two pads: LayerNorm at 4240 bf16 ran 160 x 4 in 0.66 of 256 x 3's time (H200)."""
+    power of two pads (LayerNorm at 4240 bf16: 160 threads of 4 accesses, not 256 of 3)."""
     units = launch.N // launch.vec
     tpr = WARP * -(-units // (max_iters * WARP))
     if launch.cluster_n > 1 or launch.threads_per_row < WARP or tpr > max_threads:

@@ -60,10 +60,10 @@ def softmax_launch(N: int, x_bits: int, arch: str, mode: str = "forward") -> Row
 # 201088 and bf16 262144).
 BWD_MAX_UNITS = 14
 # Full-width 16-bit rows of the backward modes from BWD_WIDE_MIN_N columns take the wide-row rule on sm_90a
-# (measured there): 128-thread CTAs over a cluster of up to 16, as the cross-entropy dlogits' ``wide_rows``, while
-# a CTA's share of the row is at most BWD_WIDE_MAX_UNITS accesses. The backward ran 8-35% faster from 16384 to
-# 180224 columns, level at 8192-12288, and 1.2x slower past the bound (CTAs of 256 threads x 8 accesses at 262144,
-# against 512 x 8); the fused mode 1.4-1.7x faster at 28672-114688 (H200, bench/RESULTS.md).
+# (tuned there): 128-thread CTAs over a cluster of up to 16, as the cross-entropy dlogits' ``wide_rows``, while
+# a CTA's share of the row is at most BWD_WIDE_MAX_UNITS accesses: more, smaller CTAs a SM keep more rows loading
+# while others reduce; narrower rows gain nothing, and past the bound the rule's CTAs of 256 threads x 8 accesses
+# lose to 512 x 8 (timings: docs/tuning.md).
 BWD_WIDE_MIN_N = 16384
 BWD_WIDE_MAX_UNITS = 1536
 
@@ -191,9 +191,9 @@ class SoftmaxKey:
 
 def softmax_window(k: SoftmaxKey) -> int | None:
     """The width of the aligned windows the softmax for ``k`` reads its rows through, or None: a forward
-    asked to, on rows whose widths allow accesses of at most 4 bytes. Measured on an H200 against the narrow
-    kernel, such rows ran 0.26-0.93 of its time (decode-sized calls the same); rows of 8-byte accesses
-    0.95 and 1.10."""
+    asked to, on rows whose widths allow accesses of at most 4 bytes: they gain the window's 16-byte accesses
+    over the narrow kernel's (decode-sized calls too); rows of 8-byte accesses gain nothing (timings:
+    docs/tuning.md)."""
     bits = cute_dtype(k.dtype).width
     if not k.window or k.mode != "forward" or math.gcd(k.N, 128 // bits) * bits > 32:
         return None

@@ -73,8 +73,8 @@ _streams: dict = {}
 def _capture_stream():
     """One side stream a device for every capture: torch keeps a cuBLAS workspace for each stream a matmul
     ran on, never freed, so a new stream a row left one more block behind each time, each pinning the cached
-    segment it was cut from (H200, the training suite: 135 GiB reserved around 4 GiB allocated after 12 rows,
-    and eager torch out of memory at rows that fit)."""
+    segment it was cut from (a long suite's reserved memory grew to dozens of times its allocated, and eager
+    torch ran out of memory at rows that fit)."""
     import torch
 
     device = torch.cuda.current_device()
