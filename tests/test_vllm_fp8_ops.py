@@ -687,7 +687,8 @@ NORM_KERNEL_CASES = [("rms_norm_static_fp8_quant", None, 0), ("fused_add_rms_nor
 @pytest.mark.parametrize("T,H", [(1, 2048), (7, 4096), (257, 7168), (64, 18432), (3, 131072)])
 def test_norm_kernels_within_a_step(op, scale_layout, g, residual, dtype, T, H):
     """On a GPU the four norm ops run the fused FP8 kernel in vLLM's order: codes within one e4m3 step of the
-    reference (>= 99.9% exact; the kernel's rsqrt and reduction order are its own), scales within 1e-5, the residual
+    reference (>= 99.9% exact; the kernel's rsqrt and reduction order are its own), scales equal but for 1e-3 of them
+    (one ulp of T: an amax value rounded the other way), the residual
     bit for bit, nothing left unwritten (NaN-poisoned), a TMA buffer's pad rows untouched; a row batch-invariant."""
     from oink import dispatch
     from oink.reference import vllm_fp8
@@ -714,7 +715,12 @@ def test_norm_kernels_within_a_step(op, scale_layout, g, residual, dtype, T, H):
             S = -(-T // 4) * 4
             pad = s.as_strided((H // g, S - T), (S, 1), storage_offset=T)
             assert pad.isnan().all()
-        torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=0)
+        # a group's amax is one of its rounded values, so where the kernel's rsqrt (its own, a few fp32 ulps off)
+        # moves that value's first rounding, the scale moves by one ulp of T: allowed for 1e-3 of the scales
+        ulp = {torch.float32: 1e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+        rel = (s - s_ref).abs() / s_ref
+        assert not rel.isnan().any() and rel.max().item() <= ulp
+        assert int((rel > 1e-6).sum()) <= max(1, s.numel() // 1000), f"{int((rel > 1e-6).sum())} scales moved"
     if res is not None:
         assert torch.equal(got[-1], want[-1])
     if T > 1:  # the first row alone: the same bits
