@@ -1,5 +1,5 @@
-"""Benchmark rows and what is written from them: CSV, SVG plots, a Markdown summary with
-geomean speedups, and the regression gate against a baseline JSON."""
+"""Benchmark rows and what is written from them: CSV, a Markdown summary with geomean speedups, and
+the regression gate against a baseline JSON (the SVG plots: ``plots``)."""
 from __future__ import annotations
 
 import csv
@@ -342,55 +342,6 @@ def summary_markdown(rows, roofline=None) -> str:
                 f"vs {p} {geomean(v):.2f}x (min {min(v):.2f}x, {len(v)} shapes)" for p, v in sorted(sp[op].items()))]
         lines.append("")
     return "\n".join(lines)
-
-
-def write_svg(rows, directory, roofline=None) -> list[str]:
-    """Per (suite, op): an SVG of TB/s per shape per provider with the measured roofline drawn (ms
-    for ops that count no bytes: the training suite's), and one of peak memory where rows have it."""
-    os.makedirs(directory, exist_ok=True)
-    written = []
-    for suite, op in sorted({(r.suite, r.op) for r in rows}):
-        ok = [r for r in rows if r.suite == suite and r.op == op and r.status == "ok"]
-        sel = [r for r in ok if r.tbs]
-        if sel:
-            line = (roofline.copy_tbs, f"copy {roofline.copy_tbs:.2f} TB/s") if roofline is not None else None
-            written.append(_plot(sel, lambda r: r.tbs, "TB/s", f"{op} ({suite})", line,
-                                 os.path.join(directory, f"{suite}-{op}.svg")))
-        elif any(r.median_s for r in ok):
-            written.append(_plot([r for r in ok if r.median_s], lambda r: r.median_s * 1e3, "ms per call",
-                                 f"{op} ({suite})", None, os.path.join(directory, f"{suite}-{op}.svg")))
-        mem = [r for r in ok if r.peak_mem_bytes is not None]
-        if mem:
-            written.append(_plot(mem, lambda r: r.peak_mem_bytes / 2**20, "peak MiB (beyond the inputs)",
-                                 f"{op} ({suite}): peak memory", None,
-                                 os.path.join(directory, f"{suite}-{op}-memory.svg")))
-    return written
-
-
-def _plot(sel, value, ylabel: str, title: str, hline, path: str) -> str:
-    """``value(row)`` per shape, one line per provider (Oink first); ``hline``: (y, label) or None."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shapes = sorted({(r.M, r.N) for r in sel})
-    fig, ax = plt.subplots(figsize=(max(6, len(shapes) * 0.6), 4))
-    for prov in sorted({r.provider for r in sel}, key=lambda p: (p != "oink", p)):
-        pts = {(r.M, r.N): value(r) for r in sel if r.provider == prov}
-        xs = [i for i, s in enumerate(shapes) if s in pts]
-        ax.plot(xs, [pts[shapes[i]] for i in xs], marker="o", label=prov)
-    if hline is not None:
-        ax.axhline(hline[0], color="black", linestyle="--", label=hline[1])
-    ax.set_xticks(range(len(shapes)))
-    ax.set_xticklabels([f"{M}x{N}" for M, N in shapes], rotation=45, ha="right", fontsize=7)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, format="svg")
-    plt.close(fig)
-    return path
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,34 @@
+"""What the reports say they measured: the Markdown summary and the SVG plots of a CPU run are reference
+timings (no kernel ran), named as such; plots keep one series per provider and dtype. CPU only."""
+from __future__ import annotations
+
+import pytest
+
+from pytest_oink import plots, report
+
+
+def _row(provider="oink", M=4, N=128, dtype="bfloat16", device="cpu", ms=0.1, **kw):
+    return report.Row(suite="smoke", op="rmsnorm_forward", provider=provider, M=M, N=N, dtype=dtype, device=device,
+                      status="ok", median_s=ms / 1e3, bytes=2 * M * N * 2, roofline_tbs=1.0, **kw)
+
+
+def test_plot_series_are_keyed_by_dtype_and_provider():
+    """A float16 row of a shape does not replace the bfloat16 row of that shape and provider."""
+    rows = [_row(dtype="bfloat16", ms=1.0), _row(dtype="float16", ms=2.0), _row(provider="torch", ms=3.0)]
+    got = plots.series(rows, lambda r: r.median_s * 1e3)
+    assert got == {"oink bfloat16": {(4, 128): 1.0}, "oink float16": {(4, 128): 2.0},
+                   "torch bfloat16": {(4, 128): 3.0}}
+    assert plots.series(rows[:1], lambda r: r.M) == {"oink": {(4, 128): 4}}  # one dtype: named by provider alone
+
+
+def test_svg_of_a_cpu_run_says_reference_timings_and_keeps_every_dtype(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [_row(dtype=dt, M=M) for dt in ("bfloat16", "float16") for M in (4, 64)]
+    [path] = plots.write_svg(rows, tmp_path)
+    text = open(path).read()  # matplotlib keeps each text as a comment beside its glyphs
+    assert "<!-- oink bfloat16 -->" in text and "<!-- oink float16 -->" in text
+    assert f"<!-- {plots.CPU_WHAT} -->" in text and "TB/s (reference, CPU)" in text
+    gpu = [_row(device="NVIDIA H100 80GB HBM3")]
+    [path] = plots.write_svg(gpu, tmp_path / "gpu")
+    text = open(path).read()
+    assert "<!-- NVIDIA H100 80GB HBM3 -->" in text and "reference" not in text
