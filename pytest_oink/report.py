@@ -157,8 +157,9 @@ def write_csv(rows, path, append: bool = False) -> None:
 
 
 def speedups(rows):
-    """{op: {peer: [oink speedup per shape]}} over rows where both are ok."""
-    by_key = {r.key: r for r in rows if r.status == "ok" and r.median_s}
+    """{op: {peer: [oink speedup per shape]}} over rows where both are ok, off the CPU (a CPU's rows are
+    reference timings: CPU_ROWS)."""
+    by_key = {r.key: r for r in rows if r.status == "ok" and r.median_s and r.device != "cpu"}
     out: dict = {}
     for (op, prov, M, N, dt), r in by_key.items():
         if prov == "oink":
@@ -200,8 +201,8 @@ def best_peer_table(rows) -> list[str]:
     """Per op: Oink's time over the fastest peer's (every provider but NOT_PEERS, gate passed) per
     shape, as a geomean with the worst shape and how many exceed 1.05; the shapes no peer ran (a
     refusal is not a win: counted apart); and the shapes moving >= 256 MB under 0.92 of the copy
-    ceiling. Lines of Markdown, [] without Oink rows."""
-    ok = [r for r in rows if r.status == "ok" and r.median_s]
+    ceiling. Lines of Markdown, [] without Oink rows of a GPU (a CPU's are reference timings: CPU_ROWS)."""
+    ok = [r for r in rows if r.status == "ok" and r.median_s and r.device != "cpu"]
     lines = []
     for op in sorted({r.op for r in ok if r.provider == "oink"}):
         ratios, alone, slow_big, big = [], 0, [], 0
@@ -277,17 +278,28 @@ def timed_apart(op_rows) -> str:
             "other rows' are the GPU's alone): " + "; ".join(parts) + ".")
 
 
+CPU_ROWS = ("These are reference timings on a CPU, not kernel numbers: with no GPU, every row (Oink's too: its "
+            "kernels run on CUDA only, its CPU path is the PyTorch reference) timed PyTorch code by the host "
+            "timer, so no provider is compared with another here.")
+
+
 def summary_markdown(rows, roofline=None) -> str:
     lines = ["# Oink benchmark summary", ""]
     runs = sorted({(r.suite, r.seed) for r in rows}, key=str)
     if runs:  # which suite (and a random suite's seed) the rows are from
         lines += ["Suite: " + ", ".join(s + (f" (seed {seed})" if seed is not None else "") for s, seed in runs) + ".",
                   ""]
+    on_cpu = sum(r.device == "cpu" for r in rows)
+    if on_cpu:  # said first: what follows was not a kernel's time
+        lines += [CPU_ROWS if on_cpu == len(rows) else f"{on_cpu} of the {len(rows)} rows ran on a CPU: reference "
+                  "timings (PyTorch code by the host timer), not kernel numbers, left out of the comparisons.", ""]
     if roofline is not None:
         floor = (f"; launch floor (one tiny kernel, graph-replayed) {roofline.launch_floor_us:.2f} us"
                  if roofline.launch_floor_us else "")
         lines += [f"Device: {roofline.device}; measured copy {roofline.copy_tbs:.3f} TB/s, triad "
                   f"{roofline.triad_tbs:.3f} TB/s ({roofline.method}){floor}.", ""]
+    elif rows:  # rows read back from CSVs (--oink-merge): the devices they name
+        lines += [f"Device: {', '.join(sorted({r.device for r in rows}))}.", ""]
     if rows:
         lines += [f"Timing: {describe_modes({r.mode for r in rows}, {r.device for r in rows})}.", ""]
     from .clocks import summary as clock_summary
@@ -305,7 +317,8 @@ def summary_markdown(rows, roofline=None) -> str:
         op_rows = [r for r in rows if r.op == op]
         provs = sorted({r.provider for r in op_rows}, key=lambda p: (p != "oink", p))
         shapes = sorted({(r.M, r.N, r.dtype) for r in op_rows})
-        lines += [f"## {op}", "",
+        cpu = ": reference timings on a CPU" if all(r.device == "cpu" for r in op_rows) else ""
+        lines += [f"## {op}{cpu}", "",
                   "| M | N | dtype | " + " | ".join(f"{p} ms" for p in provs) + " | oink TB/s | oink / roofline |",
                   "|" + "---|" * (len(provs) + 5)]
         cell = {(r.provider, r.M, r.N, r.dtype): r for r in op_rows}

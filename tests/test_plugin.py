@@ -162,7 +162,8 @@ def test_smoke_suite_writes_every_output(smoke_run):
     assert tuple(rows[0].keys()) == report.CSV_FIELDS and len(rows) == len(data["benchmarks"])
     assert all(r["status"] == "ok" for r in rows)
     md = (out / "s.md").read_text()
-    assert "## rmsnorm_forward" in md and "| M | N | dtype | oink ms |" in md and "Geomean speedup of oink" in md
+    assert "## rmsnorm_forward: reference timings on a CPU" in md and "| M | N | dtype | oink ms |" in md
+    assert report.CPU_ROWS in md and "Geomean speedup of oink" not in md and "best peer" not in md  # no kernel ran
     svgs = sorted((out / "svg").iterdir())
     assert [p.name for p in svgs] == ["smoke-fused_add_rmsnorm_.svg", "smoke-rmsnorm_forward.svg"]
     for p in svgs:
@@ -592,7 +593,7 @@ def test_merge_result_files_of_several_runs(pytester, tmp_path):
     back = report.read_csv(tmp_path / "all.csv")
     assert all(r.median_s > 0 and r.roofline_tbs for r in back)
     md = (tmp_path / "all.md").read_text()
-    assert "## rmsnorm_forward" in md and "## softmax_forward" in md and "Geomean speedup of oink" in md
+    assert "## rmsnorm_forward" in md and "## softmax_forward" in md and report.CPU_ROWS in md and "Device: cpu." in md
     res = pytester.runpytest_subprocess(f"--oink-merge={tmp_path / 'missing.csv'}", f"--oink-csv={tmp_path / 'x.csv'}",
                                         *PLUGIN)
     assert res.ret == pytest.ExitCode.USAGE_ERROR

@@ -32,3 +32,23 @@ def test_svg_of_a_cpu_run_says_reference_timings_and_keeps_every_dtype(tmp_path)
     [path] = plots.write_svg(gpu, tmp_path / "gpu")
     text = open(path).read()
     assert "<!-- NVIDIA H100 80GB HBM3 -->" in text and "reference" not in text
+
+
+def test_summary_of_a_cpu_run_says_reference_timings_not_a_kernel_comparison():
+    rows = [_row(), _row(provider="torch", ms=0.05), _row(provider="torch.compile", ms=0.2), _row(M=64, N=1024)]
+    md = report.summary_markdown(rows)
+    assert "Oink against the best peer" not in md and "Geomean speedup of oink" not in md
+    assert "CUDA-graph" not in md and "cold (" not in md
+    assert "Device: cpu." in md and "reference timings on a CPU" in md.splitlines()[4]  # said at the top
+    assert "## rmsnorm_forward: reference timings on a CPU" in md
+    from pytest_oink import modes
+
+    cpu = modes.describe({"cold"}, {"cpu"})
+    assert "host timer" in cpu and "CUDA-graph" not in cpu and "reference" in cpu
+    # rows of a GPU: the comparison stands, and the card is named
+    gpu = [_row(device="NVIDIA H100 80GB HBM3", **{"provider": p, "ms": ms}) for p, ms in (("oink", 0.1),
+                                                                                          ("quack", 0.2))]
+    md = report.summary_markdown(gpu)
+    assert "## Oink against the best peer" in md and "Geomean speedup of oink: vs quack 2.00x" in md
+    assert "Device: NVIDIA H100 80GB HBM3." in md and "reference timings" not in md
+    assert f"Timing: cold ({modes.MODES['cold']})." in md
