@@ -30,20 +30,30 @@ def pytest_configure(config):
             from . import against
 
             against.configure(config)
+        baseline = options.get(config, "--oink-baseline")
+        threshold = config.getoption("oink_max_regression")  # given on the command line (an ini's is a default)
+        if threshold is not None and not baseline and not options.get(config, "--oink-against"):
+            raise ValueError(f"--oink-max-regression={threshold}: the regression gate runs only against a baseline: "
+                             "give --oink-baseline=FILE (or --oink-against=REF)")
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
-    baseline = options.get(config, "--oink-baseline")
     if baseline:  # read now: a bad file must not cost a whole benchmark run
-        from .report import load_baseline, load_baseline_machine
+        from .report import NotResults, load_baseline, load_baseline_machine
 
         try:
             config.stash[STATE]["baseline"] = load_baseline(baseline)
             config.stash[STATE]["baseline_machine"] = load_baseline_machine(baseline)
+        except NotResults as e:
+            raise pytest.UsageError(f"--oink-baseline={baseline}: {e}") from None
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise pytest.UsageError(f"--oink-baseline={baseline}: not a readable results file ({e})") from None
         from .machine import check_baseline
+        from .regression import refusal
 
         check_baseline(config, baseline, config.stash[STATE]["baseline_machine"])
+        reason = refusal(config)  # what would make the gate compare nothing, said before any row runs
+        if reason:
+            raise pytest.UsageError(f"--oink-baseline={baseline}: {reason}")
     given = [str(a).split("=")[0] for a in config.invocation_params.args]
     ignored = [a for a in given if a in BENCHMARK_TIMING_OPTIONS]
     if ignored and config.stash[CASES] is not None:

@@ -379,12 +379,23 @@ def what_was_timed(method: str | None) -> str | None:
     return "cpu" if method.startswith("cpu") else "kernel"
 
 
+class NotResults(ValueError):
+    """A --oink-baseline file that is no results JSON (a CSV, a text): the message says what is expected."""
+
+
 def load_baseline(path) -> dict:
     """{(op, provider, M, N, dtype): [BaselineEntry, ...]} from our rows JSON or pytest-benchmark's
     (a file may hold one shape of several suites). Samples are read from ``extra_info`` (where we
     write them) or pytest-benchmark's ``stats.data`` (--benchmark-save-data)."""
     with open(path) as f:
-        data = json.load(f)
+        text = f.read()
+    if text.lstrip()[:1] not in ("{", "["):  # no JSON: say what was given and what is expected, not a parse error
+        first = text.partition("\n")[0]
+        what = ("this is a CSV of rows (--oink-csv)" if first.startswith("suite,") and ",provider," in first
+                else "this is not JSON")
+        raise NotResults(f"{what}; a baseline is the JSON a run writes with --oink-json=PATH or --benchmark-json=PATH"
+                         " (pytest-benchmark's), or our rows JSON")
+    data = json.loads(text)
     out: dict = {}
 
     def add(d, median, spread, samples):

@@ -1,10 +1,12 @@
 """What the reports say they measured: the Markdown summary and the SVG plots of a CPU run are reference
-timings (no kernel ran), named as such; plots keep one series per provider and dtype. CPU only."""
+timings (no kernel ran), named as such; plots keep one series per provider and dtype; a suite's output is
+the plugin's lines (pytest-benchmark's tables with -v), its progress counting the rows that run. CPU only."""
 from __future__ import annotations
 
 import pytest
 
 from pytest_oink import plots, report
+from tests.helpers import BENCH, PLUGIN, _plugin_runs_see_no_gpu  # noqa: F401  (autouse: plugin runs see no GPU)
 
 
 def _row(provider="oink", M=4, N=128, dtype="bfloat16", device="cpu", ms=0.1, **kw):
@@ -52,3 +54,17 @@ def test_summary_of_a_cpu_run_says_reference_timings_not_a_kernel_comparison():
     assert "## Oink against the best peer" in md and "Geomean speedup of oink: vs quack 2.00x" in md
     assert "Device: NVIDIA H100 80GB HBM3." in md and "reference timings" not in md
     assert f"Timing: cold ({modes.MODES['cold']})." in md
+
+
+def test_suite_output_is_quiet_and_counts_the_rows_that_run(pytester):
+    """pytest-benchmark's wide tables only with -v, no "fixture was not used" warning for a skipped row (the
+    GPU-only peers on a CPU), and the progress line's count ends at the rows that ran."""
+    pytester.makepyfile(BENCH)
+    args = ("--oink-suite=smoke", "--oink-ops=rmsnorm_forward", "--oink-configs=4x128", *PLUGIN)
+    res = pytester.runpytest_subprocess(*args)
+    res.assert_outcomes(passed=3, skipped=3)  # oink, torch, torch.compile; quack, liger, flashinfer need a GPU
+    out = res.stdout.str()
+    assert "Name (time in" not in out and "was not used" not in out, out
+    res.stdout.fnmatch_lines(["*?oink? ?3/3 rows, ETA 0 s? rmsnorm_forward 4x128 bfloat16 torch.compile*"])
+    res = pytester.runpytest_subprocess(*args, "-v")
+    assert "Name (time in" in res.stdout.str()  # -v: pytest-benchmark's table back
