@@ -26,7 +26,7 @@ def listing() -> str:
 def merge(config) -> int:
     """``--oink-merge``: rows of several runs' CSVs into one set of reports; no tests run. A row
     measured in two files (same op, provider, shape, dtype) keeps the later file's and is named."""
-    from . import report
+    from . import plots, report
 
     merged, repeated = {}, []
     for path in options.split_list(options.get(config, "--oink-merge")):
@@ -48,7 +48,7 @@ def merge(config) -> int:
             f.write(report.summary_markdown(rows))
         written.append(options.get(config, "--oink-summary"))
     if options.get(config, "--oink-svg"):
-        written += report.write_svg(rows, options.get(config, "--oink-svg"))
+        written += plots.write_svg(rows, options.get(config, "--oink-svg"))
     if not written:
         raise pytest.UsageError("--oink-merge writes --oink-csv, --oink-summary or --oink-svg: give at least one")
     print(f"[oink] merged {len(rows)} rows from {len(options.split_list(options.get(config, '--oink-merge')))} files"

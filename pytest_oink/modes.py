@@ -33,7 +33,13 @@ def of_method(method: str | None) -> str | None:
     return "eager" if method == "eager-calls" else DEFAULT
 
 
+CPU_TIMING = "the host timer on a CPU (perf_counter per call): reference timings, no kernel ran"
+
+
 def describe(modes, devices) -> str:
-    """'cold (CUDA-graph replays, ...)' for a set of rows' modes, with the CPU note where any row ran there."""
+    """'cold (CUDA-graph replays, ...)' for a set of rows' modes, with the CPU note where any row ran there;
+    rows all timed on a CPU: the host timer, the mode asked named (its GPU meaning does not apply)."""
+    if devices and all(d == "cpu" for d in devices):
+        return f"{CPU_TIMING} (--oink-timing={', '.join(sorted(modes))} asked: a CPU times every mode alike)"
     text = "; ".join(f"{m} ({MODES.get(m, '?')})" for m in sorted(modes))
     return text + (f"; {CPU_NOTE}" if any(d == "cpu" for d in devices) else "")

@@ -8,7 +8,7 @@ import glob
 import json
 import os
 
-from . import options, report
+from . import options, plots, report
 from .state import STATE
 
 
@@ -84,7 +84,7 @@ def write_outputs(config, rows, notes=()) -> None:
         state["written"].append(summary)
     svg_dir = options.get(config, "--oink-svg")
     if svg_dir:
-        state["written"] += report.write_svg(rows, svg_dir, roof)
+        state["written"] += plots.write_svg(rows, svg_dir, roof)
     targets = [t for t in (_benchmark_json_target(config), options.get(config, "--oink-json")) if t]
     if targets:
         text = results_json(config, rows)

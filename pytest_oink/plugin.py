@@ -30,20 +30,30 @@ def pytest_configure(config):
             from . import against
 
             against.configure(config)
+        baseline = options.get(config, "--oink-baseline")
+        threshold = config.getoption("oink_max_regression")  # given on the command line (an ini's is a default)
+        if threshold is not None and not baseline and not options.get(config, "--oink-against"):
+            raise ValueError(f"--oink-max-regression={threshold}: the regression gate runs only against a baseline: "
+                             "give --oink-baseline=FILE (or --oink-against=REF)")
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
-    baseline = options.get(config, "--oink-baseline")
     if baseline:  # read now: a bad file must not cost a whole benchmark run
-        from .report import load_baseline, load_baseline_machine
+        from .report import NotResults, load_baseline, load_baseline_machine
 
         try:
             config.stash[STATE]["baseline"] = load_baseline(baseline)
             config.stash[STATE]["baseline_machine"] = load_baseline_machine(baseline)
+        except NotResults as e:
+            raise pytest.UsageError(f"--oink-baseline={baseline}: {e}") from None
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise pytest.UsageError(f"--oink-baseline={baseline}: not a readable results file ({e})") from None
         from .machine import check_baseline
+        from .regression import refusal
 
         check_baseline(config, baseline, config.stash[STATE]["baseline_machine"])
+        reason = refusal(config)  # what would make the gate compare nothing, said before any row runs
+        if reason:
+            raise pytest.UsageError(f"--oink-baseline={baseline}: {reason}")
     given = [str(a).split("=")[0] for a in config.invocation_params.args]
     ignored = [a for a in given if a in BENCHMARK_TIMING_OPTIONS]
     if ignored and config.stash[CASES] is not None:
@@ -62,6 +72,9 @@ def pytest_configure(config):
 
         register_profiles()
     if config.pluginmanager.hasplugin("benchmark"):  # not with -p no:benchmark: its hook specs are absent
+        if config.stash[CASES] is not None and config.option.verbose <= 0:
+            # a suite reports itself ([oink] lines, --oink-summary): pytest-benchmark's wide tables with -v only
+            config.option.benchmark_quiet = True
         from . import benchmark_hooks
 
         config.pluginmanager.register(benchmark_hooks, "oink-benchmark-hooks")
@@ -175,6 +188,21 @@ def pytest_collection_modifyitems(session, config, items):
         items[:] = keep
 
 
+def pytest_collection_finish(session):
+    """How many of the suite's rows this session holds (after -k, -m): the progress line's count."""
+    state = session.config.stash[STATE]
+    state["row_items"] = sum("oink_case" in getattr(it, "fixturenames", ()) for it in session.items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.skipped and report.when in ("setup", "call") and "oink_case" in getattr(item, "fixturenames", ()):
+        state = item.config.stash[STATE]
+        state["skipped_rows"] = state.get("skipped_rows", 0) + 1
+    return report
+
+
 def pytest_report_header(config):
     suite = options.get(config, "--oink-suite")
     if suite in suites.ABOUT:
@@ -252,8 +280,14 @@ def oink_assert_close():
 
 def _benchmark_fixture(request):
     """pytest-benchmark's fixture, or None where it is not loaded (-p no:benchmark): the rows are
-    timed by pytest_oink either way, and --oink-csv/--oink-json written."""
-    return request.getfixturevalue("benchmark") if request.config.pluginmanager.hasplugin("benchmark") else None
+    timed by pytest_oink either way, and --oink-csv/--oink-json written. Kept among the test's
+    arguments, where pytest-benchmark looks for it: a row skipped (a GPU-only peer on a CPU) then
+    draws no "fixture was not used" warning."""
+    if not request.config.pluginmanager.hasplugin("benchmark"):
+        return None
+    fixture = request.getfixturevalue("benchmark")
+    request.node.funcargs.setdefault("benchmark", fixture)
+    return fixture
 
 
 @pytest.fixture
@@ -326,7 +360,9 @@ def _progress(config, row):
         msg = f"{row.median_s * 1e3:.4f} ms{tbs} ({row.method}, {row.mode})"
     else:
         msg = "GATE FAILED (not timed)"
-    done, total = len(config.stash[ROWS]), len(config.stash[CASES] or ())
+    # the suite's rows in this session less those skipped so far (a GPU-only peer on a CPU): the rows that run
+    done = len(config.stash[ROWS])
+    total = config.stash[STATE].get("row_items", 0) - config.stash[STATE].get("skipped_rows", 0)
     eta = (time.monotonic() - config.stash[STATE]["started"]) / done * max(total - done, 0)
     # an xdist worker runs a share of the rows it cannot count: no count there
     count = f"[{done}/{total} rows, ETA {eta:.0f} s] " if total and "PYTEST_XDIST_WORKER" not in os.environ else ""

@@ -42,6 +42,34 @@ def why_nothing_compared(config, rows, comparison) -> str:
     return "no gated row has a baseline entry"
 
 
+def refusal(config) -> str | None:
+    """Why a gate against the --oink-baseline file would compare nothing, known from the selection before any
+    row runs (a baseline of another suite, no GPU without --oink-gate-cpu, no gated row with an entry); None
+    where it may compare something (or no suite selects the rows: a test's own oink_measure calls)."""
+    baseline, pairs = config.stash[STATE].get("baseline"), config.stash.get(CASES, None)
+    if not baseline or pairs is None:
+        return None
+    suite = options.get(config, "--oink-suite")
+    theirs = {e.suite for entries in baseline.values() for e in entries}
+    if None not in theirs and suite not in theirs:
+        return (f"recorded from suite {', '.join(sorted(theirs))}, not from --oink-suite={suite}: its rows compare "
+                f"with no row of this run (record one with --oink-suite={suite} --oink-json=PATH)")
+    _, providers, gate_cpu = gate_settings(config)
+    nothing = "the gate would compare nothing: "
+    if markers.device_capability() is None:
+        if suites.ABOUT[suite][1] and not options.get(config, "--oink-run-on-cpu"):
+            return nothing + why_no_rows(config)
+        if not gate_cpu:
+            return nothing + "there is no GPU here, and CPU rows are gated only with --oink-gate-cpu"
+    gated = [(c, p) for c, p in pairs if p in providers]
+    if not gated:
+        return nothing + f"no selected row is of the gated providers ({', '.join(providers)}: --oink-gate-providers)"
+    if not any((c.op, p, c.M, c.N, c.dtype) in baseline for c, p in gated):
+        return nothing + (f"none of the {len(gated)} gated rows selected (op, provider, shape, dtype) has an entry in "
+                          "it")
+    return None
+
+
 def gate_settings(config) -> tuple:
     """(threshold, gated providers, whether CPU rows are gated)."""
     return (options.parse_percent(options.get(config, "--oink-max-regression")),

@@ -1,5 +1,5 @@
-"""Benchmark rows and what is written from them: CSV, SVG plots, a Markdown summary with
-geomean speedups, and the regression gate against a baseline JSON."""
+"""Benchmark rows and what is written from them: CSV, a Markdown summary with geomean speedups, and
+the regression gate against a baseline JSON (the SVG plots: ``plots``)."""
 from __future__ import annotations
 
 import csv
@@ -157,8 +157,9 @@ def write_csv(rows, path, append: bool = False) -> None:
 
 
 def speedups(rows):
-    """{op: {peer: [oink speedup per shape]}} over rows where both are ok."""
-    by_key = {r.key: r for r in rows if r.status == "ok" and r.median_s}
+    """{op: {peer: [oink speedup per shape]}} over rows where both are ok, off the CPU (a CPU's rows are
+    reference timings: CPU_ROWS)."""
+    by_key = {r.key: r for r in rows if r.status == "ok" and r.median_s and r.device != "cpu"}
     out: dict = {}
     for (op, prov, M, N, dt), r in by_key.items():
         if prov == "oink":
@@ -200,8 +201,8 @@ def best_peer_table(rows) -> list[str]:
     """Per op: Oink's time over the fastest peer's (every provider but NOT_PEERS, gate passed) per
     shape, as a geomean with the worst shape and how many exceed 1.05; the shapes no peer ran (a
     refusal is not a win: counted apart); and the shapes moving >= 256 MB under 0.92 of the copy
-    ceiling. Lines of Markdown, [] without Oink rows."""
-    ok = [r for r in rows if r.status == "ok" and r.median_s]
+    ceiling. Lines of Markdown, [] without Oink rows of a GPU (a CPU's are reference timings: CPU_ROWS)."""
+    ok = [r for r in rows if r.status == "ok" and r.median_s and r.device != "cpu"]
     lines = []
     for op in sorted({r.op for r in ok if r.provider == "oink"}):
         ratios, alone, slow_big, big = [], 0, [], 0
@@ -277,17 +278,28 @@ def timed_apart(op_rows) -> str:
             "other rows' are the GPU's alone): " + "; ".join(parts) + ".")
 
 
+CPU_ROWS = ("These are reference timings on a CPU, not kernel numbers: with no GPU, every row (Oink's too: its "
+            "kernels run on CUDA only, its CPU path is the PyTorch reference) timed PyTorch code by the host "
+            "timer, so no provider is compared with another here.")
+
+
 def summary_markdown(rows, roofline=None) -> str:
     lines = ["# Oink benchmark summary", ""]
     runs = sorted({(r.suite, r.seed) for r in rows}, key=str)
     if runs:  # which suite (and a random suite's seed) the rows are from
         lines += ["Suite: " + ", ".join(s + (f" (seed {seed})" if seed is not None else "") for s, seed in runs) + ".",
                   ""]
+    on_cpu = sum(r.device == "cpu" for r in rows)
+    if on_cpu:  # said first: what follows was not a kernel's time
+        lines += [CPU_ROWS if on_cpu == len(rows) else f"{on_cpu} of the {len(rows)} rows ran on a CPU: reference "
+                  "timings (PyTorch code by the host timer), not kernel numbers, left out of the comparisons.", ""]
     if roofline is not None:
         floor = (f"; launch floor (one tiny kernel, graph-replayed) {roofline.launch_floor_us:.2f} us"
                  if roofline.launch_floor_us else "")
         lines += [f"Device: {roofline.device}; measured copy {roofline.copy_tbs:.3f} TB/s, triad "
                   f"{roofline.triad_tbs:.3f} TB/s ({roofline.method}){floor}.", ""]
+    elif rows:  # rows read back from CSVs (--oink-merge): the devices they name
+        lines += [f"Device: {', '.join(sorted({r.device for r in rows}))}.", ""]
     if rows:
         lines += [f"Timing: {describe_modes({r.mode for r in rows}, {r.device for r in rows})}.", ""]
     from .clocks import summary as clock_summary
@@ -305,7 +317,8 @@ def summary_markdown(rows, roofline=None) -> str:
         op_rows = [r for r in rows if r.op == op]
         provs = sorted({r.provider for r in op_rows}, key=lambda p: (p != "oink", p))
         shapes = sorted({(r.M, r.N, r.dtype) for r in op_rows})
-        lines += [f"## {op}", "",
+        cpu = ": reference timings on a CPU" if all(r.device == "cpu" for r in op_rows) else ""
+        lines += [f"## {op}{cpu}", "",
                   "| M | N | dtype | " + " | ".join(f"{p} ms" for p in provs) + " | oink TB/s | oink / roofline |",
                   "|" + "---|" * (len(provs) + 5)]
         cell = {(r.provider, r.M, r.N, r.dtype): r for r in op_rows}
@@ -344,55 +357,6 @@ def summary_markdown(rows, roofline=None) -> str:
     return "\n".join(lines)
 
 
-def write_svg(rows, directory, roofline=None) -> list[str]:
-    """Per (suite, op): an SVG of TB/s per shape per provider with the measured roofline drawn (ms
-    for ops that count no bytes: the training suite's), and one of peak memory where rows have it."""
-    os.makedirs(directory, exist_ok=True)
-    written = []
-    for suite, op in sorted({(r.suite, r.op) for r in rows}):
-        ok = [r for r in rows if r.suite == suite and r.op == op and r.status == "ok"]
-        sel = [r for r in ok if r.tbs]
-        if sel:
-            line = (roofline.copy_tbs, f"copy {roofline.copy_tbs:.2f} TB/s") if roofline is not None else None
-            written.append(_plot(sel, lambda r: r.tbs, "TB/s", f"{op} ({suite})", line,
-                                 os.path.join(directory, f"{suite}-{op}.svg")))
-        elif any(r.median_s for r in ok):
-            written.append(_plot([r for r in ok if r.median_s], lambda r: r.median_s * 1e3, "ms per call",
-                                 f"{op} ({suite})", None, os.path.join(directory, f"{suite}-{op}.svg")))
-        mem = [r for r in ok if r.peak_mem_bytes is not None]
-        if mem:
-            written.append(_plot(mem, lambda r: r.peak_mem_bytes / 2**20, "peak MiB (beyond the inputs)",
-                                 f"{op} ({suite}): peak memory", None,
-                                 os.path.join(directory, f"{suite}-{op}-memory.svg")))
-    return written
-
-
-def _plot(sel, value, ylabel: str, title: str, hline, path: str) -> str:
-    """``value(row)`` per shape, one line per provider (Oink first); ``hline``: (y, label) or None."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shapes = sorted({(r.M, r.N) for r in sel})
-    fig, ax = plt.subplots(figsize=(max(6, len(shapes) * 0.6), 4))
-    for prov in sorted({r.provider for r in sel}, key=lambda p: (p != "oink", p)):
-        pts = {(r.M, r.N): value(r) for r in sel if r.provider == prov}
-        xs = [i for i, s in enumerate(shapes) if s in pts]
-        ax.plot(xs, [pts[shapes[i]] for i in xs], marker="o", label=prov)
-    if hline is not None:
-        ax.axhline(hline[0], color="black", linestyle="--", label=hline[1])
-    ax.set_xticks(range(len(shapes)))
-    ax.set_xticklabels([f"{M}x{N}" for M, N in shapes], rotation=45, ha="right", fontsize=7)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, format="svg")
-    plt.close(fig)
-    return path
-
-
 @dataclass(frozen=True)
 class BaselineEntry:
     median_s: float
@@ -415,12 +379,23 @@ def what_was_timed(method: str | None) -> str | None:
     return "cpu" if method.startswith("cpu") else "kernel"
 
 
+class NotResults(ValueError):
+    """A --oink-baseline file that is no results JSON (a CSV, a text): the message says what is expected."""
+
+
 def load_baseline(path) -> dict:
     """{(op, provider, M, N, dtype): [BaselineEntry, ...]} from our rows JSON or pytest-benchmark's
     (a file may hold one shape of several suites). Samples are read from ``extra_info`` (where we
     write them) or pytest-benchmark's ``stats.data`` (--benchmark-save-data)."""
     with open(path) as f:
-        data = json.load(f)
+        text = f.read()
+    if text.lstrip()[:1] not in ("{", "["):  # no JSON: say what was given and what is expected, not a parse error
+        first = text.partition("\n")[0]
+        what = ("this is a CSV of rows (--oink-csv)" if first.startswith("suite,") and ",provider," in first
+                else "this is not JSON")
+        raise NotResults(f"{what}; a baseline is the JSON a run writes with --oink-json=PATH or --benchmark-json=PATH"
+                         " (pytest-benchmark's), or our rows JSON")
+    data = json.loads(text)
     out: dict = {}
 
     def add(d, median, spread, samples):

@@ -162,7 +162,8 @@ def test_smoke_suite_writes_every_output(smoke_run):
     assert tuple(rows[0].keys()) == report.CSV_FIELDS and len(rows) == len(data["benchmarks"])
     assert all(r["status"] == "ok" for r in rows)
     md = (out / "s.md").read_text()
-    assert "## rmsnorm_forward" in md and "| M | N | dtype | oink ms |" in md and "Geomean speedup of oink" in md
+    assert "## rmsnorm_forward: reference timings on a CPU" in md and "| M | N | dtype | oink ms |" in md
+    assert report.CPU_ROWS in md and "Geomean speedup of oink" not in md and "best peer" not in md  # no kernel ran
     svgs = sorted((out / "svg").iterdir())
     assert [p.name for p in svgs] == ["smoke-fused_add_rmsnorm_.svg", "smoke-rmsnorm_forward.svg"]
     for p in svgs:
@@ -220,17 +221,27 @@ def test_regression_gate_refuses_to_compare_nothing(smoke_run, tmp_path):
     assert "2 not compared" in res.stdout.lines[-1]
     assert "Not compared (no baseline entry): " in (out / "s.md").read_text()
     assert run(*gate, f"--oink-baseline={part}", "--oink-allow-missing").ret == 0
-    # CPU rows without --oink-gate-cpu: nothing is compared, which fails and says why
+    # CPU rows without --oink-gate-cpu: nothing could be compared, refused before any row runs, saying why
     res = run("--oink-providers=oink", f"--oink-baseline={part}")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*the gate would compare nothing: there is no GPU here, and CPU rows are gated only "
+                              "with --oink-gate-cpu*"])
+    # a baseline of these rows timed in another mode: found out once timed; the summary says why too
+    hot = json.loads(_doctored(data, tmp_path / "every.json", 1e6).read_text())
+    for b in hot["benchmarks"]:
+        b["extra_info"]["mode"] = "hot"
+    (tmp_path / "hot.json").write_text(json.dumps(hot))
+    res = run(*gate, f"--oink-baseline={tmp_path / 'hot.json'}")
     assert res.ret == pytest.ExitCode.TESTS_FAILED
-    res.stdout.fnmatch_lines(["*the regression gate compared nothing: CPU rows are gated only with --oink-gate-cpu*"])
+    res.stdout.fnmatch_lines(["*the regression gate compared nothing: the baseline's rows of these shapes are of "
+                              "another suite, timing or --oink-timing mode*"])
     assert "0 rows compared. " in (out / "s.md").read_text()
-    assert "The regression gate compared nothing: CPU rows are gated only with" in (out / "s.md").read_text()
-    # another provider's rows are gated when asked (the torch rows have no baseline entry here)
+    assert "The regression gate compared nothing: the baseline's rows of these" in (out / "s.md").read_text()
+    # another provider's rows are gated when asked (the torch rows have no baseline entry here: said up front)
     res = run("--oink-providers=oink,torch", "--oink-gate-cpu", "--oink-gate-providers=torch",
               f"--oink-baseline={_doctored(data, tmp_path / 'all.json', 1e6)}")
-    assert res.ret == pytest.ExitCode.TESTS_FAILED
-    res.stdout.fnmatch_lines(["*not compared*rmsnorm_forward-4x128-bfloat16-torch*"])
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*the gate would compare nothing: none of the 4 gated rows selected*"])
 
 
 @pytest.mark.parametrize("args,message", [
@@ -255,7 +266,8 @@ def test_baseline_that_is_not_json_is_a_usage_error(pytester, tmp_path):
     pytester.makepyfile(BENCH)
     res = pytester.runpytest_subprocess("--oink-suite=smoke", f"--oink-baseline={bad}", *PLUGIN)
     assert res.ret == pytest.ExitCode.USAGE_ERROR
-    res.stderr.fnmatch_lines(["*--oink-baseline=*b.json: not a readable results file*"])
+    res.stderr.fnmatch_lines(["*--oink-baseline=*b.json: this is not JSON; a baseline is the JSON a run writes with "
+                              "--oink-json=PATH or --benchmark-json=PATH*"])
 
 
 def test_suite_runs_the_benchmarks_and_nothing_else(pytester):
@@ -592,7 +604,7 @@ def test_merge_result_files_of_several_runs(pytester, tmp_path):
     back = report.read_csv(tmp_path / "all.csv")
     assert all(r.median_s > 0 and r.roofline_tbs for r in back)
     md = (tmp_path / "all.md").read_text()
-    assert "## rmsnorm_forward" in md and "## softmax_forward" in md and "Geomean speedup of oink" in md
+    assert "## rmsnorm_forward" in md and "## softmax_forward" in md and report.CPU_ROWS in md and "Device: cpu." in md
     res = pytester.runpytest_subprocess(f"--oink-merge={tmp_path / 'missing.csv'}", f"--oink-csv={tmp_path / 'x.csv'}",
                                         *PLUGIN)
     assert res.ret == pytest.ExitCode.USAGE_ERROR

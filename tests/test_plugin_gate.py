@@ -24,10 +24,10 @@ def _baseline(path, **row):
 
 def test_allow_missing_does_not_pass_a_gate_that_compared_nothing(pytester, tmp_path):
     pytester.makepyfile(BENCH)
-    other = _baseline(tmp_path / "other.json", M=8)  # matches no row of this run
+    other = _baseline(tmp_path / "other.json", M=8)  # matches no row of this run: refused before any runs
     res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={other}", "--oink-allow-missing", *PLUGIN)
-    assert res.ret == pytest.ExitCode.TESTS_FAILED
-    res.stdout.fnmatch_lines(["*the regression gate compared nothing*"])
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*the gate would compare nothing*"])
     # some rows missing is what --oink-allow-missing tolerates
     two = tmp_path / "two.json"
     two.write_text(json.dumps({"rows": [json.loads(other.read_text())["rows"][0],
@@ -45,15 +45,18 @@ def test_rows_of_another_suite_or_timing_are_not_compared(pytester, tmp_path):
     compared, never a verdict (its tiny time would read as a regression)."""
     pytester.makepyfile(BENCH)
     for i, row in enumerate(({"suite": "launch", "method": "eager-calls", "median_s": 1e-12},
-                             {"suite": "smoke", "method": "eager-calls", "median_s": 1e-12},
-                             {"suite": "launch", "median_s": 1e-12})):
+                             {"suite": "launch", "median_s": 1e-12})):  # another suite: refused before any row runs
         base = _baseline(tmp_path / f"b{i}.json", **row)
         res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={base}", *PLUGIN)
-        out = res.stdout.str()
-        assert "SLOWER" not in out and res.ret == pytest.ExitCode.TESTS_FAILED, out[-2000:]
-        res.stdout.fnmatch_lines(["*not compared (*): softmax_forward-4x128-bfloat16-torch*",
-                                  "*the regression gate compared nothing*"])
-        assert "baseline row of suite " + row["suite"] in out or "baseline row timed " in out
+        assert res.ret == pytest.ExitCode.USAGE_ERROR and "SLOWER" not in res.stdout.str()
+        res.stderr.fnmatch_lines(["*recorded from suite launch, not from --oink-suite=smoke*"])
+    base = _baseline(tmp_path / "b.json", method="eager-calls", median_s=1e-12)  # this suite, timed otherwise
+    res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={base}", *PLUGIN)
+    out = res.stdout.str()
+    assert "SLOWER" not in out and res.ret == pytest.ExitCode.TESTS_FAILED, out[-2000:]
+    res.stdout.fnmatch_lines(["*not compared (*): softmax_forward-4x128-bfloat16-torch*",
+                              "*the regression gate compared nothing*"])
+    assert "baseline row of suite smoke, timed host-eager" in out
 
 
 @pytest.mark.parametrize("value", ["nan%", "inf%", "1e400%"])
@@ -77,10 +80,8 @@ def test_gpu_suite_on_a_cpu_runner_says_why_and_writes_valid_files(pytester, tmp
     assert data["benchmarks"] == [] and data["oink_run"]["suite"] == "dsv3"
     assert list(csv.reader(open(tmp_path / "r.csv"))) == [list(__import__("pytest_oink.report").report.CSV_FIELDS)]
     res = pytester.runpytest_subprocess(*args, f"--oink-baseline={base}", "--oink-allow-missing")
-    assert res.ret == pytest.ExitCode.TESTS_FAILED
-    res.stdout.fnmatch_lines(["*the regression gate compared nothing: no rows measured: suite 'dsv3' is sized "
-                              "for a GPU and there is none*"])
-    assert json.loads((tmp_path / "b.json").read_text())["benchmarks"] == []
+    assert res.ret == pytest.ExitCode.USAGE_ERROR  # said before its rows are collected and skipped
+    res.stderr.fnmatch_lines(["*the gate would compare nothing: suite 'dsv3' is sized for a GPU and there is none*"])
 
 
 def _benchmark_baseline(path, machine_info):
@@ -143,3 +144,40 @@ def test_baseline_of_another_machine_is_refused_unless_accepted(pytester, tmp_pa
                                         f"--oink-summary={tmp_path / 's.md'}", *PLUGIN)
     assert res.ret == 0, res.stdout.str()[-2000:]
     assert "Baseline machine: no GPU, torch" in (tmp_path / "s.md").read_text()
+
+
+def _usage_error(pytester, *args):
+    """A --collect-only run of ONE_ROW with ``args``: refused before collection ends, nothing timed."""
+    res = pytester.runpytest_subprocess("--collect-only", *ONE_ROW, *args, *PLUGIN)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR, res.stdout.str()[-2000:] + res.stderr.str()[-2000:]
+    return res
+
+
+def test_gate_preconditions_are_checked_before_any_row_runs(pytester, tmp_path):
+    """What would make the gate compare nothing, or not run at all, is a usage error naming the reason."""
+    from pytest_oink import report
+
+    pytester.makepyfile(BENCH)
+    res = _usage_error(pytester, "--oink-max-regression=10%")  # no baseline: the threshold would gate nothing
+    res.stderr.fnmatch_lines(["*--oink-max-regression=10%: the regression gate runs only against a baseline: give "
+                              "--oink-baseline=FILE (or --oink-against=REF)*"])
+    rows = report.Row(suite="smoke", op="softmax_forward", provider="torch", M=4, N=128, dtype="bfloat16",
+                      device="cpu", status="ok", median_s=1.0)
+    report.write_csv([rows], tmp_path / "r.csv")  # the plugin's own CSV is no baseline: named as such
+    res = _usage_error(pytester, f"--oink-baseline={tmp_path / 'r.csv'}")
+    res.stderr.fnmatch_lines(["*--oink-baseline=*r.csv: this is a CSV of rows (--oink-csv); a baseline is the JSON a "
+                              "run writes with --oink-json=PATH or --benchmark-json=PATH*"])
+    assert "Expecting value" not in res.stderr.str()
+    res = _usage_error(pytester, f"--oink-baseline={_baseline(tmp_path / 'q.json', suite='quack')}")
+    res.stderr.fnmatch_lines(["*--oink-baseline=*q.json: recorded from suite quack, not from --oink-suite=smoke*"])
+    res = _usage_error(pytester, f"--oink-baseline={_baseline(tmp_path / 'm.json', M=8)}")
+    res.stderr.fnmatch_lines(["*--oink-baseline=*m.json: the gate would compare nothing: none of the 1 gated rows "
+                              "selected (op, provider, shape, dtype) has an entry in it*"])
+    ok = _baseline(tmp_path / "ok.json")
+    res = pytester.runpytest_subprocess("--collect-only", *ONE_ROW[:-2], f"--oink-baseline={ok}",
+                                        "--oink-gate-providers=torch", *PLUGIN)  # no --oink-gate-cpu, no GPU
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*the gate would compare nothing: there is no GPU here, and CPU rows are gated only "
+                              "with --oink-gate-cpu*"])
+    res = pytester.runpytest_subprocess("--collect-only", *ONE_ROW, f"--oink-baseline={ok}", *PLUGIN)
+    assert res.ret == 0, res.stderr.str()  # a baseline of the selected row: collected, no refusal

@@ -24,7 +24,10 @@ def test_mode_names_and_old_rows():
     assert modes.of_method("eager-calls") == "eager" and modes.of_method("cuda-graph") == "cold"
     assert modes.of_method("cpu-perf_counter") == "cold" and modes.of_method(None) is None
     assert modes.for_suite("hot", "launch") == "eager" and modes.for_suite("hot", "smoke") == "hot"
-    assert modes.CPU_NOTE in modes.describe({"hot"}, {"cpu"}) and "CPU" not in modes.describe({"hot"}, {"cuda:0"})
+    assert modes.CPU_NOTE in modes.describe({"hot"}, {"cpu", "cuda:0"})
+    assert "CPU" not in modes.describe({"hot"}, {"cuda:0"})
+    cpu = modes.describe({"hot"}, {"cpu"})  # rows of a CPU alone: its timer, not the mode's GPU meaning
+    assert cpu == f"{modes.CPU_TIMING} (--oink-timing=hot asked: a CPU times every mode alike)"
     assert eager_calls_for(1e-3, 0.01) == 10 and eager_calls_for(1.0, 0.01) == 1 and eager_calls_for(1e-9, 1) == 400
 
 
@@ -52,12 +55,12 @@ def test_mode_is_recorded_and_other_modes_are_not_compared(pytester, tmp_path):
     res = pytester.runpytest_subprocess(*ONE_ROW, "--oink-timing=hot", *outputs, *PLUGIN)
     assert res.ret == 0, res.stdout.str()[-2000:]
     res.stdout.fnmatch_lines(["*softmax_forward 4x128 bfloat16 torch*(cpu-perf_counter, hot)*",
-                              f"[[]oink[]] timing: hot (*); {modes.CPU_NOTE}"])
+                              f"[[]oink[]] timing: {modes.describe({'hot'}, {'cpu'})}"])
     assert [r["mode"] for r in csv.DictReader(open(tmp_path / "r.csv"))] == ["hot"]
     for name in ("o.json", "b.json"):
         data = json.loads((tmp_path / name).read_text())
         assert data["oink_run"]["timing"] == "hot" and data["benchmarks"][0]["extra_info"]["mode"] == "hot"
-    assert f"Timing: hot ({modes.MODES['hot']}); {modes.CPU_NOTE}." in (tmp_path / "s.md").read_text()
+    assert f"Timing: {modes.describe({'hot'}, {'cpu'})}." in (tmp_path / "s.md").read_text()
     # the hot run as a baseline: a cold run (the default) is not compared with it, and says why
     res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={tmp_path / 'b.json'}", *PLUGIN)
     assert res.ret == pytest.ExitCode.TESTS_FAILED

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from pytest_oink import bench_runner, report, suites
+from pytest_oink import bench_runner, plots, report, suites
 from pytest_oink.providers import SPECS, Unavailable, build, providers_for
 from tests.helpers import ONE_ROW, PLUGIN, _plugin_runs_see_no_gpu, oink_on_pythonpath  # noqa: F401  (autouse fixture and helpers)
 
@@ -196,7 +196,7 @@ def test_plots_time_and_memory(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [_row(M=M, provider=p, peak_mem_bytes=(M // 4096) * 2**30, median_s=M * 1e-6)
             for M in (4096, 16384) for p in ("oink", "torch")]
-    written = report.write_svg(rows, tmp_path)
+    written = plots.write_svg(rows, tmp_path)
     names = sorted(p.split("/")[-1] for p in written)
     assert names == ["training-linear_cross_entropy_llama3-memory.svg", "training-linear_cross_entropy_llama3.svg"]
     assert "ms per call" in (tmp_path / "training-linear_cross_entropy_llama3.svg").read_text()
