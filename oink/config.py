@@ -72,6 +72,9 @@ class Config:
     # window's threads split a row by its offset from a 16-byte boundary, its index in the batch (batch invariance)
     windows: bool | None = None
     rope_lanes: int | None = None  # QK norm + rotary embedding: lanes a head (32, or 16-byte loads' count; forced)
+    # the QK norm + rotary embedding's kernel serves GPU calls (off by default until its GPU tests have run: the
+    # reference serves them, batch-invariant too)
+    rope_kernel: bool | None = None
 
 
 DEV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not dataclasses.MISSING}

@@ -4,7 +4,8 @@ public ``oink.<name>``). Declared as ``oink.ops`` declares the others (see ``oin
 
 Arithmetic (vLLM's CUDA kernel's order, one rounding): ``oink.reference.rope``; docs: docs/ops.md.
 
-Path: the CuTeDSL kernel on a GPU (``oink.kernels.rope``), the reference otherwise. Batch-invariant on both: the
+Path: the reference; the CuTeDSL kernel (``oink.kernels.rope``) on a GPU once its GPU tests have run (until then
+the ``rope_kernel`` development setting asks for it). Batch-invariant on both: the
 kernel sums a head's squares in one warp's fixed butterfly, the reference as a fixed pairwise tree of elementwise
 adds, never a torch reduction (which a GPU splits by the batch's size).
 """
@@ -139,9 +140,9 @@ def qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_we
     Returns:
         (q [T, Hq, head_dim], k [T, Hk, head_dim]) in qkv's dtype.
 
-    Path: on a GPU, the CuTeDSL kernel (one warp a head; ``oink.kernels.rope_ops.check`` says which calls it
-    declines: fp32 qkv, unaligned or strided operands, a NeoX half of rotary_dim not a multiple of head_dim / 32);
-    the reference otherwise. Batch-invariant on both.
+    Path: the reference, on a GPU too until the CuTeDSL kernel (``oink.kernels.rope``, compile-checked) has run
+    its GPU tests (the ``rope_kernel`` development setting runs it; ``oink.kernels.rope_ops.check`` says which calls
+    it declines). Batch-invariant on both.
 
     Raises:
         TypeError, ValueError: an argument's type, dtype, shape, layout or device does not fit (the message names
@@ -166,9 +167,9 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
         forced_token_heads_per_warp: vLLM's launch grouping (-1 or <= 0 auto, else 1, 2, 4 or 8); no effect on
             the values, ignored here.
 
-    Path: on a GPU, the CuTeDSL kernel (one warp a head; ``oink.kernels.rope_ops.check`` says which calls it
-    declines: fp32 qkv, unaligned or strided operands, a NeoX half of rotary_dim not a multiple of head_dim / 32);
-    the reference otherwise. Batch-invariant on both.
+    Path: the reference, on a GPU too until the CuTeDSL kernel (``oink.kernels.rope``, compile-checked) has run
+    its GPU tests (the ``rope_kernel`` development setting runs it; ``oink.kernels.rope_ops.check`` says which calls
+    it declines). Batch-invariant on both.
 
     Raises:
         TypeError, ValueError: as ``oink.qk_norm_rope``; qkv's elements must not share memory.

@@ -17,6 +17,15 @@ from tests.gpu_helpers import poison_allocator
 from tests.test_qk_norm_rope import assert_within_one_ulp, exact
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
+
+
+@pytest.fixture(autouse=True)
+def kernel_on():
+    """The kernel serves GPU calls only with the ``rope_kernel`` development setting until these tests have run."""
+    from oink import config
+
+    with config.override(rope_kernel=True):
+        yield
 OPS = torch.ops.oink
 HEADS = [(32, 8), (16, 16), (40, 8), (8, 1)]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import config
 from .compile import stream_of
 from .host import allocator, dtype_name
 from .rope import RopeKey, compiled_qk_norm_rope, head_lanes, rotary_reason
@@ -14,6 +15,8 @@ INT32_MAX = 2**31 - 1
 
 def check(t: dict, arch: str) -> str | None:
     """Why a call goes to the reference, or None (the metadata checks have passed: ``oink.ops_rope``)."""
+    if not config.get().rope_kernel:
+        return "the kernel is compile-checked only, not yet run on a GPU (the rope_kernel development setting runs it)"
     qkv, D = t["qkv"], t["head_dim"]
     if qkv.dtype not in HALF:
         return f"qkv dtype {qkv.dtype}: the kernel takes float16 and bfloat16"
