@@ -5,9 +5,9 @@ public ``oink.<name>``). Declared as ``oink.ops`` declares the others (see ``oin
 Arithmetic (vLLM's CUDA kernel's order, one rounding): ``oink.reference.rope``; docs: docs/ops.md.
 
 Path: the reference; the CuTeDSL kernel (``oink.kernels.rope``) on a GPU once its GPU tests have run (until then
-the ``rope_kernel`` development setting asks for it). Batch-invariant on both: the
-kernel sums a head's squares in one warp's fixed butterfly, the reference as a fixed pairwise tree of elementwise
-adds, never a torch reduction (which a GPU splits by the batch's size).
+the ``rope_kernel`` development setting asks for it). Batch-invariant on both: the kernel sums a head's squares in a
+fixed butterfly of its lanes, the reference as a fixed pairwise tree of elementwise adds, never a torch reduction
+(which a GPU splits by the batch's size).
 """
 from __future__ import annotations
 
