@@ -98,6 +98,24 @@ def test_fp8_fused_rmsnorm_compiles(arch, x_dtype, res_dtype, w_dtype, mode, sto
                                                            ub=ub, store_y=store_y)))
 
 
+VLLM_VARIANTS = [dict(mode="static"), dict(mode="static", residual=True), dict(mode="token", ub=True),
+                 dict(mode="token", residual=True, raw_sum=True),
+                 dict(mode="block", group_size=128, residual=True, raw_sum=True, ub=True),
+                 dict(mode="block", group_size=64, column_major=True, ue8m0=True)]
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("variant", VLLM_VARIANTS, ids=lambda v: "-".join(f"{k}={v[k]}" for k in v))
+def test_vllm_fp8_norms_compile(arch, dtype, variant):
+    """vLLM's four norm + FP8 ops' kernel (``twice``: vLLM's roundings), at a one-CTA width and a cluster's."""
+    v = dict(variant)
+    res = dtype if v.pop("residual", False) else None
+    for N in (4096, 131072):
+        assert callable(compiled_rmsnorm_fp8(RMSNormFp8Key(dtype, N, arch, w_dtype=dtype, res_dtype=res, twice=True,
+                                                           **v)))
+
+
 def test_fp8_groups_stay_on_aligned_lanes():
     for N in (64, 128, 1024, 7168, 18432, 131072):
         for G in (64, 128):
