@@ -75,3 +75,4 @@ def oink_on_pythonpath(monkeypatch) -> None:
 
     root = str(Path(pytest_oink.__file__).resolve().parents[1])
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+

@@ -6,38 +6,17 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.fresh import python_without
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("oink", "pytest_oink")
 PLUGIN_STACK = ("pytest", "_pytest", "pytest_oink", "hypothesis", "pytest_benchmark")
 
-# run first in a fresh interpreter: the plugin's stack can't be imported (as where only oink is installed)
-WITHOUT_PLUGIN_STACK = f"""
-import sys
-
-BLOCKED = {PLUGIN_STACK!r}
-
-
-class _NotInstalled:
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in BLOCKED:
-            raise ImportError(f"{{name}}: not installed here (tests/test_house.py)")
-        return None
-
-
-assert not [m for m in sys.modules if m.partition(".")[0] in BLOCKED], "imported at start-up"
-sys.meta_path.insert(0, _NotInstalled())
-"""
-
-
 def _python(code: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-c", WITHOUT_PLUGIN_STACK + code], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return python_without(PLUGIN_STACK, code, ROOT)
 
 
 def test_the_tuner_imports_without_the_plugin_stack():

@@ -5,41 +5,21 @@ the launches they should. The tests below run twice: here, and in a fresh interp
 from __future__ import annotations
 
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.fresh import python_without
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = sorted(f"oink.kernels.{p.stem}" for p in (ROOT / "oink" / "kernels").glob("*rules.py")) + [
     "oink.kernels.launch_table"]
 KERNEL_STACK = ("cutlass", "cuda", "torch")
 
-# run first in a fresh interpreter: the kernels' stack can't be imported (as on a machine without it)
-WITHOUT_KERNEL_STACK = f"""
-import sys
-
-BLOCKED = {KERNEL_STACK!r}
-
-
-class _NotInstalled:
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in BLOCKED:
-            raise ImportError(f"{{name}}: not installed here (tests/test_rules_cpu.py)")
-        return None
-
-
-sys.meta_path.insert(0, _NotInstalled())
-"""
-
-
 def _python(code: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # no plugin of the environment (the plugin's stack needs torch)
-    return subprocess.run([sys.executable, "-c", WITHOUT_KERNEL_STACK + code], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    # no plugin of the environment either (the plugin's stack needs torch)
+    return python_without(KERNEL_STACK, code, ROOT, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
 
 
 def test_every_rules_module_is_found():
