@@ -10,6 +10,11 @@ MS = (1, 3, 128, 4097, 65536)
 MAX_ELEMS = 2**30  # keeps one case's tensors (and their fp32 reference) within a few GB
 
 
+def shapes_within(ms, ns, limit: int = MAX_ELEMS) -> list[tuple[int, int]]:
+    """(M, N) of ms x ns with M * N at most ``limit``: the cases that fit, parametrized (never skipped)."""
+    return [(M, N) for M in ms for N in ns if M * N <= limit]
+
+
 def cuda_arch():
     from oink.dispatch import device_arch
 

@@ -18,6 +18,7 @@ LN_NS = (64, 1000, 4096, 6144, 8192, 16384, 131072, 262144)
 # 4096 columns: 5124, 6571, 11646)
 LN_ODD_NS = (965, 2109, 2120, 4240, 5124, 6571, 11646)
 LN_CASES = [(N, M) for N in LN_NS for M in MS] + [(N, M) for N in LN_ODD_NS for M in (3, 700, 6000)]
+LN_CASES = [(N, M) for N, M in LN_CASES if M * N <= MAX_ELEMS // 2]  # one case (and its backward) within a few GB
 
 
 def check_forward(x, w, b):
@@ -37,8 +38,6 @@ def check_forward(x, w, b):
 @pytest.mark.parametrize("N,M", LN_CASES)
 def test_layernorm_forward(dtype, w_fp32, bias, N, M, seed):
     """LayerNorm forward kernel (the RMSNorm kernel with the mean subtracted), outputs poisoned."""
-    if M * N > MAX_ELEMS // 2:
-        pytest.skip(f"M*N = {M * N} > {MAX_ELEMS // 2}")
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = (random_rows(M, N, torch.float32, True, g) * 2 + 0.5).to(dtype)  # offset mean: centring matters
     wd = torch.float32 if w_fp32 else dtype
@@ -87,8 +86,6 @@ def test_layernorm_public_api_routes_to_kernel(seed):
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("N,M", LN_CASES)
 def test_layernorm_backward(dtype, w_fp32, bias, N, M, seed):
-    if M * N > MAX_ELEMS // 2:
-        pytest.skip(f"M*N = {M * N} > {MAX_ELEMS // 2}")
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = (random_rows(M, N, torch.float32, True, g) * 2 + 0.5).to(dtype)
     dout = random_rows(M, N, dtype, True, g)

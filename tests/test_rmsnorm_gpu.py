@@ -7,8 +7,7 @@ import torch
 import oink
 from oink import reference as R
 from tests.gpu_helpers import (DTYPES, MAX_ELEMS, MS, assert_close_poisoned, close_family, cuda_arch, kernel,
-                               poison_allocator, random_rows,
-                               run_backward_poisoned)
+                               poison_allocator, random_rows, run_backward_poisoned, shapes_within)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm(90)]
 
@@ -25,12 +24,9 @@ def run_poisoned(x, w, b, res, eps, store_rstd):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("w_fp32", [False, True], ids=["w_same", "w_fp32"])
-@pytest.mark.parametrize("N", NS)
-@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("M,N", shapes_within(MS, NS))
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
 def test_forward_with_residual(dtype, w_fp32, N, M, padded, seed):
-    if M * N > MAX_ELEMS:
-        pytest.skip(f"M*N = {M * N} > {MAX_ELEMS}")
     g = torch.Generator(device="cuda").manual_seed(seed)
     x, res = random_rows(M, N, dtype, padded, g), random_rows(M, N, dtype, padded, g)
     w = torch.randn(N, device="cuda", generator=g).to(torch.float32 if w_fp32 else dtype)
@@ -42,14 +38,12 @@ def test_forward_with_residual(dtype, w_fp32, N, M, padded, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("w", ["none", "same", "fp32"])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("w,bias", [("none", False), ("same", False), ("same", True), ("fp32", False),
+                                    ("fp32", True)])  # (no bias without a weight: a configuration nobody uses)
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("store_rstd", [False, True])
 @pytest.mark.parametrize("M,N", [(128, 1000), (4097, 4096), (3, 131072)])
 def test_forward_flags(dtype, w, bias, residual, store_rstd, M, N, seed):
-    if w == "none" and bias:
-        pytest.skip("bias without weight is not a configuration anyone uses")
     g = torch.Generator(device="cuda").manual_seed(seed)
     wd = torch.float32 if w == "fp32" else dtype
     x = random_rows(M, N, dtype, False, g)
@@ -112,11 +106,8 @@ def test_fused_add_in_place_rows_off_boundaries(dtype, N, M, padded, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", NS)
-@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("M,N", shapes_within(MS, NS))
 def test_fused_add_in_place(dtype, N, M, seed):
-    if M * N > MAX_ELEMS:
-        pytest.skip(f"M*N = {M * N} > {MAX_ELEMS}")
     g = torch.Generator(device="cuda").manual_seed(seed)
     x, res = random_rows(M, N, dtype, True, g), random_rows(M, N, dtype, True, g)  # padded rows, in place
     w = torch.randn(N, device="cuda", generator=g).to(dtype)
@@ -183,11 +174,8 @@ def test_torch_compile_fullgraph_and_cuda_graph(seed):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("w", ["same", "fp32", "none"])
-@pytest.mark.parametrize("N", NS)
-@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("M,N", shapes_within(MS, NS, MAX_ELEMS // 2))
 def test_backward(dtype, w, N, M, seed):
-    if M * N > MAX_ELEMS // 2:
-        pytest.skip(f"M*N = {M * N} > {MAX_ELEMS // 2}")
     _check_backward(dtype, w, N, M, seed)
 
 

@@ -675,14 +675,15 @@ def _norm_call(op, x, w, res, T, H, scale_layout, g):
     return args, [out, s] + ([r] if r is not None else [])
 
 
-NORM_KERNEL_CASES = [("rms_norm_static_fp8_quant", None, 0), ("fused_add_rms_norm_static_fp8_quant", None, 0),
-                     ("rms_norm_dynamic_per_token_quant", "token", 0), ("rms_norm_per_block_quant", "row", 128),
-                     ("rms_norm_per_block_quant", "column", 64), ("rms_norm_per_block_quant", "tma", 128)]
+NORM_KERNEL_CASES = [("rms_norm_static_fp8_quant", None, 0, False),
+                     ("fused_add_rms_norm_static_fp8_quant", None, 0, True)]
+NORM_KERNEL_CASES += [(op, layout, g, residual) for op, layout, g in (
+    ("rms_norm_dynamic_per_token_quant", "token", 0), ("rms_norm_per_block_quant", "row", 128),
+    ("rms_norm_per_block_quant", "column", 64), ("rms_norm_per_block_quant", "tma", 128)) for residual in (False, True)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op,scale_layout,g", NORM_KERNEL_CASES, ids=lambda v: str(v))
-@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("op,scale_layout,g,residual", NORM_KERNEL_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("T,H", [(1, 2048), (7, 4096), (257, 7168), (64, 18432), (3, 131072)])
 def test_norm_kernels_within_a_step(op, scale_layout, g, residual, dtype, T, H):
@@ -694,8 +695,6 @@ def test_norm_kernels_within_a_step(op, scale_layout, g, residual, dtype, T, H):
     from oink.reference import vllm_fp8
     from tests.gpu_helpers import fp8_steps
 
-    if op.startswith("fused") and not residual or op == "rms_norm_static_fp8_quant" and residual:
-        pytest.skip("the static ops: residual only in the fused one")
     gen = torch.Generator(device="cuda").manual_seed(T * 7 + H)
     x = (torch.randn(T, H, device="cuda", generator=gen) * 3).to(dtype)
     w = (1 + 0.3 * torch.randn(H, device="cuda", generator=gen)).to(dtype)
