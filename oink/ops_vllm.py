@@ -105,7 +105,7 @@ def rms_norm_static_fp8_quant(result, input, weight, scale, epsilon):
         scale: 1-element fp32 (the static per-tensor scale).
         epsilon: added to the mean of squares.
 
-    Path: on a GPU, the fused FP8 norm kernel with vLLM's values (``check_vllm_norm`` says where not); the
+    Path: on a GPU, the fused FP8 norm kernel with vLLM's values (``oink.kernels.fp8_ops.CHECKS`` says where not); the
     reference (``oink.reference.vllm_fp8``) otherwise.
 
     Raises:
@@ -130,7 +130,7 @@ def fused_add_rms_norm_static_fp8_quant(result, input, residual, weight, scale, 
         scale: 1-element fp32.
         epsilon: added to the mean of squares.
 
-    Path: on a GPU, the fused FP8 norm kernel with vLLM's values (``check_vllm_norm`` says where not); the
+    Path: on a GPU, the fused FP8 norm kernel with vLLM's values (``oink.kernels.fp8_ops.CHECKS`` says where not); the
     reference (``oink.reference.vllm_fp8``) otherwise.
 
     Raises:
@@ -157,7 +157,7 @@ def rms_norm_dynamic_per_token_quant(result, input, weight, scale, epsilon, scal
         scale_ub: 1-element fp32 upper bound on each token's amax, or None.
         residual: input's shape and dtype, contiguous, or None; overwritten with to_T(input + residual).
 
-    Path: on a GPU, the fused FP8 norm kernel with vLLM's values (``check_vllm_norm`` says where not); the
+    Path: on a GPU, the fused FP8 norm kernel with vLLM's values (``oink.kernels.fp8_ops.CHECKS`` says where not); the
     reference (``oink.reference.vllm_fp8``) otherwise.
 
     Raises:
@@ -193,7 +193,7 @@ def rms_norm_per_block_quant(result, input, weight, scale, epsilon, scale_ub=Non
         scale_ue8m0: scales rounded up to powers of two (vllm-xpu-kernels' flag; upstream vLLM's CUDA op
             has none, so it defaults to False).
 
-    Path: on a GPU, the fused FP8 norm kernel with vLLM's values (``check_vllm_norm`` says where not); the
+    Path: on a GPU, the fused FP8 norm kernel with vLLM's values (``oink.kernels.fp8_ops.CHECKS`` says where not); the
     reference (``oink.reference.vllm_fp8``) otherwise.
 
     Raises:

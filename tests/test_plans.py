@@ -490,7 +490,7 @@ def test_vllm_group_quant_writes_its_out_parameters(recorder, layout):
                                        ("rms_norm_dynamic_per_token_quant", "token"),
                                        ("rms_norm_per_block_quant", "row"), ("rms_norm_per_block_quant", "column"),
                                        ("rms_norm_per_block_quant", "tma")])
-def test_vllm_norms_write_their_out_parameters(recorder, op, layout):
+def test_vllm_norms_write_their_out_parameters(recorder, monkeypatch, op, layout):
     """vLLM's four norm + FP8 ops through the fused FP8 kernel compiled with vLLM's values (``twice``; the norm of
     the fp32 sum where vLLM's dynamic ops take it): codes straight into ``result``, the residual updated in place,
     the static scale and the bound read where they are, scales straight into ``scale`` where its layout is the
@@ -515,12 +515,10 @@ def test_vllm_norms_write_their_out_parameters(recorder, op, layout):
         args["scale"] = {"row": lambda: torch.empty(M, G), "column": lambda: torch.empty(G, M).t(),
                          "tma": lambda: torch.empty_strided((M, G), (1, 8))}[layout]()
         args.update(scale_ub=None, group_size=g, is_scale_transposed=layout != "row", scale_ue8m0=True)
-    assert fp8_ops.check_vllm_norm(args, "sm_90a") is None
-    assert "multiple of 16" in fp8_ops.check_vllm_norm({**args, "input": _x(M, 200)}, "sm_90a")
-    import unittest.mock
-
-    with unittest.mock.patch.object(fp8_ops, "compiled_rmsnorm_fp8", compiled):
-        run = dispatch.prepare(op, "sm_90a", args)
+    assert fp8_ops.CHECKS[op](args, "sm_90a") is None
+    assert "multiple of 16" in fp8_ops.CHECKS[op]({**args, "input": _x(M, 200)}, "sm_90a")
+    monkeypatch.setattr(fp8_ops, "compiled_rmsnorm_fp8", compiled)
+    run = dispatch.prepare(op, "sm_90a", args)
     (key,) = keys
     mode = fp8_ops.VLLM_NORM_MODES[op]
     assert key.twice and key.mode == mode and key.raw_sum == (mode != "static") and key.x_dtype == "bfloat16"

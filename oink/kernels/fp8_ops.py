@@ -102,7 +102,14 @@ def _plan(kind: str):
     return make
 
 
-# ---- vLLM's per_token_group_fp8_quant (oink.ops_vllm): the group kernel writing vLLM's out-parameters
+# ---- vLLM's ops (oink.ops_vllm): the FP8 kernels writing vLLM's out-parameters
+def scales_in_place(s, column_major: bool) -> bool:
+    """Whether the kernel can write (T, G) scales straight into ``s``: its layout is the kernel's, row-major
+    (t * G + g) or column-major (g * T + t); else they are written in that layout and copied (a TMA-aligned
+    buffer's pad rows stay as they were)."""
+    return (s.t() if column_major else s).is_contiguous()
+
+
 def check_group_quant(t: dict, arch: str) -> str | None:
     if (float(t["fp8_min"]), float(t["fp8_max"]), float(t["eps"])) != (-E4M3_MAX, E4M3_MAX, GROUP_EPS):
         return "fp8_min, fp8_max and eps other than -448, 448 and 1e-10: the FP8 kernels' bounds and floor"
@@ -121,7 +128,7 @@ def plan_group_quant(arch, a: dict):
     N = x.shape[-1]
     M = x.numel() // N
     col = out_s.dim() == 2 and out_s.stride(0) < out_s.stride(1)
-    direct_s = out_s.data_ptr() % 16 == 0 and (out_s.stride() == (1, M) if col else out_s.is_contiguous())
+    direct_s = scales_in_place(out_s, col)
     direct_q = out_q.data_ptr() % 16 == 0
     copy_x, ldx = row_layout(x, UNIT)
     if not M:
@@ -145,19 +152,24 @@ def plan_group_quant(arch, a: dict):
     return run
 
 
-# ---- vLLM's fused RMSNorm + FP8 ops (oink.ops_vllm): the fused kernel with vLLM's values (``RMSNormFp8``'s
-# ``twice``), written into their out-parameters
+# the four fused RMSNorm + FP8 ops: the fused kernel with vLLM's values (``RMSNormFp8``'s ``twice``)
 VLLM_NORM_MODES = {"rms_norm_static_fp8_quant": "static", "fused_add_rms_norm_static_fp8_quant": "static",
                    "rms_norm_dynamic_per_token_quant": "token", "rms_norm_per_block_quant": "block"}
 
 
-def check_vllm_norm(t: dict, arch: str) -> str | None:
-    op = "rmsnorm" if t.get("residual") is None else "add_rmsnorm"
-    why = _launch_reason(t["input"].shape[-1], t.get("group_size", 0) if "is_scale_transposed" in t else 0,
-                         "add_rmsnorm", arch, op)
-    if why is None and t.get("residual") is not None:  # updated in place: no copy possible
-        why = in_place_reason("residual", t["residual"], UNIT)
-    return why
+def _check_vllm_norm(name: str):
+    """The check of vLLM's norm + FP8 op ``name``: the FP8 norm kernels' widths (and groups), a residual readable
+    in place."""
+    block = VLLM_NORM_MODES[name] == "block"
+
+    def check(t: dict, arch: str) -> str | None:
+        op = "rmsnorm" if t.get("residual") is None else "add_rmsnorm"
+        why = _launch_reason(t["input"].shape[-1], t["group_size"] if block else 0, "add_rmsnorm", arch, op)
+        if why is None and t.get("residual") is not None:  # updated in place: no copy possible
+            why = in_place_reason("residual", t["residual"], UNIT)
+        return why
+
+    return check
 
 
 def _plan_vllm_norm(name: str):
@@ -180,12 +192,7 @@ def _plan_vllm_norm(name: str):
         copy_w = not kernel_ready_rows(w, UNIT)
         ldr = row_layout(res, UNIT)[1]
         direct_q = out.data_ptr() % 16 == 0
-        if mode == "token":
-            direct_s = scale.is_contiguous()
-        elif mode == "block":
-            direct_s = scale.stride() == ((1, M) if col else (N // g, 1)) or M == 1 and scale.is_contiguous()
-        else:
-            direct_s = True
+        direct_s = mode == "static" or scales_in_place(scale, col)
         fn = compiled_rmsnorm_fp8(RMSNormFp8Key(
             dtype_name(x), N, arch, w_dtype=dtype_name(w), res_dtype=dtype_name(res), mode=mode, group_size=g,
             column_major=col, ue8m0=bool(a.get("scale_ue8m0", False)), ub=ub, twice=True,
@@ -224,4 +231,4 @@ PLANS = {"fp8_quantize": _plan("quantize"), "silu_mul_fp8quant": _plan("silu_mul
 
 CHECKS = {"fp8_quantize": check_quantize, "silu_mul_fp8quant": check_silu_mul, "rmsnorm_fp8quant": check_rmsnorm,
           "add_rmsnorm_fp8quant": check_rmsnorm, "per_token_group_fp8_quant": check_group_quant,
-          **{name: check_vllm_norm for name in VLLM_NORM_MODES}}
+          **{name: _check_vllm_norm(name) for name in VLLM_NORM_MODES}}
