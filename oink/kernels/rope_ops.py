@@ -6,7 +6,7 @@ import torch
 
 from .. import config
 from .compile import stream_of
-from .host import allocator, dtype_name
+from .host import allocator, dtype_name, kernel_ready, kernel_ready_rows
 from .rope import RopeKey, compiled_qk_norm_rope, head_lanes, rotary_reason
 
 HALF = (torch.float16, torch.bfloat16)
@@ -22,13 +22,11 @@ def check(t: dict, arch: str) -> str | None:
         return f"qkv dtype {qkv.dtype}: the kernel takes float16 and bfloat16"
     lanes = head_lanes(D, qkv.element_size() * 8)
     E = D // lanes
-    vec = E * qkv.element_size()
-    if qkv.data_ptr() % vec or (qkv.shape[0] > 1 and qkv.stride(0) % E):
-        return f"qkv's rows are not {vec}-byte aligned (a lane's {E} values are one load)"
+    if not kernel_ready(qkv, E):
+        return f"qkv's rows are not 16-byte aligned with a row stride of a multiple of {E} (a lane's values)"
     for name in ("q_weight", "k_weight"):
-        w = t[name]
-        if w.stride(0) != 1 or w.data_ptr() % min(16, E * w.element_size()):
-            return f"{name} is not contiguous and aligned to {E} values"
+        if not kernel_ready_rows(t[name], E):
+            return f"{name} is not contiguous and 16-byte aligned"
     if t["q_weight"].dtype != t["k_weight"].dtype:
         return "q_weight and k_weight of different dtypes"
     cache, pos = t["cos_sin_cache"], t["position_ids"]
