@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .compile import stream_of
-from .host import (allocator, dense, dtype_name, in_place_reason, kernel_ready_rows, prepare_vector, resident_clusters,
+from .host import (allocator, dense, dtype_name, kernel_ready_rows, prepare_vector, resident_clusters,
                    row_layout, vec_for, width_reason, window_key)
 from .launch_table import few_rows
 from .rmsnorm import compiled_forward
@@ -55,9 +55,7 @@ def check_layernorm(t: dict, arch: str) -> str | None:
 
 
 def check_fused_add(t: dict, arch: str) -> str | None:
-    vec = vec_for(t["x"].shape[-1], t["x"])
-    return (width_reason(t["x"].shape[-1]) or in_place_reason("x", t["x"], vec)
-            or in_place_reason("residual", t["residual"], vec))
+    return width_reason(t["x"].shape[-1])  # operands the kernel can't read as they are go through dense copies
 
 
 def backward_grid(launch, M: int, device, tpsm: int) -> tuple[int, int, int]:
@@ -174,14 +172,18 @@ def plan_forward(arch, a: dict):
 
 
 def plan_fused_add(arch, a: dict):
-    """x and the residual updated in place (``check_fused_add``: both readable as they are): the
-    residual to x + residual, x to its RMSNorm; an unaligned weight copied."""
+    """x and the residual updated in place: the residual to x + residual, x to its RMSNorm; an unaligned
+    weight copied. Where x or the residual can't be read as it is (rows off 16-byte boundaries, strides),
+    both go through dense copies written back after, as the reference writes them (residual first): the
+    kernel's rows are then the same whatever the operands' offsets, so a row's bits don't depend on where it
+    sits in a batch."""
     x, res, w = a["x"], a["residual"], a["weight"]
     N = x.shape[-1]
     M, vec = x.numel() // N, vec_for(N, x)
     if not M:
         return lambda a: None
-    (_, ldx), (_, ldres) = row_layout(x, vec), row_layout(res, vec)
+    staged = not (kernel_ready_rows(x, vec) and kernel_ready_rows(res, vec))
+    ldx, ldres = (N, N) if staged else (row_layout(x, vec)[1], row_layout(res, vec)[1])
     eps, copy_w = float(a.get("eps", 1e-6)), not kernel_ready_rows(w, vec)
     fn = compiled_forward(ForwardKey(dtype_name(x), N, arch, w_dtype=dtype_name(w), res_dtype=dtype_name(res),
                                      res_out_dtype=dtype_name(res), out_dtype=dtype_name(x), few=few_rows(M)))
@@ -189,10 +191,15 @@ def plan_fused_add(arch, a: dict):
 
     def run(a):
         # outputs alias the inputs: each element is read before it is overwritten, by one thread
-        xp, rp, w = a["x"].data_ptr(), a["residual"].data_ptr(), a["weight"]
+        x, res, w = a["x"], a["residual"], a["weight"]
         if copy_w:
             w = dense(w)
+        xs, rs = (dense(x), dense(res)) if staged else (x, res)
+        xp, rp = xs.data_ptr(), rs.data_ptr()
         fn(xp, w.data_ptr(), None, rp, xp, rp, None, None, M, ldx, ldres, ldx, ldres, eps, stream())
+        if staged:
+            res.copy_(rs)
+            x.copy_(xs)
 
     return run
 

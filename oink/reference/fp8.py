@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .bench import EPS, Bench, rand, x_residual_weight, x_weight
+from .sums import row_sum
 
 __all__ = [  # the public ops (oink.reference re-exports them)
     "fp8_quantize", "rmsnorm_fp8quant", "add_rmsnorm_fp8quant", "silu_mul_fp8quant",
@@ -133,7 +134,7 @@ def _normed(h: Tensor, weight: Tensor, eps: float, dtype, per_token: bool) -> Te
     (h * weight) * rstd, as the kernels take it (their amax is then max |h * weight| times rstd, exactly), else
     (h * rstd) * weight."""
     hf = h.reshape(-1, h.shape[-1]).float()
-    rstd = torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)
+    rstd = torch.rsqrt(row_sum(hf.square()) / hf.shape[-1] + eps)  # a fixed tree: batch-invariant
     v = (hf * weight.float()) * rstd if per_token else (hf * rstd) * weight.float()
     return v.to(dtype).float()
 

@@ -21,17 +21,9 @@ import torch
 from torch import Tensor
 
 from .bench import EPS, Bench, rand
+from .sums import row_sum
 
 __all__ = ["qk_norm_rope"]  # fused_qk_norm_rope: vLLM's in-place op, torch.ops.oink.fused_qk_norm_rope only
-
-
-def _sum_of_squares(x: Tensor) -> Tensor:
-    """sum(x^2) over the last dim (a power of two) as a pairwise tree: elementwise adds only."""
-    s = x * x
-    while s.shape[-1] > 1:
-        h = s.shape[-1] // 2
-        s = s[..., :h] + s[..., h:]
-    return s
 
 
 def _rotate(n: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
@@ -59,7 +51,7 @@ def _heads(qkv: Tensor, start: int, H: int, D: int) -> Tensor:
 def _norm_rope(x: Tensor, weight: Tensor, eps: float, weight_offset: float, cos: Tensor, sin: Tensor,
                is_neox: bool) -> Tensor:
     xf = x.float()
-    r = torch.rsqrt(_sum_of_squares(xf) / x.shape[-1] + eps)
+    r = torch.rsqrt(row_sum(xf * xf) / x.shape[-1] + eps)
     w = weight.float()
     if weight_offset:
         w = w + weight_offset

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .fp8 import MIN_TOKEN_SCALE, _codes, _nan_skipping_amax, _per_e4m3_max, _ue8m0
+from .sums import row_sum
 
 __all__ = [  # vLLM's names (torch.ops.oink.<name>); not public oink.<name> functions
     "rms_norm_static_fp8_quant", "fused_add_rms_norm_static_fp8_quant", "rms_norm_dynamic_per_token_quant",
@@ -47,7 +48,7 @@ def _to(v: Tensor, dtype) -> Tensor:
 
 def _normed(h: Tensor, weight: Tensor, eps: float, dtype) -> Tensor:
     """n = to_T(to_T(h * rstd) * w) in fp32, h fp32 rows [M, H]."""
-    rstd = torch.rsqrt(h.square().sum(-1, keepdim=True) / h.shape[-1] + eps)
+    rstd = torch.rsqrt(row_sum(h.square()) / h.shape[-1] + eps)  # a fixed tree: batch-invariant
     return _to(_to(h * rstd, dtype) * weight.float(), dtype)
 
 
