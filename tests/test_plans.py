@@ -379,17 +379,19 @@ def _launch_widths() -> set:
 
 
 @pytest.mark.parametrize("windows", [True, False])
-@pytest.mark.parametrize("case", ["rmsnorm", "softmax", "strided", "residual", "fp32_weight", "aligned"])
+@pytest.mark.parametrize("case", ["rmsnorm", "softmax", "ce_forward", "ce_fwd_bwd", "strided", "residual",
+                                  "fp32_weight", "aligned"])
 def test_rows_off_boundaries_take_windows_where_asked(recorder, monkeypatch, case, windows):
     """With the ``windows`` setting, dense rows off 16-byte boundaries launch as their aligned windows (455 columns: a
-    window of 464) for the softmax forward and an RMSNorm of x's weight dtype; rows at another stride than the
-    output's, a residual and an fp32 weight (measured slower through windows) keep the narrow launch, as aligned
-    rows do theirs. Without it (the default: a window splits a row by its address), every row the narrow one."""
+    window of 464; GPT-2's 50257 one of 50264) for the softmax forward, the cross-entropy forward and fused mode,
+    and an RMSNorm of x's weight dtype; rows at another stride than the output's, a residual and an fp32 weight
+    (measured slower through windows) keep the narrow launch, as aligned rows do theirs. Without it (the default: a
+    window splits a row by its address), every row the narrow one."""
     from oink.kernels.compile import CACHE
 
     monkeypatch.setitem(config.DEV, "windows", windows)
     config.reload()
-    N = 4096 if case == "aligned" else 455
+    N = 4096 if case == "aligned" else 50257 if case.startswith("ce_") else 455  # a window: one row a CTA
     x = _x(600, N, stride=N + 3 if case == "strided" else None)
     w = torch.randn(N, dtype=torch.float32 if case == "fp32_weight" else torch.bfloat16)
     op, args = "rmsnorm_forward", dict(x=x, weight=w, eps=1e-6)
@@ -397,9 +399,41 @@ def test_rows_off_boundaries_take_windows_where_asked(recorder, monkeypatch, cas
         op, args = "softmax_forward", dict(x=x)
     elif case == "residual":
         args.update(residual=_x(600, N))
+    elif case.startswith("ce_"):
+        op, args = "cross_entropy_forward", dict(logits=x, target=torch.randint(0, N, (600,)))
+        if case == "ce_fwd_bwd":
+            op, args = "cross_entropy_fwd_bwd", dict(args, dloss=torch.rand(600))
     CACHE.clear_used()
     dispatch.prepare(op, "sm_90a", args)
-    assert _launch_widths() == ({464} if windows and case in ("rmsnorm", "softmax") else {N})
+    windowed = {"rmsnorm": 464, "softmax": 464, "ce_forward": 50264, "ce_fwd_bwd": 50264}
+    assert _launch_widths() == ({windowed[case]} if windows and case in windowed else {N})
+
+
+@pytest.mark.parametrize("first_row", [0, 1])
+def test_fused_add_off_boundaries_runs_the_kernel_on_dense_copies(recorder, monkeypatch, first_row):
+    """An in-place fused add whose rows start off 16-byte boundaries (a batch from row 1 of 455-column rows) runs
+    the kernel, not the reference, on dense copies of x and the residual, written back after (batch invariance: a
+    row's launch the same wherever it sits); operands it can read as they are, in place."""
+    from oink.kernels import rmsnorm_ops
+
+    N = 455
+    x, res = _x(7, N)[first_row:], _x(7, N)[first_row:]
+    args = dict(x=x, residual=res, weight=torch.randn(N, dtype=torch.bfloat16), eps=1e-6)
+    assert rmsnorm_ops.CHECKS["fused_add_rmsnorm_"](args, "sm_90a") is None
+    staged = first_row == 1
+    assert (x.data_ptr() % 16 != 0) == staged
+    # a marked copy: what the kernel's buffers hold comes back into x and the residual
+    monkeypatch.setattr(rmsnorm_ops, "dense", lambda t: t.clone(memory_format=torch.contiguous_format) + 1)
+    want_x, want_res = (x + 1, res + 1) if staged else (x.clone(), res.clone())
+    run = dispatch.prepare("fused_add_rmsnorm_", "sm_90a", args)
+    recorder.clear()
+    run(args)
+    (call,) = recorder
+    xp, rp = call[0], call[3]
+    assert (xp, rp) == (call[4], call[5]) and call[8] == 7 - first_row
+    assert (xp == x.data_ptr(), rp == res.data_ptr()) == (not staged, not staged)
+    assert call[9:13] == (N, N, N, N)
+    assert torch.equal(x, want_x) and torch.equal(res, want_res)
 
 
 # vLLM's batch sizes and the few-rows bound's both sides: no launch may be chosen by them (batch invariance)

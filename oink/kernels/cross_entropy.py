@@ -455,8 +455,8 @@ class CrossEntropyKey:
     arch: str
     _: dataclasses.KW_ONLY
     store_lse: bool = True  # the lse stored (never by the backward)
-    # False: dlogits rows do not lie at the logits' offsets (another row stride), so rows off 16-byte
-    # boundaries are not moved as aligned windows
+    # False: rows off 16-byte boundaries are not moved as aligned windows (dlogits rows not at the logits'
+    # offsets; the reductions unless the windows setting asks: a window splits a row by its address)
     window: bool = True
     options: CEOptions = PLAIN  # compile-time constants (the plain kernel's key and code without them)
     inplace: bool = False  # dx is the logits (``CrossEntropy``'s; rows register-held, even where they would stream)
@@ -470,7 +470,7 @@ def compiled_cross_entropy(k: CrossEntropyKey):
     if not 1 <= N <= MAX_N:
         raise ValueError(f"N={N}: the cross-entropy kernels handle 1 <= N <= {MAX_N}")
     dt, tt = cute_dtype(dtype), cute_dtype(target_dtype)
-    width = shifted_window(N, dt.width) if window or mode == "forward" else None
+    width = shifted_window(N, dt.width) if window else None
     stream = stream_rows(width or N, dt.width, mode) and not inplace
     held = functools.partial(cross_entropy_launch, arch=arch, mode=mode)
     if not options.plain and mode != "forward":  # the options' dlogits hold more live values a thread

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import config
 from .compile import stream_of
 from ..reference.cross_entropy import (loss_from_lse, per_row, reduce_loss, reduction_dloss, row_weight, safe_target,
                                        z_loss_rows)
@@ -103,6 +104,16 @@ DENSE = torch.contiguous_format
 F32 = torch.float32
 
 
+def _window(mode: str, dx_at_x: bool) -> bool:
+    """Whether rows off 16-byte boundaries are read through aligned windows: the backward's wherever dlogits lie at
+    the logits' offsets (no sum over a row); the forward's and the fused mode's only where the ``windows`` setting
+    asks, since a window splits a row's sum by the row's address, so by its index in the batch (batch
+    invariance); element accesses otherwise."""
+    if mode == "backward":
+        return dx_at_x
+    return bool(config.get().windows) and (mode == "forward" or dx_at_x)
+
+
 class _Layout:
     """What a launch of ``mode`` reads of the call's layout, decided once: the compiled function (``_skip`` for
     no rows), the logits' row stride and dlogits' (``dx``: the logits themselves ``inplace``), which inputs
@@ -125,7 +136,7 @@ class _Layout:
         self.copy_t = not target.is_contiguous()
         self.fn = _skip if self.M == 0 else compiled_cross_entropy(CrossEntropyKey(
             mode, dtype_name(logits), dtype_name(target), V, arch, store_lse=store_lse,
-            window=mode == "forward" or self.ldd == self.ldx, options=options_of(a), inplace=inplace))
+            window=_window(mode, self.ldd == self.ldx), options=options_of(a), inplace=inplace))
         self.stream = stream_of(logits.device)
         self.new_row = allocator((self.M,), F32, logits.device)
 

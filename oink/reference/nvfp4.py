@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .bench import EPS, Bench, rand, x_residual_weight
+from .sums import row_sum
 
 __all__ = [  # the public ops (oink.reference re-exports them)
     "nvfp4_quantize", "nvfp4_dequantize", "add_rmsnorm_fp4quant", "silu_mul_fp4quant",
@@ -137,7 +138,7 @@ def _add_rmsnorm_values(x: Tensor, residual: Tensor, weight: Tensor, eps: float)
     v = r * rstd(r) * weight, fp32 [M, N])."""
     r = (x.float() + residual.float()).to(residual.dtype)
     rf = r.reshape(-1, r.shape[-1]).float()
-    rstd = torch.rsqrt(rf.square().mean(-1, keepdim=True) + eps)
+    rstd = torch.rsqrt(row_sum(rf.square()) / rf.shape[-1] + eps)  # a fixed tree: batch-invariant
     return r, rf * rstd * weight.float()
 
 
