@@ -166,3 +166,79 @@ def test_unsure_row_is_retimed_then_passes(pytester, tmp_path):
                               "UNSURE after re-timing (passes*): softmax_forward 4x128 bfloat16 torch: UNSURE*"])
     bench, = json.loads((tmp_path / "o.json").read_text())["benchmarks"]
     assert len(bench["extra_info"]["samples"]) == bench["stats"]["rounds"] == 5 * rounds
+
+
+def _busy(seconds):
+    import time
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        pass
+
+
+def _cpu_row_timer(run):
+    """(samples, time_once) of a CPU row of ``run`` by the plugin's own timer (bench_runner.row_timer)."""
+    import torch
+
+    from pytest_oink import bench_runner
+    from pytest_oink.providers import OpSpec
+    from pytest_oink.suites import Case
+
+    spec = OpSpec("default", lambda M, N, dtype, device, gen: {"x": torch.zeros(M, N, dtype=dtype)},
+                  lambda a: (a["x"],), lambda M, N, e: 0)
+    case = Case("custom", "busy", 4, 8, "float32")
+    row = report.Row(suite="custom", op="busy", provider="mine", M=4, N=8, dtype="float32", device="cpu",
+                     status="ok", mode="cold")
+    return bench_runner.row_timer(case, run, spec, torch.float32, torch.device("cpu"), row)
+
+
+def test_a_scheduler_stall_over_a_cpu_round_is_no_regression():
+    """A loaded CPU deschedules the timing process for ms at a time: here 5 calls in a row stall 4 ms
+    (those a 5-sample round of one call each timed, as a 2-thread op's barriers did every call), the others
+    take 50 us. The same code timed clean is the baseline: the stalled run must not read SLOWER, and a
+    row's calls run on one torch thread."""
+    import torch
+
+    calls, threads = [], set()
+
+    def stalled(a):
+        calls.append(1)
+        threads.add(torch.get_num_threads())
+        _busy(4e-3 if 2 <= len(calls) <= 6 else 5e-5)
+
+    def clean(a):
+        _busy(5e-5)
+
+    base_first, base_more = _cpu_row_timer(clean)
+    base = base_first + base_more()
+    samples, time_once = _cpu_row_timer(stalled)
+    samples += time_once()
+    entry = report.BaselineEntry(median(base), 0.0, samples=tuple(base))
+    verdict = verdicts.judge(samples, median(samples), 0.0, entry, 0.05, cpu=True)
+    assert verdict.name != "SLOWER" and median(samples) < 2 * median(base), (verdict, samples)
+    assert threads == {1}
+
+
+@pytest.mark.parametrize("mine, theirs, rounds, expected", [
+    ((1.0, 1.0), (1.0, 1.0), 2, "SAME"),
+    ((1.0,), (1.0,), 1, "UNSURE"),  # one round of this run: no interval yet (the gate re-times it)
+    ((1.67, 1.6), (1.0, 1.0), 2, "UNSURE"),  # the same code in two processes (seen): within the CPU floor
+    ((1.0, 1.1), (1.0, 1.0), 2, "UNSURE"),  # rounds disagree: neither within nor beyond the threshold
+    ((3.0, 3.0), (1.0, 1.0), 2, "SLOWER"),  # beyond x2 in every round
+    ((3.0,), (1.0, 1.0), 1, "UNSURE"),  # ... but once only
+    ((3.0, 1.0), (1.0, 1.0), 2, "UNSURE"),  # ... or not in every round
+    ((0.3, 0.3), (1.0,), 2, "FASTER"),
+])
+def test_cpu_rows_are_judged_round_by_round(mine, theirs, rounds, expected):
+    """Each round's samples are alike (tight) but the rounds are not: the bootstrap of all samples took a
+    process's steady x1.6 for a regression; the CPU rule takes the range of the rounds' medians and a floor."""
+    from pytest_oink.timing import CPU_SAMPLES
+
+    def rounds_of(levels, seed):
+        return [x for i, level in enumerate(levels) for x in _samples(1e-4 * level, 0.002, CPU_SAMPLES, seed + i)]
+
+    new, old = rounds_of(mine, 1), rounds_of(theirs, 50)
+    entry = report.BaselineEntry(median(old), 0.0, samples=tuple(old))
+    assert verdicts.judge(new, median(new), 0.0, entry, 0.05, cpu=True).name == expected
+    if mine == (1.67, 1.6):
+        assert verdicts.judge(new, median(new), 0.0, entry, 0.05).name == "SLOWER"  # the GPU rule: not for CPU rows
