@@ -192,7 +192,7 @@ def test_a_throttled_row_is_retimed_once_then_marked(pytester, tmp_path):
     assert res.ret == 0, res.stdout.str()[-2000:]
     bench, = json.loads((tmp_path / "o.json").read_text())["benchmarks"]
     info = bench["extra_info"]
-    assert info["throttled"] is True and len(info["samples"]) == 5  # the first round's samples dropped
+    assert info["throttled"] is True and len(info["samples"]) == CPU_SAMPLES  # the first round's samples dropped
     assert info["clocks"] == {"sm_mhz": [900, 900], "reference_mhz": 1980, "reasons": ["software power cap"],
                               "throttled_by": ["SM clock 900 MHz under 75% of 1980 MHz", "software power cap"],
                               "retimed": True}

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pytest_oink import report, verdicts
-from pytest_oink.timing import median
+from pytest_oink.timing import CPU_SAMPLES, median
 
 from tests.helpers import BENCH, ONE_ROW, PLUGIN  # the plugin runs' bench file and one gated CPU row
 
@@ -132,14 +132,16 @@ def test_runs_keep_samples_and_fail_on_slower_only(pytester, tmp_path):
     data = json.loads((tmp_path / "b.json").read_text())
     for path in ("b.json", "o.json"):  # pytest-benchmark's own file and ours both keep the samples
         bench, = json.loads((tmp_path / path).read_text())["benchmarks"]
-        assert len(bench["extra_info"]["samples"]) == bench["stats"]["rounds"] == 5
+        assert len(bench["extra_info"]["samples"]) == bench["stats"]["rounds"] == CPU_SAMPLES
     slow = tmp_path / "slow.json"
     slow.write_text(json.dumps(_scaled(data, 1e-6)))
     res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={slow}", *PLUGIN)
     assert res.ret == pytest.ExitCode.TESTS_FAILED
     slower = "softmax_forward 4x128 bfloat16 torch: SLOWER, x* [[]*, *[]]"
-    res.stdout.fnmatch_lines([f"*{slower} (* ms -> * ms, 5 -> 5 samples)",
-                              f"SLOWER beyond 5% (fails the session): {slower}"])
+    # a CPU row is SLOWER after two rounds of this run (verdicts.from_cpu_rounds)
+    res.stdout.fnmatch_lines([f"*{slower} (CPU: 2 x 1 rounds*) (* ms -> * ms, {CPU_SAMPLES} -> {2 * CPU_SAMPLES} "
+                              "samples; re-timed 1x)",
+                              f"SLOWER beyond 5% (fails the session): {slower} (CPU: 2 x 1 rounds*)"])
     fast = tmp_path / "fast.json"
     fast.write_text(json.dumps(_scaled(data, 1e6)))
     res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={fast}", *PLUGIN)
@@ -161,11 +163,11 @@ def test_unsure_row_is_retimed_then_passes(pytester, tmp_path):
                                         *PLUGIN)
     assert res.ret == 0, res.stdout.str()[-2000:]
     rounds = 1 + verdicts.RETIME_ROUNDS
-    res.stdout.fnmatch_lines([f"*softmax_forward 4x128 bfloat16 torch: UNSURE, x* (*6 -> {5 * rounds} samples; "
-                              f"re-timed {verdicts.RETIME_ROUNDS}x)",
+    res.stdout.fnmatch_lines([f"*softmax_forward 4x128 bfloat16 torch: UNSURE, x* (*6 -> {CPU_SAMPLES * rounds} "
+                              f"samples; re-timed {verdicts.RETIME_ROUNDS}x)",
                               "UNSURE after re-timing (passes*): softmax_forward 4x128 bfloat16 torch: UNSURE*"])
     bench, = json.loads((tmp_path / "o.json").read_text())["benchmarks"]
-    assert len(bench["extra_info"]["samples"]) == bench["stats"]["rounds"] == 5 * rounds
+    assert len(bench["extra_info"]["samples"]) == bench["stats"]["rounds"] == CPU_SAMPLES * rounds
 
 
 def _busy(seconds):
