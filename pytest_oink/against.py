@@ -214,7 +214,8 @@ class OtherTree:
             reply["throttled"] = more["throttled"]
 
         def verdict_of(samples):
-            return judge(samples, median(samples), relative_spread(samples), entry(), threshold).name
+            return judge(samples, median(samples), relative_spread(samples), entry(), threshold,
+                         report.cpu_rounds(row)).name
 
         samples, rounds = counterbalanced(samples, verdict_of, time_once, other_round)
         self.send({"cmd": "done"})  # the worker frees the row's tensors while this session goes on
@@ -347,6 +348,7 @@ def _worker_gate(msg):
     from .bench_runner import gate
     from .providers import SPECS, Unavailable, build
     from .suites import Case
+    from .timing import one_cpu_thread
 
     device = torch.device(msg["device"])
     if device.type == "cuda":
@@ -355,7 +357,8 @@ def _worker_gate(msg):
     spec, dtype = SPECS[case.op], getattr(torch, case.dtype)
     try:
         run = build(case.op, msg["provider"], device)
-        checked = gate(spec, run, case, dtype, device)
+        with one_cpu_thread(device):  # as this session gates a CPU row
+            checked = gate(spec, run, case, dtype, device)
     except Unavailable as e:
         return {"status": "unavailable", "why": str(e)}, None
     except Exception as e:  # noqa: BLE001  (an op the other tree lacks, an API it spells otherwise)

@@ -16,8 +16,8 @@ from .providers import LABELS, SPECS, Unavailable, build
 from .report import Row
 from .state import ROWS, STATE
 from .suites import CHECKS_INVARIANCE, HOST_TIMED
-from .timing import (Rotation, copies_for_cold_cache, eager_calls_for, feed_benchmark, median, relative_spread,
-                     time_cuda_graph, time_eager_calls, time_host)
+from .timing import (CPU_METHOD, Rotation, copies_for_cold_cache, eager_calls_for, feed_benchmark, median,
+                     one_cpu_thread, relative_spread, time_cpu, time_cuda_graph, time_eager_calls, time_host)
 from .verdicts import retime_while_unsure
 
 
@@ -88,7 +88,13 @@ def _eager_cap(request, case, provider, run, spec, dtype, device):
 
 def run_case(case, provider, device, roofline, benchmark, request, spec=None, run=None) -> Row:
     """Gate, then time one (case, provider). ``spec`` and ``run`` default to the registry's (an op of
-    ours); a user's own kernel passes them (the ``oink_measure`` fixture)."""
+    ours); a user's own kernel passes them (the ``oink_measure`` fixture). A CPU row runs on one
+    thread throughout (its gate too: on a loaded CPU, 2 threads made it 100x slower)."""
+    with one_cpu_thread(device):
+        return _run_case(case, provider, device, roofline, benchmark, request, spec, run)
+
+
+def _run_case(case, provider, device, roofline, benchmark, request, spec, run) -> Row:
     import torch
 
     started = time.perf_counter()
@@ -245,9 +251,13 @@ def row_timer(case, run, spec, dtype, device, row, wrap=None):
         samples = time_once()
         row.method = timings[0].method
         return samples, time_once
-    else:  # the CPU: every mode is the host timer (modes.CPU_NOTE)
+    else:  # the CPU: every mode is the host timer (modes.CPU_NOTE), on one thread (timing.one_cpu_thread)
         rot = Rotation([_inputs(spec, case, dtype, device, 100)])
-        time_once, row.method = (lambda: time_host(run, rot, repeats=5, warmup=1)), "cpu-perf_counter"
+
+        def time_once():
+            with one_cpu_thread(device):
+                return time_cpu(run, rot)
+        row.method = CPU_METHOD
     time_once = wrap(time_once)
     return time_once(), time_once
 

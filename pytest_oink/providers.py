@@ -22,6 +22,7 @@ from oink.measure.gate import reference_module as _R
 from . import peers, training
 from .registry import EPS, LABELS, PROVIDERS, provider
 from .registry import compiled as _compiled
+from .registry import torch_compile
 
 # with SPECS (a module attribute built on first use): the spec type, the gate's views and the registry, for the
 # plugin and the tests (the tuner builds its specs with oink.measure.gate too)
@@ -90,13 +91,11 @@ def _compile_builder(op: str):
 def _compiled_out_of_place_with_copies():
     """Inductor on CPU fails to compile the in-place reference (KeyError in its loop body,
     torch 2.13); the functional form plus the two copies has the same semantics."""
-    import torch
-
     def functional(x, r, w):
         h = (x.float() + r.float()).to(r.dtype)
         return _R().rmsnorm_forward(h, w, eps=EPS)[0], h
 
-    f = torch.compile(functional)
+    f = torch_compile(functional)
 
     def run(a):
         y, h = f(a["x"], a["residual"], a["weight"])

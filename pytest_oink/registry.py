@@ -65,6 +65,21 @@ def needs_cuda(device):
 PARAMS = ("weight", "bias", "scale", "q_weight", "k_weight", "cos_sin_cache")
 
 
+def torch_compile(fn):
+    """``torch.compile(fn)``, torch's own deprecation warnings of Inductor's first import muted: Inductor imports
+    torch.utils.mkldnn, whose ScriptModules use ``torch.jit.script_method``, which torch deprecates (14
+    warnings in a session's summary, none of them of our code or the user's). Only that message, only there."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`torch.jit.script_method` is deprecated",
+                                category=DeprecationWarning)
+        import torch._inductor.compile_fx  # noqa: F401  (what torch.compile imports first: its warnings here)
+    return torch.compile(fn)
+
+
 def compiled(fn, *first):
     """torch.compile of ``fn(*first, args)`` with the rows dimension marked dynamic on first sight (torch's
     ``maybe_mark_dynamic``: Inductor may still specialize it): one compile serves every M, as the
@@ -72,7 +87,7 @@ def compiled(fn, *first):
     static kernel first. N stays static."""
     import torch
 
-    fn_compiled = torch.compile(fn)
+    fn_compiled = torch_compile(fn)
     mark = torch._dynamo.maybe_mark_dynamic
 
     def run(a):

@@ -90,7 +90,8 @@ def verdict_for(config, row):
     from .timing import median, relative_spread
     from .verdicts import judge
 
-    return lambda samples: judge(samples, median(samples), relative_spread(samples), entry, threshold)
+    return lambda samples: judge(samples, median(samples), relative_spread(samples), entry, threshold,
+                                 report.cpu_rounds(row))
 
 
 def judge(session) -> None:

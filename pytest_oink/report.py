@@ -376,7 +376,14 @@ def what_was_timed(method: str | None) -> str | None:
         return None
     if method == "eager-calls":
         return "host-eager"
+    if method == "cpu-one-thread":  # rounds of one-thread calls (timing.time_cpu): not comparable with older CPU rows
+        return "cpu-one-thread"
     return "cpu" if method.startswith("cpu") else "kernel"
+
+
+def cpu_rounds(r) -> bool:
+    """Whether the row's samples are rounds of timing.time_cpu (the gate judges them round by round)."""
+    return r.method == "cpu-one-thread"
 
 
 class NotResults(ValueError):
@@ -489,8 +496,8 @@ def regressions(rows, baseline: dict, max_regression: float, providers=("oink",)
                                   f"{e.mode or '?'}; this row of suite {r.suite}, timed {what_was_timed(r.method)}, "
                                   f"mode {r.mode})")
             continue
-        verdict = held_down(judge(r.samples, r.median_s, r.spread, entry, max_regression), r.throttled,
-                            entry.throttled)
+        verdict = held_down(judge(r.samples, r.median_s, r.spread, entry, max_regression, cpu_rounds(r)),
+                            r.throttled, entry.throttled)
         head = f"{row_title(r)}: {verdict.describe(max_regression)}"
         retimed = f"; re-timed {r.retimes}x" if r.retimes else ""
         old_median = r.median_s / verdict.ratio  # the baseline's median the verdict used (of its samples, if any)

@@ -8,7 +8,9 @@ describe our GPU times instead of host wall time.
 """
 from __future__ import annotations
 
+import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from oink.measure.timer import (GraphTiming, Rotation, copies_for_cold_cache, median,  # noqa: F401  (re-exported for the plugin's modules and tests)
@@ -37,6 +39,57 @@ def time_host(fn, rotation, repeats: int = 10, warmup: int = 2, clock=time.perf_
             sync()
         samples.append(clock() - t0)
     return samples
+
+
+@contextmanager
+def one_cpu_thread(device):
+    """torch's CPU ops on one intra-op thread while a CPU row runs (``device`` a CPU; else nothing
+    changes). Each parallel region of a 2-thread op waits at its barrier for a thread that a loaded
+    CPU has descheduled: 64x1024 rows took 30-140 ms a call instead of 0.1 ms, by the scheduler's
+    whim, so two runs of the same code compared as x500 apart."""
+    if getattr(device, "type", device) != "cpu":
+        yield
+        return
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+CPU_METHOD = "cpu-one-thread"  # rows' method: report.what_was_timed keeps them apart from the multi-threaded ones
+CPU_SAMPLES = 15  # samples a round on the CPU
+CPU_SAMPLE_S = 2e-3  # about this long a sample: its calls' fastest is kept
+CPU_CALLS = (2, 64)  # calls a sample, at least and at most
+
+
+def time_cpu(fn, rotation, samples: int = CPU_SAMPLES, sample_s: float = CPU_SAMPLE_S, clock=time.perf_counter):
+    """Per-call seconds on the CPU: each sample the fastest of k calls in a row, k (a power of two,
+    the same for the same code) such that a sample takes about ``sample_s``. A scheduler stall (a
+    loaded CPU deschedules the process for ms) lands in one call: a sample is stalled only if all
+    its k calls were, where one-call samples taken within one stall read as a tight, wrong time."""
+    fn(rotation())  # warm-up
+    probe = float("inf")
+    for _ in range(3):  # the fastest of 3: k from a stalled probe would differ between two runs of the same code
+        args = rotation()
+        t0 = clock()
+        fn(args)
+        probe = min(probe, clock() - t0)
+    want = sample_s / max(probe, 1e-9)
+    calls = max(CPU_CALLS[0], min(CPU_CALLS[1], 2 ** int(math.log2(want)) if want >= 1 else 1))
+    out = []
+    for _ in range(samples):
+        best = float("inf")
+        for _ in range(calls):
+            args = rotation()
+            t0 = clock()
+            fn(args)
+            best = min(best, clock() - t0)
+        out.append(best)
+    return out
 
 
 def time_eager_calls(fn, args, calls: int = 400, repeats: int = 5, sync=None):

@@ -93,10 +93,51 @@ def from_spread(new_median: float, new_spread: float | None, old_median: float, 
     return Verdict(name, ratio, None, floor)
 
 
-def judge(new_samples, new_median: float, new_spread: float | None, entry, threshold: float) -> Verdict:
+# The same code timed on a CPU in two processes (an --oink-against worker and this session) on a loaded 2-core
+# machine was up to x1.67 apart over 2 rounds each, every round alike, either way (allocator, cache and core
+# state of each process), and x0.50 in one round: a CPU row is SLOWER (FASTER) only beyond twice (half) the
+# other's time, whatever the threshold, and only where every round of this run is, against every round of the other.
+CPU_FLOOR = 1.0
+CPU_ROUNDS = 2  # this run's rounds at least before a CPU row's verdict (one round's range is no interval)
+
+
+def rounds_of(samples, size: int) -> list:
+    """The medians of ``samples``' rounds, ``size`` samples each (a CPU row's rounds are timing.CPU_SAMPLES long)."""
+    return [median(samples[i:i + size]) for i in range(0, len(samples) - size + 1, size)]
+
+
+def from_cpu_rounds(new, old, threshold: float) -> Verdict:
+    """A CPU row (timing.time_cpu's rounds): the interval is the range of every round of this run over every
+    round of the other, the samples within a round being alike but not the rounds (the machine's load moves
+    between them). SLOWER beyond 1 + max(threshold, CPU_FLOOR), FASTER below min(1 - threshold, 1 / (1 +
+    CPU_FLOOR)), SAME within the threshold, each with this run's CPU_ROUNDS rounds at least; else UNSURE."""
+    from .timing import CPU_SAMPLES
+
+    mine, theirs = rounds_of(list(new), CPU_SAMPLES), rounds_of(list(old), CPU_SAMPLES)
+    if not mine or not theirs:  # fewer samples than a round: not timed by time_cpu
+        return from_samples(new, old, threshold)
+    ratios = [a / b for a in mine for b in theirs]
+    low, high, ratio = min(ratios), max(ratios), median(new) / median(old)
+    enough = len(mine) >= CPU_ROUNDS
+    if enough and low > 1 + max(threshold, CPU_FLOOR):
+        name = "SLOWER"
+    elif enough and high < min(1 - threshold, 1 / (1 + CPU_FLOOR)):
+        name = "FASTER"
+    elif enough and low >= 1 - threshold and high <= 1 + threshold:
+        name = "SAME"
+    else:
+        name = "UNSURE"
+    note = f"CPU: {len(mine)} x {len(theirs)} rounds' range, a change beyond {CPU_FLOOR:.0%} only"
+    return Verdict(name, ratio, (low, high), CPU_FLOOR, note)
+
+
+def judge(new_samples, new_median: float, new_spread: float | None, entry, threshold: float,
+          cpu: bool = False) -> Verdict:
     """A row against its baseline entry (report.BaselineEntry): from samples where both sides kept
-    enough, else by the spread rule."""
+    enough (a CPU row's, ``cpu``, round by round), else by the spread rule."""
     if usable(new_samples) and usable(entry.samples):
+        if cpu:
+            return from_cpu_rounds(new_samples, entry.samples, threshold)
         return from_samples(new_samples, entry.samples, threshold)
     if usable(new_samples):
         new_median, new_spread = median(new_samples), relative_spread(new_samples)

@@ -249,7 +249,6 @@ def test_regression_gate_refuses_to_compare_nothing(smoke_run, tmp_path):
     (("--oink-max-regression=-5%",), "*can't be negative*"),
     (("--oink-baseline=/nonexistent/base.json",), "*--oink-baseline=/nonexistent/base.json: not a readable*"),
     (("--oink-providers=nope",), "*--oink-providers: unknown *nope*known: oink*"),
-    (("--oink-gate-providers=nope",), "*--oink-gate-providers: unknown *nope*"),
     (("--oink-dtype=nope",), "*--oink-dtype='nope': expected one of bfloat16, float16, float32*"),
     (("--oink-providers=quack", "--oink-ops=mxfp4_quantize"), "*no (op, provider) pair selected*"),
 ])

@@ -12,6 +12,7 @@ import pytest
 from pytest_oink import clocks, report, verdicts
 from pytest_oink.clocks import Reading
 from pytest_oink.state import STATE
+from pytest_oink.timing import CPU_SAMPLES
 from tests.helpers import BENCH, ONE_ROW, PLUGIN
 from tests.helpers import _plugin_runs_see_no_gpu  # noqa: F401  (autouse: plugin runs see no GPU)
 
@@ -191,7 +192,7 @@ def test_a_throttled_row_is_retimed_once_then_marked(pytester, tmp_path):
     assert res.ret == 0, res.stdout.str()[-2000:]
     bench, = json.loads((tmp_path / "o.json").read_text())["benchmarks"]
     info = bench["extra_info"]
-    assert info["throttled"] is True and len(info["samples"]) == 5  # the first round's samples dropped
+    assert info["throttled"] is True and len(info["samples"]) == CPU_SAMPLES  # the first round's samples dropped
     assert info["clocks"] == {"sm_mhz": [900, 900], "reference_mhz": 1980, "reasons": ["software power cap"],
                               "throttled_by": ["SM clock 900 MHz under 75% of 1980 MHz", "software power cap"],
                               "retimed": True}
@@ -208,7 +209,7 @@ def test_a_row_held_down_in_its_first_round_only_is_retimed_and_kept(pytester, t
     res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-json={tmp_path / 'o.json'}", *PLUGIN)
     assert res.ret == 0, res.stdout.str()[-2000:]
     info = json.loads((tmp_path / "o.json").read_text())["benchmarks"][0]["extra_info"]
-    assert info["throttled"] is False and len(info["samples"]) == 5
+    assert info["throttled"] is False and len(info["samples"]) == CPU_SAMPLES
     assert info["clocks"]["sm_mhz"] == [1980, 1980] and info["clocks"]["retimed"] is True
     res.stdout.fnmatch_lines(["*clocks: 0 of 1 rows throttled*; 1 re-timed once for it"])
 
@@ -217,7 +218,7 @@ def test_the_gate_reads_a_throttled_slower_row_as_unsure(pytester, tmp_path):
     pytester.makepyfile(BENCH)
     base = tmp_path / "fast.json"  # a baseline 10^6 x faster: the row is SLOWER unless throttled
     base.write_text(json.dumps({"rows": [{"suite": "smoke", "op": "softmax_forward", "provider": "torch", "M": 4,
-                                          "N": 128, "dtype": "bfloat16", "method": "cpu-perf_counter",
+                                          "N": 128, "dtype": "bfloat16", "method": "cpu-one-thread",
                                           "median_s": 1e-12, "samples": [1e-12 * (1 + i / 100) for i in range(6)]}]}))
     pytester.makeconftest(_conftest("always"))
     res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={base}", *PLUGIN)

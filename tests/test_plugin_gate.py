@@ -17,7 +17,7 @@ from tests.helpers import _plugin_runs_see_no_gpu  # noqa: E402,F401  (autouse: 
 def _baseline(path, **row):
     """Our rows JSON with one row (a softmax_forward 4x128 torch row of the smoke suite unless told)."""
     base = {"suite": "smoke", "op": "softmax_forward", "provider": "torch", "M": 4, "N": 128, "dtype": "bfloat16",
-            "median_s": 1.0, "method": "cpu-perf_counter"}
+            "median_s": 1.0, "method": "cpu-one-thread"}
     path.write_text(json.dumps({"rows": [dict(base, **row)]}))
     return path
 
@@ -87,7 +87,7 @@ def test_gpu_suite_on_a_cpu_runner_says_why_and_writes_valid_files(pytester, tmp
 def _benchmark_baseline(path, machine_info):
     """pytest-benchmark's JSON with one benchmark (the ONE_ROW row, 1 s) measured on ``machine_info``."""
     info = {"suite": "smoke", "op": "softmax_forward", "provider": "torch", "M": 4, "N": 128, "dtype": "bfloat16",
-            "method": "cpu-perf_counter"}
+            "method": "cpu-one-thread"}
     bench = {"name": "test_benchmark[softmax_forward-4x128-bfloat16-torch]", "stats": {"median": 1.0},
              "extra_info": info}
     path.write_text(json.dumps({"machine_info": machine_info, "benchmarks": [bench]}))
@@ -181,3 +181,27 @@ def test_gate_preconditions_are_checked_before_any_row_runs(pytester, tmp_path):
                               "with --oink-gate-cpu*"])
     res = pytester.runpytest_subprocess("--collect-only", *ONE_ROW, f"--oink-baseline={ok}", *PLUGIN)
     assert res.ret == 0, res.stderr.str()  # a baseline of the selected row: collected, no refusal
+
+
+OWN_KERNEL = '''
+import torch
+from pytest_oink import OpSpec
+
+SPEC = OpSpec("softmax", lambda M, N, dtype, device, gen: {"x": torch.randn(M, N, generator=gen).to(dtype)},
+              lambda a: (a["x"].float().relu().to(a["x"].dtype),), lambda M, N, e: 2 * M * N * e)
+
+def test_relu(oink_measure):
+    oink_measure(SPEC, lambda a: (a["x"].relu(),), 4, 128, name="relu")
+'''
+
+
+def test_a_users_own_kernel_rows_are_gated_under_their_provider_name(pytester, tmp_path):
+    """oink_measure's rows are of provider "mine" unless named: --oink-gate-providers=mine gates them
+    (it was refused as an unknown provider: only the registry's names were accepted)."""
+    pytester.makepyfile(OWN_KERNEL)
+    res = pytester.runpytest_subprocess(f"--oink-json={tmp_path / 'base.json'}", *PLUGIN)
+    assert res.ret == 0, res.stdout.str()[-2000:]
+    res = pytester.runpytest_subprocess(f"--oink-baseline={tmp_path / 'base.json'}", "--oink-gate-cpu",
+                                        "--oink-gate-providers=mine", *PLUGIN)
+    assert res.ret == 0, res.stdout.str()[-2000:] + res.stderr.str()[-2000:]
+    res.stdout.fnmatch_lines(["*oink regression gate*", "relu 4x128 bfloat16 mine: *"])

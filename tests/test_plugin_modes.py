@@ -54,7 +54,7 @@ def test_mode_is_recorded_and_other_modes_are_not_compared(pytester, tmp_path):
                f"--benchmark-json={tmp_path / 'b.json'}", f"--oink-summary={tmp_path / 's.md'}")
     res = pytester.runpytest_subprocess(*ONE_ROW, "--oink-timing=hot", *outputs, *PLUGIN)
     assert res.ret == 0, res.stdout.str()[-2000:]
-    res.stdout.fnmatch_lines(["*softmax_forward 4x128 bfloat16 torch*(cpu-perf_counter, hot)*",
+    res.stdout.fnmatch_lines(["*softmax_forward 4x128 bfloat16 torch*(cpu-one-thread, hot)*",
                               f"[[]oink[]] timing: {modes.describe({'hot'}, {'cpu'})}"])
     assert [r["mode"] for r in csv.DictReader(open(tmp_path / "r.csv"))] == ["hot"]
     for name in ("o.json", "b.json"):
@@ -72,7 +72,7 @@ def test_mode_is_recorded_and_other_modes_are_not_compared(pytester, tmp_path):
     # a file from before modes were recorded was timed cold: compared with cold rows only
     old = tmp_path / "old.json"
     row = {"suite": "smoke", "op": "softmax_forward", "provider": "torch", "M": 4, "N": 128, "dtype": "bfloat16",
-           "median_s": 1.0, "method": "cpu-perf_counter"}
+           "median_s": 1.0, "method": "cpu-one-thread"}
     old.write_text(json.dumps({"rows": [row]}))
     res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={old}", *PLUGIN)
     assert res.ret == 0 and "softmax_forward 4x128 bfloat16 torch: FASTER" in res.stdout.str()

@@ -102,3 +102,18 @@ def test_own_kernel_mistakes_are_told_plainly():
     assert gate(spec, lambda a: torch.softmax(a["x"], -1), case, torch.float32, cpu)["passed"]
     bare_ref = _softmax_spec(reference=lambda a: torch.softmax(a["x"], -1))
     assert gate(bare_ref, lambda a: (torch.softmax(a["x"], -1),), case, torch.float32, cpu)["passed"]
+
+
+def test_torch_compile_rows_bring_no_torch_jit_deprecation_warnings():
+    """torch.compile's first import of Inductor imports torch.utils.mkldnn, whose ScriptModules use the
+    deprecated torch.jit.script_method (torch's own code): 14 warnings in every session's summary before."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import warnings\nwith warnings.catch_warnings(record=True) as seen:\n    warnings.simplefilter('always')\n"
+            "    from pytest_oink.registry import compiled\n    compiled(lambda a: a)\n"
+            "print([str(w.message) for w in seen if 'torch.jit' in str(w.message)])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:] + out.stderr[-2000:]

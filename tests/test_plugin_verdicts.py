@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pytest_oink import report, verdicts
-from pytest_oink.timing import median
+from pytest_oink.timing import CPU_SAMPLES, median
 
 from tests.helpers import BENCH, ONE_ROW, PLUGIN  # the plugin runs' bench file and one gated CPU row
 
@@ -132,14 +132,16 @@ def test_runs_keep_samples_and_fail_on_slower_only(pytester, tmp_path):
     data = json.loads((tmp_path / "b.json").read_text())
     for path in ("b.json", "o.json"):  # pytest-benchmark's own file and ours both keep the samples
         bench, = json.loads((tmp_path / path).read_text())["benchmarks"]
-        assert len(bench["extra_info"]["samples"]) == bench["stats"]["rounds"] == 5
+        assert len(bench["extra_info"]["samples"]) == bench["stats"]["rounds"] == CPU_SAMPLES
     slow = tmp_path / "slow.json"
     slow.write_text(json.dumps(_scaled(data, 1e-6)))
     res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={slow}", *PLUGIN)
     assert res.ret == pytest.ExitCode.TESTS_FAILED
     slower = "softmax_forward 4x128 bfloat16 torch: SLOWER, x* [[]*, *[]]"
-    res.stdout.fnmatch_lines([f"*{slower} (* ms -> * ms, 5 -> 5 samples)",
-                              f"SLOWER beyond 5% (fails the session): {slower}"])
+    # a CPU row is SLOWER after two rounds of this run (verdicts.from_cpu_rounds)
+    res.stdout.fnmatch_lines([f"*{slower} (CPU: 2 x 1 rounds*) (* ms -> * ms, {CPU_SAMPLES} -> {2 * CPU_SAMPLES} "
+                              "samples; re-timed 1x)",
+                              f"SLOWER beyond 5% (fails the session): {slower} (CPU: 2 x 1 rounds*)"])
     fast = tmp_path / "fast.json"
     fast.write_text(json.dumps(_scaled(data, 1e6)))
     res = pytester.runpytest_subprocess(*ONE_ROW, f"--oink-baseline={fast}", *PLUGIN)
@@ -161,8 +163,84 @@ def test_unsure_row_is_retimed_then_passes(pytester, tmp_path):
                                         *PLUGIN)
     assert res.ret == 0, res.stdout.str()[-2000:]
     rounds = 1 + verdicts.RETIME_ROUNDS
-    res.stdout.fnmatch_lines([f"*softmax_forward 4x128 bfloat16 torch: UNSURE, x* (*6 -> {5 * rounds} samples; "
-                              f"re-timed {verdicts.RETIME_ROUNDS}x)",
+    res.stdout.fnmatch_lines([f"*softmax_forward 4x128 bfloat16 torch: UNSURE, x* (*6 -> {CPU_SAMPLES * rounds} "
+                              f"samples; re-timed {verdicts.RETIME_ROUNDS}x)",
                               "UNSURE after re-timing (passes*): softmax_forward 4x128 bfloat16 torch: UNSURE*"])
     bench, = json.loads((tmp_path / "o.json").read_text())["benchmarks"]
-    assert len(bench["extra_info"]["samples"]) == bench["stats"]["rounds"] == 5 * rounds
+    assert len(bench["extra_info"]["samples"]) == bench["stats"]["rounds"] == CPU_SAMPLES * rounds
+
+
+def _busy(seconds):
+    import time
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        pass
+
+
+def _cpu_row_timer(run):
+    """(samples, time_once) of a CPU row of ``run`` by the plugin's own timer (bench_runner.row_timer)."""
+    import torch
+
+    from pytest_oink import bench_runner
+    from pytest_oink.providers import OpSpec
+    from pytest_oink.suites import Case
+
+    spec = OpSpec("default", lambda M, N, dtype, device, gen: {"x": torch.zeros(M, N, dtype=dtype)},
+                  lambda a: (a["x"],), lambda M, N, e: 0)
+    case = Case("custom", "busy", 4, 8, "float32")
+    row = report.Row(suite="custom", op="busy", provider="mine", M=4, N=8, dtype="float32", device="cpu",
+                     status="ok", mode="cold")
+    return bench_runner.row_timer(case, run, spec, torch.float32, torch.device("cpu"), row)
+
+
+def test_a_scheduler_stall_over_a_cpu_round_is_no_regression():
+    """A loaded CPU deschedules the timing process for ms at a time: here 5 calls in a row stall 4 ms
+    (those a 5-sample round of one call each timed, as a 2-thread op's barriers did every call), the others
+    take 50 us. The same code timed clean is the baseline: the stalled run must not read SLOWER, and a
+    row's calls run on one torch thread."""
+    import torch
+
+    calls, threads = [], set()
+
+    def stalled(a):
+        calls.append(1)
+        threads.add(torch.get_num_threads())
+        _busy(4e-3 if 2 <= len(calls) <= 6 else 5e-5)
+
+    def clean(a):
+        _busy(5e-5)
+
+    base_first, base_more = _cpu_row_timer(clean)
+    base = base_first + base_more()
+    samples, time_once = _cpu_row_timer(stalled)
+    samples += time_once()
+    entry = report.BaselineEntry(median(base), 0.0, samples=tuple(base))
+    verdict = verdicts.judge(samples, median(samples), 0.0, entry, 0.05, cpu=True)
+    assert verdict.name != "SLOWER" and median(samples) < 2 * median(base), (verdict, samples)
+    assert threads == {1}
+
+
+@pytest.mark.parametrize("mine, theirs, rounds, expected", [
+    ((1.0, 1.0), (1.0, 1.0), 2, "SAME"),
+    ((1.0,), (1.0,), 1, "UNSURE"),  # one round of this run: no interval yet (the gate re-times it)
+    ((1.67, 1.6), (1.0, 1.0), 2, "UNSURE"),  # the same code in two processes (seen): within the CPU floor
+    ((1.0, 1.1), (1.0, 1.0), 2, "UNSURE"),  # rounds disagree: neither within nor beyond the threshold
+    ((3.0, 3.0), (1.0, 1.0), 2, "SLOWER"),  # beyond x2 in every round
+    ((3.0,), (1.0, 1.0), 1, "UNSURE"),  # ... but once only
+    ((3.0, 1.0), (1.0, 1.0), 2, "UNSURE"),  # ... or not in every round
+    ((0.3, 0.3), (1.0,), 2, "FASTER"),
+])
+def test_cpu_rows_are_judged_round_by_round(mine, theirs, rounds, expected):
+    """Each round's samples are alike (tight) but the rounds are not: the bootstrap of all samples took a
+    process's steady x1.6 for a regression; the CPU rule takes the range of the rounds' medians and a floor."""
+    from pytest_oink.timing import CPU_SAMPLES
+
+    def rounds_of(levels, seed):
+        return [x for i, level in enumerate(levels) for x in _samples(1e-4 * level, 0.002, CPU_SAMPLES, seed + i)]
+
+    new, old = rounds_of(mine, 1), rounds_of(theirs, 50)
+    entry = report.BaselineEntry(median(old), 0.0, samples=tuple(old))
+    assert verdicts.judge(new, median(new), 0.0, entry, 0.05, cpu=True).name == expected
+    if mine == (1.67, 1.6):
+        assert verdicts.judge(new, median(new), 0.0, entry, 0.05).name == "SLOWER"  # the GPU rule: not for CPU rows
