@@ -27,6 +27,7 @@ def merge(config) -> int:
     """``--oink-merge``: rows of several runs' CSVs into one set of reports; no tests run. A row
     measured in two files (same op, provider, shape, dtype) keeps the later file's and is named."""
     from . import plots, report
+    from .outputs import gated_given
 
     merged, repeated = {}, []
     for path in options.split_list(options.get(config, "--oink-merge")):
@@ -45,7 +46,7 @@ def merge(config) -> int:
         written.append(options.get(config, "--oink-csv"))
     if options.get(config, "--oink-summary"):
         with open(options.get(config, "--oink-summary"), "w") as f:
-            f.write(report.summary_markdown(rows))
+            f.write(report.summary_markdown(rows, gated=gated_given(config)))
         written.append(options.get(config, "--oink-summary"))
     if options.get(config, "--oink-svg"):
         written += plots.write_svg(rows, options.get(config, "--oink-svg"))

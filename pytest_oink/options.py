@@ -76,7 +76,8 @@ def add_options(parser) -> None:
         else:
             shown = f"; default {default}" if default else ""
             group.addoption(flag, default=None, help=f"{help_} (ini: {ini}{shown})".replace("%", "%%"))
-            parser.addini(ini, help_, default=default)
+            # no ini default: ``get`` applies it, and ``given`` tells a value set apart from the default
+            parser.addini(ini, f"{help_} (default {default})" if default else help_, default=None)
 
 
 def get(config, flag: str):
@@ -88,6 +89,12 @@ def get(config, flag: str):
                 value = config.getini(ini)
             return default if value in (None, "") else value
     raise KeyError(flag)
+
+
+def given(config, flag: str):
+    """The option's value where the command line or the ini names it, else None (its default not taken)."""
+    ini = next(ini for f, ini, *_ in OPTIONS if f == flag)
+    return config.getoption(flag.lstrip("-").replace("-", "_")) or config.getini(ini) or None
 
 
 def parse_percent(text: str, flag: str = "--oink-max-regression") -> float:

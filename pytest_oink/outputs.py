@@ -65,6 +65,11 @@ def _gate_section(config) -> list[str]:
                                 state.get("nothing_compared", ""))
 
 
+def gated_given(config):
+    """The providers --oink-gate-providers names where given: the summary's "ours" (else Oink's and a user's own)."""
+    return options.split_list(options.given(config, "--oink-gate-providers"))
+
+
 def write_outputs(config, rows, notes=()) -> None:
     """Every output asked for; ``notes`` end the Markdown summary (why there are no rows, the
     baseline's machine and this one)."""
@@ -79,7 +84,7 @@ def write_outputs(config, rows, notes=()) -> None:
     summary = options.get(config, "--oink-summary")
     if summary:
         with open(summary, "w") as f:
-            f.write(report.summary_markdown(rows, roof) + "\n".join(_gate_section(config))
+            f.write(report.summary_markdown(rows, roof, gated_given(config)) + "\n".join(_gate_section(config))
                     + "".join(f"\n{note}\n" for note in notes))
         state["written"].append(summary)
     svg_dir = options.get(config, "--oink-svg")

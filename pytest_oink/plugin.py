@@ -35,6 +35,11 @@ def pytest_configure(config):
         if threshold is not None and not baseline and not options.get(config, "--oink-against"):
             raise ValueError(f"--oink-max-regression={threshold}: the regression gate runs only against a baseline: "
                              "give --oink-baseline=FILE (or --oink-against=REF)")
+        from .regression import stray_gate_providers
+
+        stray = stray_gate_providers(config)  # a misspelt gate provider: said before any row runs
+        if stray:
+            raise ValueError(stray)
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
     if baseline:  # read now: a bad file must not cost a whole benchmark run

@@ -20,7 +20,7 @@ from oink.measure.gate import GATE_VIEWS, OpSpec, Unavailable, spec_of
 from oink.measure.gate import reference_module as _R
 
 from . import peers, training
-from .registry import EPS, LABELS, PROVIDERS, provider
+from .registry import ALL_PROVIDERS, EPS, LABELS, PROVIDERS, provider
 from .registry import compiled as _compiled
 from .registry import torch_compile
 
@@ -105,10 +105,6 @@ def _compiled_out_of_place_with_copies():
 
     run.label = "on CPU: compiled out of place + 2 copies"  # this device's rows only (see run_case)
     return run
-
-
-ALL_PROVIDERS = ("oink", "oink-unfused", "quack", "liger", "flashinfer", "flashinfer-cuda", "vllm", "torch",
-                 "torch.compile")
 
 
 def providers_for(op: str, wanted=None) -> list[str]:

@@ -13,6 +13,9 @@ from oink.measure.gate import Unavailable
 
 PROVIDERS: dict[tuple[str, str], Callable] = {}
 LABELS: dict[tuple[str, str], str] = {}  # (op, provider) -> note shown in reports
+# every provider the plugin registers, in the order listings name them (a user's oink_measure rows may name others)
+ALL_PROVIDERS = ("oink", "oink-unfused", "quack", "liger", "flashinfer", "flashinfer-cuda", "vllm", "torch",
+                 "torch.compile")
 EPS = 1e-6  # the bench entries' eps (oink/reference/bench.py), which the peers' calls pass
 
 

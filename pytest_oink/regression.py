@@ -62,12 +62,31 @@ def refusal(config) -> str | None:
         if not gate_cpu:
             return nothing + "there is no GPU here, and CPU rows are gated only with --oink-gate-cpu"
     gated = [(c, p) for c, p in pairs if p in providers]
-    if not gated:
+    if not gated:  # the default's (oink) only: a provider given is of some row (stray_gate_providers)
         return nothing + f"no selected row is of the gated providers ({', '.join(providers)}: --oink-gate-providers)"
     if not any((c.op, p, c.M, c.N, c.dtype) in baseline for c, p in gated):
         return nothing + (f"none of the {len(gated)} gated rows selected (op, provider, shape, dtype) has an entry in "
                           "it")
     return None
+
+
+def stray_gate_providers(config) -> str | None:
+    """Why the --oink-gate-providers given don't fit the suite's selection: one that none of its rows is of (a
+    misspelt name would gate fewer rows than asked, or none, found out only after the run). None where each is of
+    some row, where none is given (the default's mismatch: ``refusal``), where no gate runs, or without a suite
+    (a test's own oink_measure rows name their providers as they run)."""
+    pairs, value = config.stash.get(CASES, None), options.given(config, "--oink-gate-providers")
+    if pairs is None or not value or not (options.get(config, "--oink-baseline")
+                                          or options.get(config, "--oink-against")):
+        return None
+    from .registry import ALL_PROVIDERS
+
+    theirs = sorted({p for _, p in pairs}, key=lambda p: ALL_PROVIDERS.index(p) if p in ALL_PROVIDERS else 99)
+    stray = [p for p in options.split_list(value) or [] if p not in theirs]
+    if not stray:
+        return None
+    return (f"--oink-gate-providers={value}: {', '.join(map(repr, stray))} is no provider of this "
+            f"session's rows (theirs: {', '.join(theirs)}; known providers: {', '.join(ALL_PROVIDERS)})")
 
 
 def gate_settings(config) -> tuple:

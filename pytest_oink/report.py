@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
+from .comparisons import best_peer_table, geomean, memory_ratios, ours, speedups
 from .modes import DEFAULT, of_method
 from .modes import describe as describe_modes
 from .suites import row_title
@@ -138,11 +138,6 @@ def read_csv(path) -> list:
     return rows
 
 
-def geomean(values):
-    vals = [v for v in values if v and v > 0]
-    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
-
-
 def write_csv(rows, path, append: bool = False) -> None:
     """All ``rows`` to ``path``; with ``append``, added to it (the header only if the file is new),
     so an interrupted run keeps the rows it measured."""
@@ -154,31 +149,6 @@ def write_csv(rows, path, append: bool = False) -> None:
             w.writeheader()
         for r in rows:
             w.writerow(r.csv_row())
-
-
-def speedups(rows):
-    """{op: {peer: [oink speedup per shape]}} over rows where both are ok, off the CPU (a CPU's rows are
-    reference timings: CPU_ROWS)."""
-    by_key = {r.key: r for r in rows if r.status == "ok" and r.median_s and r.device != "cpu"}
-    out: dict = {}
-    for (op, prov, M, N, dt), r in by_key.items():
-        if prov == "oink":
-            continue
-        mine = by_key.get((op, "oink", M, N, dt))
-        if mine:
-            out.setdefault(op, {}).setdefault(prov, []).append(r.median_s / mine.median_s)
-    return out
-
-
-def memory_ratios(rows) -> dict:
-    """{provider: [Oink's peak memory / its, per shape]} over shapes where both measured one."""
-    peak = {r.key: r.peak_mem_bytes for r in rows if r.status == "ok" and r.peak_mem_bytes}
-    out: dict = {}
-    for (op, prov, M, N, dt), b in peak.items():
-        mine = peak.get((op, "oink", M, N, dt))
-        if prov != "oink" and mine:
-            out.setdefault(prov, []).append(mine / b)
-    return out
 
 
 def time_by_provider(rows) -> str:
@@ -193,53 +163,13 @@ def time_by_provider(rows) -> str:
     return "; ".join(parts)
 
 
-NOT_PEERS = ("oink", "oink-unfused", "torch")  # Oink itself, and the eager reference no one compares with
-BIG_BYTES = 256 * 2**20  # shapes moving this much are held to the copy ceiling
-
-
-def best_peer_table(rows) -> list[str]:
-    """Per op: Oink's time over the fastest peer's (every provider but NOT_PEERS, gate passed) per
-    shape, as a geomean with the worst shape and how many exceed 1.05; the shapes no peer ran (a
-    refusal is not a win: counted apart); and the shapes moving >= 256 MB under 0.92 of the copy
-    ceiling. Lines of Markdown, [] without Oink rows of a GPU (a CPU's are reference timings: CPU_ROWS)."""
-    ok = [r for r in rows if r.status == "ok" and r.median_s and r.device != "cpu"]
-    lines = []
-    for op in sorted({r.op for r in ok if r.provider == "oink"}):
-        ratios, alone, slow_big, big = [], 0, [], 0
-        for o in (r for r in ok if r.op == op and r.provider == "oink"):
-            peers = [r for r in ok if r.key[0] == op and r.key[2:] == o.key[2:] and r.provider not in NOT_PEERS]
-            if peers:
-                best = min(peers, key=lambda r: r.median_s)
-                ratios.append((o.median_s / best.median_s, f"{o.M}x{o.N} vs {best.provider}"))
-            else:
-                alone += 1
-            if o.bytes >= BIG_BYTES:
-                big += 1
-                if o.roofline_frac is not None and o.roofline_frac < 0.92:
-                    slow_big.append(f"{o.M}x{o.N} {o.roofline_frac:.2f}")
-        if ratios:
-            worst = max(ratios)
-            over = sum(1 for r, _ in ratios if r > 1.05)
-            verdict = f"{geomean([r for r, _ in ratios]):.3f} | {worst[0]:.3f} ({worst[1]}) | {over}"
-        else:
-            verdict = "- | - | -"
-        lines.append(f"| {op} | {len(ratios)} | {verdict} | {alone} | {big} | {', '.join(slow_big) or '-'} |")
-    if not lines:
-        return []
-    return ["## Oink against the best peer", "",
-            "Oink's time / the fastest peer's per shape (< 1: Oink faster; peers: every provider but "
-            f"{', '.join(NOT_PEERS)}); shapes moving >= 256 MB below 0.92 of the copy ceiling listed.", "",
-            "| op | shapes with a peer | geomean | worst shape | shapes > 1.05 | shapes no peer ran | shapes >= 256 MB "
-            "| of them < 0.92 of copy |", "|---|---|---|---|---|---|---|---|"] + lines + [""]
-
-
 # methods that time a call from the host's side of it (its host work and launch gaps inside the time), where
 # a graph replay times the GPU's work alone
 UNREPLAYED = {"cuda-events": "CUDA events around each call (its capture failed)",
               "capped-synced-perf_counter": "a synced host timer (capped: far slower than the fastest row)"}
 
 
-def invariance_table(rows) -> list[str]:
+def invariance_table(rows, mine=("oink",)) -> list[str]:
     """Which providers held batch invariance on this run (``--oink-batch-invariance``), per op: a provider's
     widths that held out of those checked, and the widths where it broke."""
     checked = [r for r in rows if r.batch_invariant is not None]
@@ -252,7 +182,7 @@ def invariance_table(rows) -> list[str]:
     seen: dict = {}
     for r in checked:
         seen.setdefault((r.op, r.provider), {})[(r.N, r.dtype)] = r.batch_invariant
-    for (op, prov), by_n in sorted(seen.items(), key=lambda kv: (kv[0][0], kv[0][1] != "oink", kv[0][1])):
+    for (op, prov), by_n in sorted(seen.items(), key=lambda kv: (kv[0][0], kv[0][1] not in mine, kv[0][1])):
         broke = sorted(n for (n, _), held in by_n.items() if not held)
         lines.append(f"| {op} | {prov} | {len(by_n) - len(broke)} of {len(by_n)} | "
                      f"{', '.join(map(str, broke)) or '-'} |")
@@ -283,7 +213,10 @@ CPU_ROWS = ("These are reference timings on a CPU, not kernel numbers: with no G
             "timer, so no provider is compared with another here.")
 
 
-def summary_markdown(rows, roofline=None) -> str:
+def summary_markdown(rows, roofline=None, gated=None) -> str:
+    """The Markdown summary of ``rows``; ``gated``: the --oink-gate-providers given, whose rows are ours (ours:
+    comparisons.ours), set against the others' (peers, speedups, TB/s and roofline columns)."""
+    mine = ours(rows, gated)
     lines = ["# Oink benchmark summary", ""]
     runs = sorted({(r.suite, r.seed) for r in rows}, key=str)
     if runs:  # which suite (and a random suite's seed) the rows are from
@@ -309,28 +242,30 @@ def summary_markdown(rows, roofline=None) -> str:
     spent = time_by_provider(rows)
     if spent:
         lines += [f"Session time by provider: {spent}.", ""]
-    lines += best_peer_table(rows)
-    lines += invariance_table(rows)
-    sp = speedups(rows)
+    lines += best_peer_table(rows, mine)
+    lines += invariance_table(rows, mine)
+    sp = speedups(rows, mine)
     ops = sorted({r.op for r in rows})
     for op in ops:
         op_rows = [r for r in rows if r.op == op]
-        provs = sorted({r.provider for r in op_rows}, key=lambda p: (p != "oink", p))
+        provs = sorted({r.provider for r in op_rows}, key=lambda p: (p not in mine, p))
+        own = [p for p in mine if p in provs] or [mine[0]]  # a column of each of ours this op has rows of
         shapes = sorted({(r.M, r.N, r.dtype) for r in op_rows})
         cpu = ": reference timings on a CPU" if all(r.device == "cpu" for r in op_rows) else ""
         lines += [f"## {op}{cpu}", "",
-                  "| M | N | dtype | " + " | ".join(f"{p} ms" for p in provs) + " | oink TB/s | oink / roofline |",
-                  "|" + "---|" * (len(provs) + 5)]
+                  "| M | N | dtype | " + " | ".join(f"{p} ms" for p in provs)
+                  + "".join(f" | {p} TB/s | {p} / roofline" for p in own) + " |",
+                  "|" + "---|" * (len(provs) + 3 + 2 * len(own))]
         cell = {(r.provider, r.M, r.N, r.dtype): r for r in op_rows}
         for M, N, dt in shapes:
             cs = []
             for p in provs:
                 r = cell.get((p, M, N, dt))
                 cs.append("-" if r is None else ("FAILED" if r.status != "ok" else f"{r.median_s * 1e3:.4f}"))
-            o = cell.get(("oink", M, N, dt))
-            tbs = f"{o.tbs:.3f}" if o and o.tbs else "-"
-            frac = f"{o.roofline_frac:.2f}" if o and o.roofline_frac else "-"
-            lines.append(f"| {M} | {N} | {dt} | " + " | ".join(cs) + f" | {tbs} | {frac} |")
+            for o in (cell.get((p, M, N, dt)) for p in own):
+                cs += [f"{o.tbs:.3f}" if o and o.tbs else "-",
+                       f"{o.roofline_frac:.2f}" if o and o.roofline_frac else "-"]
+            lines.append(f"| {M} | {N} | {dt} | " + " | ".join(cs) + " |")
         profiled = [r for r in op_rows if r.provider == "oink" and r.profile]
         if profiled:
             lines += ["", "Kernel profile (oink): " + "; ".join(
@@ -343,16 +278,16 @@ def summary_markdown(rows, roofline=None) -> str:
         for M, N, dt in shapes:
             cs = ["-" if (p, M, N, dt) not in cell else mib(cell[(p, M, N, dt)].peak_mem_bytes) for p in provs]
             lines.append(f"| {M} | {N} | {dt} | " + " | ".join(cs) + " |")
-        mem = memory_ratios(op_rows)
-        if mem:
-            lines += ["", "Oink's peak memory over each provider's: " + ", ".join(
+        mem_of = memory_ratios(op_rows, mine)
+        for who, mem in ((p, mem_of[p]) for p in mine if p in mem_of):
+            lines += ["", f"{'Oink' if who == 'oink' else who}'s peak memory over each provider's: " + ", ".join(
                 f"vs {p} {geomean(v):.2f}x (max {max(v):.2f}x, {len(v)} shapes)" for p, v in sorted(mem.items()))]
         apart = timed_apart(op_rows)
         if apart:
             lines += ["", apart]
-        if op in sp:
-            lines += ["", "Geomean speedup of oink: " + ", ".join(
-                f"vs {p} {geomean(v):.2f}x (min {min(v):.2f}x, {len(v)} shapes)" for p, v in sorted(sp[op].items()))]
+        for who, by_peer in ((p, sp[op][p]) for p in mine if p in sp.get(op, {})):
+            lines += ["", f"Geomean speedup of {who}: " + ", ".join(
+                f"vs {p} {geomean(v):.2f}x (min {min(v):.2f}x, {len(v)} shapes)" for p, v in sorted(by_peer.items()))]
         lines.append("")
     return "\n".join(lines)
 

@@ -45,15 +45,26 @@ def layouts():
 class Magnitude:
     """How large ``make_tensor``'s values are: unit Gaussians times ``scale``, each row times
     10^u for u uniform in [-row_decades, row_decades]; the factors stay within [1e-4, 1e4] and
-    values within the dtype's finite range (fp16's max is 65504: a 1e4 factor comes near it)."""
+    values within the dtype's finite range (fp16's max is 65504: a 1e4 factor comes near it). ``peak`` (0: unset)
+    then rescales the whole tensor so that its largest |value| is that fraction of the dtype's largest finite one
+    (``near_overflow``)."""
     scale: float = 1.0
     row_decades: float = 0.0
+    peak: float = 0.0
 
 
 def magnitudes():
     """Overall scales 1e-4 .. 1e4 (a power of ten), with rows spread over up to 2 decades each way."""
     return st.builds(Magnitude, scale=st.integers(-4, 4).map(lambda k: 10.0**k),
                      row_decades=st.sampled_from((0.0, 1.0, 2.0)))
+
+
+def near_overflow():
+    """Tensors whose largest |value| is 0.25, 0.5 or 0.9 of the dtype's largest finite one, rows spread over up to
+    2 decades below it. For fp16 (up to ~5.9e4) every square of such a value overflows fp16, and a row's sum of
+    them overflows too unless accumulated wider: what a naive implementation gets wrong and fp32 math does not."""
+    return st.builds(Magnitude, row_decades=st.sampled_from((0.0, 1.0, 2.0)),
+                     peak=st.sampled_from((0.25, 0.5, 0.9)))
 
 
 def make_tensor(M: int, N: int, dtype, layout: str, device="cpu", seed: int = 0, magnitude: Magnitude | None = None):
@@ -72,5 +83,7 @@ def make_tensor(M: int, N: int, dtype, layout: str, device="cpu", seed: int = 0,
         factor = (magnitude.scale * 10.0 ** (u * magnitude.row_decades)).clamp(1e-4, 1e4)
         rows.mul_(factor)
         big = torch.finfo(dtype).max
+        if magnitude.peak and rows.numel() and rows[:, :N].abs().max() > 0:
+            rows.mul_(magnitude.peak * big / rows[:, :N].abs().max())  # the visible values' largest at the peak
         base.clamp_(-big, big)
     return base.to(dtype)[off:].view(M, N + pad)[:, :N]

@@ -205,3 +205,24 @@ def test_a_users_own_kernel_rows_are_gated_under_their_provider_name(pytester, t
                                         "--oink-gate-providers=mine", *PLUGIN)
     assert res.ret == 0, res.stdout.str()[-2000:] + res.stderr.str()[-2000:]
     res.stdout.fnmatch_lines(["*oink regression gate*", "relu 4x128 bfloat16 mine: *"])
+
+
+
+def test_a_misspelt_gate_provider_is_refused_before_any_row_runs(pytester, tmp_path):
+    """A gate provider that none of the suite's rows is of, alone or beside one that is, is a usage error naming
+    it and the known providers before any row runs: not a gate that compares fewer rows than asked (or none)
+    after the whole run, nor a refusal for another reason (here: no GPU) that hides the typo."""
+    pytester.makepyfile(BENCH)
+    base = _baseline(tmp_path / "base.json")  # an entry for the selected row
+    for gate in ("trch", "torch,trch"):
+        res = pytester.runpytest_subprocess(*ONE_ROW[:-2], f"--oink-gate-providers={gate}", f"--oink-baseline={base}",
+                                            *PLUGIN)
+        assert res.ret == pytest.ExitCode.USAGE_ERROR, res.stdout.str()[-2000:]
+        res.stderr.fnmatch_lines([f"*--oink-gate-providers={gate}: 'trch' is no provider of this session's rows "
+                                  "(theirs: torch; known providers: oink, oink-unfused, *, torch, torch.compile)*"])
+        assert "passed" not in res.stdout.str() and "[oink]" not in res.stdout.str()  # no row ran
+    # the default gate (oink) where the selection has no Oink row: no typo, but still refused up front
+    res = pytester.runpytest_subprocess(*ONE_ROW[:-1], f"--oink-baseline={base}", *PLUGIN)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*the gate would compare nothing: no selected row is of the gated providers (oink: "
+                              "--oink-gate-providers)*"])

@@ -68,3 +68,51 @@ def test_suite_output_is_quiet_and_counts_the_rows_that_run(pytester):
     res.stdout.fnmatch_lines(["*?oink? ?3/3 rows, ETA 0 s? rmsnorm_forward 4x128 bfloat16 torch.compile*"])
     res = pytester.runpytest_subprocess(*args, "-v")
     assert "Name (time in" in res.stdout.str()  # -v: pytest-benchmark's table back
+
+
+OWN_AND_PEER = '''
+import pytest
+import torch
+from pytest_oink import OpSpec
+
+SPEC = OpSpec("softmax", lambda M, N, dtype, device, gen: {"x": torch.randn(M, N, generator=gen).to(dtype)},
+              lambda a: (a["x"].float().relu().to(a["x"].dtype),), lambda M, N, e: 2 * M * N * e)
+
+@pytest.mark.parametrize("provider", [None, "torch.compile"])
+def test_relu(oink_measure, provider):
+    oink_measure(SPEC, lambda a: (a["x"].relu(),), 4, 128, name="relu", **({"provider": provider} if provider else {}))
+'''
+
+
+def test_a_users_own_rows_are_ours_in_the_summary(pytester, tmp_path):
+    """oink_measure's rows (provider "mine") get the summary's TB/s and roofline columns and are set against a
+    peer's rows (best-peer table, speedups) as Oink's are, unnamed; --oink-gate-providers names ours instead.
+    The comparisons are of GPU rows: the run's CSV, its rows relabelled as a GPU's, is merged back."""
+    import csv
+
+    pytester.makepyfile(OWN_AND_PEER)
+    out = tmp_path / "rows.csv"
+    res = pytester.runpytest_subprocess(f"--oink-csv={out}", f"--oink-summary={tmp_path / 'cpu.md'}", *PLUGIN)
+    assert res.ret == 0, res.stdout.str()[-2000:]
+    cpu = (tmp_path / "cpu.md").read_text()
+    assert "| M | N | dtype | mine ms | torch.compile ms | mine TB/s | mine / roofline |" in cpu, cpu
+    mine = next(line for line in cpu.splitlines() if line.startswith("| 4 | 128 | bfloat16 |"))
+    assert mine.split("|")[5].strip() not in ("", "-"), mine  # mine's TB/s
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:  # a GPU's rows: mine twice as fast as the peer
+        r.update(device="NVIDIA H100 80GB HBM3", median_ms="0.1" if r["provider"] == "mine" else "0.2")
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    res = pytester.runpytest_subprocess(f"--oink-merge={out}", f"--oink-summary={tmp_path / 'gpu.md'}", *PLUGIN)
+    assert res.ret == 0, res.stdout.str()[-2000:] + res.stderr.str()[-2000:]
+    gpu = (tmp_path / "gpu.md").read_text()
+    assert "## mine against the best peer" in gpu, gpu
+    assert "| relu (mine) | 1 | 0.500 | 0.500 (4x128 vs torch.compile) | 0 | 0 | 0 | - |" in gpu
+    assert "Geomean speedup of mine: vs torch.compile 2.00x" in gpu
+    res = pytester.runpytest_subprocess(f"--oink-merge={out}", f"--oink-summary={tmp_path / 'peer.md'}",
+                                        "--oink-gate-providers=torch.compile", *PLUGIN)
+    assert res.ret == 0, res.stdout.str()[-2000:] + res.stderr.str()[-2000:]
+    assert "Geomean speedup of torch.compile: vs mine 0.50x" in (tmp_path / "peer.md").read_text()
