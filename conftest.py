@@ -1,5 +1,8 @@
 """Root conftest: fixtures shared by tests/ and bench/, and the Hypothesis profile."""
+import atexit
 import os
+import shutil
+import tempfile
 import zlib
 
 import pytest
@@ -9,9 +12,22 @@ from pytest_oink.strategies import register_profiles
 
 pytest_plugins = ["pytester"]
 
-# Hermetic tests: the compile cache on disk stays off unless a session names one (its own tests set
-# a temporary directory); set before oink reads its config.
-os.environ.setdefault("OINK_CACHE_DIR", "0")
+# The compile cache on disk: a fresh directory each session (set before oink reads its config), which
+# the xdist workers inherit with the environment, so a kernel variant compiles once a session, in the
+# worker that meets it first, and the others load it; nothing is loaded from an earlier session. A
+# session that names OINK_CACHE_DIR keeps its own (its tests set temporary ones).
+if "OINK_CACHE_DIR" not in os.environ:
+    _session_cache = tempfile.mkdtemp(prefix="oink-test-kernels-")
+    os.environ["OINK_CACHE_DIR"] = _session_cache
+    atexit.register(shutil.rmtree, _session_cache, True)
+
+
+def pytest_configure(config):
+    """Under ``-n`` each xdist worker (and the pytest runs it starts) keeps torch to one thread: the
+    workers already fill the cores, and two threads per worker mostly spin waiting for a core."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        for knob in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(knob, "1")
 
 # Small, derandomized runs by default (stable CI); `--hypothesis-profile=oink-gpu` for more.
 register_profiles()
