@@ -1,5 +1,8 @@
 """Root conftest: fixtures shared by tests/ and bench/, and the Hypothesis profile."""
+import atexit
 import os
+import shutil
+import tempfile
 import zlib
 
 import pytest
@@ -9,9 +12,23 @@ from pytest_oink.strategies import register_profiles
 
 pytest_plugins = ["pytester"]
 
-# Hermetic tests: the compile cache on disk stays off unless a session names one (its own tests set
-# a temporary directory); set before oink reads its config.
-os.environ.setdefault("OINK_CACHE_DIR", "0")
+# The compile cache on disk: a fresh directory each session (set before oink reads its config), which
+# the xdist workers inherit with the environment, so a kernel variant compiles once a session, in the
+# worker that meets it first, and the others load it; nothing is loaded from an earlier session. A
+# session that names OINK_CACHE_DIR keeps its own (its tests set temporary ones).
+if "OINK_CACHE_DIR" not in os.environ:
+    _session_cache = tempfile.mkdtemp(prefix="oink-test-kernels-")
+    os.environ["OINK_CACHE_DIR"] = _session_cache
+    atexit.register(shutil.rmtree, _session_cache, True)
+
+
+def pytest_configure(config):
+    """Under ``-n`` each xdist worker (and the pytest runs it starts) keeps torch to one thread: the
+    workers already fill the cores, and two threads per worker mostly spin waiting for a core."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        for knob in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(knob, "1")
+
 
 # Small, derandomized runs by default (stable CI); `--hypothesis-profile=oink-gpu` for more.
 register_profiles()
@@ -20,12 +37,53 @@ settings.load_profile("oink-ci")
 
 def pytest_ignore_collect(collection_path, config):
     """With --oink-suite the session runs benchmarks only: the unit tests are not even collected
-    (the plugin would deselect them after collection, which imports every test module)."""
+    (the plugin would deselect them after collection, which imports every test module). Without a GPU,
+    a module whose every test needs one is not collected either (unless named on the command line):
+    its thousands of items would each only skip; the terminal summary names the modules once."""
     from pytest_oink import options
 
     if (config.rootpath / "tests") in collection_path.parents and options.get(config, "--oink-suite"):
         return True
+    if collection_path in _gpu_modules_left_out(config):
+        return True
     return None
+
+
+def _gpu_modules_left_out(config) -> set:
+    """tests/ modules with a module-level ``pytestmark`` naming ``pytest.mark.gpu`` (read from the source,
+    not imported), when this machine has no GPU for them; none that the command line names."""
+    import ast
+    from pathlib import Path
+
+    from pytest_oink.markers import device_capability
+
+    if not hasattr(config, "_oink_gpu_modules_left_out"):
+        found = set()
+        if device_capability() is None:
+            named = {Path(str(a).split("::")[0]).resolve() for a in config.args}
+            for path in sorted((config.rootpath / "tests").glob("test_*.py")):
+                body = ast.parse(path.read_text()).body
+                if path.resolve() not in named and any(_marks_all_gpu(node) for node in body):
+                    found.add(path)
+        config._oink_gpu_modules_left_out = found
+    return config._oink_gpu_modules_left_out
+
+
+def _marks_all_gpu(node) -> bool:
+    """``pytestmark = ...`` naming ``pytest.mark.gpu`` (alone or in a list)."""
+    import ast
+
+    return (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
+            and any(isinstance(n, ast.Attribute) and n.attr == "gpu" and getattr(n.value, "attr", None) == "mark"
+                    for n in ast.walk(node.value)))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left_out = _gpu_modules_left_out(config)
+    if left_out:
+        terminalreporter.write_line(
+            f"not collected: {len(left_out)} modules whose every test needs a CUDA GPU (none is available): "
+            + ", ".join(sorted(p.name for p in left_out)))
 
 
 @pytest.fixture(autouse=True)
