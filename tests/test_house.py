@@ -191,3 +191,16 @@ def test_no_module_is_over_the_line_bar():
     long = {f"{path.relative_to(ROOT)}": n for path, _ in _modules().values()
             if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them): {long}"
+
+
+def test_gpu_modules_left_out_on_a_cpu_still_import(request):
+    """A CPU session does not collect the modules whose every test needs a GPU (conftest.py); each still imports
+    here, which builds its parametrizations, so an error in one shows on a CPU too."""
+    import importlib
+
+    left_out = request.config._oink_gpu_modules_left_out if hasattr(request.config, "_oink_gpu_modules_left_out") \
+        else set()
+    for path in sorted(left_out):
+        importlib.import_module(f"tests.{path.stem}")
+    if left_out:
+        assert any(p.stem == "test_rmsnorm_gpu" for p in left_out)
