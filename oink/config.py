@@ -68,8 +68,9 @@ class Config:
     ln_pivot: bool | None = None  # LayerNorm forward's moments in one round about a pivot (forced where it can be)
     ce_stream: bool | None = None  # the cross-entropy kernels stream their rows (forced either way)
     lce_overlap: bool | None = None  # linear cross-entropy: dweight's matmul on a side stream (forced either way)
-    # rows off 16-byte boundaries read through aligned windows where the rule has one (on); off by default: a
-    # window's threads split a row by its offset from a 16-byte boundary, its index in the batch (batch invariance)
+    # rows off 16-byte boundaries read through aligned windows where the rule has one (on), or by element (off);
+    # unset, the norms' and softmax's by element (a window's threads split a row by its offset from a 16-byte
+    # boundary, its index in the batch: batch invariance), the cross-entropy reductions' through windows
     windows: bool | None = None
     rope_lanes: int | None = None  # QK norm + rotary embedding: lanes a head (32, or 16-byte loads' count; forced)
     # the QK norm + rotary embedding's kernel serves GPU calls (off by default until its GPU tests have run: the

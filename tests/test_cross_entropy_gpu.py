@@ -81,13 +81,13 @@ def _edge_logits(M, N, ld_pad, dtype, g):
     return buf[:, :N]
 
 
-@pytest.mark.parametrize("windows", [True, None], ids=["windows", "elements"])
+@pytest.mark.parametrize("windows", [None, False], ids=["windows", "elements"])
 @pytest.mark.parametrize("ld_pad", [0, 2, 7])
 @pytest.mark.parametrize("N", [4097, 32001, 50257, 100277])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_shifted_rows_read_only_their_row(dtype, N, ld_pad, windows, seed):
-    """The forward reads rows that start off a 16-byte boundary by element (the default) or, with the ``windows``
-    setting, through aligned windows holding the ends of the rows beside them: a large logit at the first and last
+    """The forward reads rows that start off a 16-byte boundary through aligned windows holding the ends of the rows
+    beside them (the rule), or by element (the ``windows`` setting False): a large logit at the first and last
     column of every third row would raise its neighbours' lse if their windows let it in. Rows ``ld_pad`` elements
     apart beyond N (a view of a wider buffer)."""
     M = 301
@@ -98,7 +98,7 @@ def test_shifted_rows_read_only_their_row(dtype, N, ld_pad, windows, seed):
         _launch_checked("forward", logits, target, dtype)
 
 
-@pytest.mark.parametrize("windows", [True, None], ids=["windows", "elements"])
+@pytest.mark.parametrize("windows", [None, False], ids=["windows", "elements"])
 @pytest.mark.parametrize("dx_rows", ["in_place", "dense"])
 @pytest.mark.parametrize("ld_pad", [0, 7])
 @pytest.mark.parametrize("N", [4097, 32001, 50257, 100277])
@@ -117,7 +117,7 @@ def test_shifted_rows_write_only_their_row(dtype, mode, N, ld_pad, dx_rows, wind
     target[::5] = N - 1  # the target in an edge vector
     target[1::5] = 0
     dloss = torch.randn(M, device="cuda", generator=g)
-    with config.override(windows=windows):  # the fused mode's rows by element unless asked
+    with config.override(windows=windows):  # False: the fused mode's rows by element
         _launch_checked(mode, logits, target, dtype, dloss, inplace=dx_rows == "in_place")
     rows = logits.as_strided((M, N + ld_pad), (N + ld_pad, 1))
     assert (rows[:, N:] == 60.0).all(), "a store left its row"

@@ -456,7 +456,7 @@ class CrossEntropyKey:
     _: dataclasses.KW_ONLY
     store_lse: bool = True  # the lse stored (never by the backward)
     # False: rows off 16-byte boundaries are not moved as aligned windows (dlogits rows not at the logits'
-    # offsets; the reductions unless the windows setting asks: a window splits a row by its address)
+    # offsets; the reductions where the windows setting is False: a window splits a row by its address)
     window: bool = True
     options: CEOptions = PLAIN  # compile-time constants (the plain kernel's key and code without them)
     inplace: bool = False  # dx is the logits (``CrossEntropy``'s; rows register-held, even where they would stream)

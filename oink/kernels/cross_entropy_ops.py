@@ -106,12 +106,12 @@ F32 = torch.float32
 
 def _window(mode: str, dx_at_x: bool) -> bool:
     """Whether rows off 16-byte boundaries are read through aligned windows: the backward's wherever dlogits lie at
-    the logits' offsets (no sum over a row); the forward's and the fused mode's only where the ``windows`` setting
-    asks, since a window splits a row's sum by the row's address, so by its index in the batch (batch
-    invariance); element accesses otherwise."""
+    the logits' offsets (no sum over a row); the forward's and the fused mode's too unless the ``windows`` setting
+    is False, which reads them by element: a window splits a row's sum by the row's address, so by its index in the
+    batch (batch invariance); the element path has not run on a GPU yet, so windows stay the rule."""
     if mode == "backward":
         return dx_at_x
-    return bool(config.get().windows) and (mode == "forward" or dx_at_x)
+    return config.get().windows is not False and (mode == "forward" or dx_at_x)
 
 
 class _Layout:

@@ -168,12 +168,6 @@ class Fp8Epilogue:
         sp_row = Float32(0.0)
         if const_expr(self.mode == "static"):
             inv = div_rn(Float32(1.0), mScale[0])
-            if const_expr(mS is not None):  # the scale returned: copied here, not by a kernel of its own
-                leader = tXcX[0][1] == 0 and row == 0
-                if const_expr(L.cluster_n > 1):
-                    leader = leader and cy == 0
-                if leader:
-                    mS[0] = mScale[0]
         if const_expr(self.mode == "token"):
             amax = row_amax
             if const_expr(row_amax is None):
@@ -245,9 +239,7 @@ def _scale_tensors(self, pscale, pub, ps, M):
     mUb = cute.make_tensor(pub, one) if const_expr(pub is not None) else None
     mS = None
     if const_expr(ps is not None):
-        n = 1 if const_expr(self.mode == "static") else M
-        if const_expr(self.mode in ("group", "block")):
-            n = M * (self.launch.N // self.group_size)
+        n = M if const_expr(self.mode == "token") else M * (self.launch.N // self.group_size)
         mS = cute.make_tensor(ps, cute.make_layout((n,)))
     return mScale, mUb, mS
 
@@ -418,11 +410,10 @@ def _check_width(N: int, group_size: int) -> None:
         raise ValueError(f"N={N}: the FP8 kernels take a multiple of {UNIT} (and of the group) up to {MAX_N}")
 
 
-def _scale_ptrs(mode: str, ub: bool, scale_out: bool = True):
-    """Fake pointers: the static scale, the per-token upper bound, the scales out (a static scale's copy unless
-    not ``scale_out``)."""
+def _scale_ptrs(mode: str, ub: bool):
+    """Fake pointers: the static scale, the per-token upper bound, the scales out."""
     return (gmem_ptr(Float32, 4) if mode == "static" else None, gmem_ptr(Float32, 4) if ub else None,
-            gmem_ptr(Float32, 4) if scale_out else None)
+            None if mode == "static" else gmem_ptr(Float32, 4))
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,7 +482,7 @@ def compiled_rmsnorm_fp8(k: RMSNormFp8Key):
 
     def build():
         one = Int64(launch.vec)
-        pscale, pub, ps = _scale_ptrs(mode, ub, not (twice and mode == "static"))  # vLLM's static ops return none
+        pscale, pub, ps = _scale_ptrs(mode, ub)
         return compile_kernel(RMSNormFp8(launch, xd, rd, wd, mode, group_size, column_major, ue8m0, store_y, twice,
                                          raw_sum),
                               gmem_ptr(xd), gmem_ptr(rd) if rd else None, gmem_ptr(wd), pscale, pub,

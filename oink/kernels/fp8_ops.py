@@ -78,8 +78,7 @@ def _plan(kind: str):
         def run(a):
             x, scale = a["x"], a.get("scale")
             q = new_q()
-            # a static scale's copy comes back (an output can't alias an input): written by the kernel
-            s = empty_scales(x, M, N, scale, g, cms) if M or not static else scale.reshape(1).float().clone()
+            s = scale.reshape(1).float().clone() if static else empty_scales(x, M, N, None, g, cms)
             y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else None
             if M:
                 sc, bound = (_scalar(scale) if static else None), (_scalar(a["scale_ub"]) if has_ub else None)
@@ -92,9 +91,10 @@ def _plan(kind: str):
                     if copy_w:
                         w = dense(w)
                     fn(x.data_ptr(), None if res is None else res.data_ptr(), w.data_ptr(), ps, pub,
-                       None if y is None else y.data_ptr(), q.data_ptr(), s.data_ptr(), M, ldx, ldr, ldy, eps, stream())
+                       None if y is None else y.data_ptr(), q.data_ptr(), None if static else s.data_ptr(), M, ldx,
+                       ldr, ldy, eps, stream())
                 else:
-                    fn(x.data_ptr(), ps, pub, q.data_ptr(), s.data_ptr(), M, ldx, stream())
+                    fn(x.data_ptr(), ps, pub, q.data_ptr(), None if static else s.data_ptr(), M, ldx, stream())
             return (q, s, y) if return_y else (q, s)
 
         return run

@@ -15,7 +15,7 @@ INT32_MAX = 2**31 - 1
 
 def check(t: dict, arch: str) -> str | None:
     """Why a call goes to the reference, or None (the metadata checks have passed: ``oink.ops_rope``)."""
-    if config.get().rope_kernel is False:
+    if not config.get().rope_kernel:
         return "the kernel is compile-checked only, not yet run on a GPU (the rope_kernel development setting runs it)"
     qkv, D = t["qkv"], t["head_dim"]
     if qkv.dtype not in HALF:
