@@ -193,6 +193,12 @@ def test_no_module_is_over_the_line_bar():
     assert not long, f"modules over {MAX_LINES} lines (split them): {long}"
 
 
+def test_the_results_page_is_a_page():
+    """bench/RESULTS.md holds one current table per suite and card, not a diary of changes: 300 lines at most."""
+    n = len((ROOT / "bench" / "RESULTS.md").read_text().splitlines())
+    assert n <= 300, f"bench/RESULTS.md has {n} lines: replace tables, move history to CHANGELOG.md"
+
+
 def test_gpu_modules_left_out_on_a_cpu_still_import(request):
     """A CPU session does not collect the modules whose every test needs a GPU (conftest.py); each still imports
     here, which builds its parametrizations, so an error in one shows on a CPU too."""
