@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import oink.ops  # noqa: F401  (registers torch.ops.oink.*)
+from oink.reference.sums import row_sum
 
 FP8 = torch.float8_e4m3fn
 QMAX = 448.0
@@ -264,8 +265,9 @@ def _to(v, dtype):
 
 
 def kernel_norm(h, w, eps, dtype):
-    """vLLM's kernels' norm value: to_T(to_T(h * rstd) * w), rstd = rsqrt(sum(h^2) / H + eps)."""
-    rstd = torch.rsqrt(h.square().sum(-1, keepdim=True) / h.shape[-1] + eps)
+    """vLLM's kernels' norm value: to_T(to_T(h * rstd) * w), rstd = rsqrt(sum(h^2) / H + eps), the sum in the
+    reference's fixed tree (``row_sum``: its order is no one kernel's; these tests pin the roundings around it)."""
+    rstd = torch.rsqrt(row_sum(h.square()) / h.shape[-1] + eps)
     return _to(_to(h * rstd, dtype) * w.float(), dtype)
 
 
