@@ -49,10 +49,17 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-def _gpu_modules_left_out(config) -> set:
+def gpu_only_modules(root) -> list:
     """tests/ modules with a module-level ``pytestmark`` naming ``pytest.mark.gpu`` (read from the source,
-    not imported), when this machine has no GPU for them; none that the command line names."""
+    not imported)."""
     import ast
+
+    return [path for path in sorted((root / "tests").glob("test_*.py"))
+            if any(_marks_all_gpu(node) for node in ast.parse(path.read_text()).body)]
+
+
+def _gpu_modules_left_out(config) -> set:
+    """The GPU-only modules, when this machine has no GPU for them; none that the command line names."""
     from pathlib import Path
 
     from pytest_oink.markers import device_capability
@@ -61,10 +68,7 @@ def _gpu_modules_left_out(config) -> set:
         found = set()
         if device_capability() is None:
             named = {Path(str(a).split("::")[0]).resolve() for a in config.args}
-            for path in sorted((config.rootpath / "tests").glob("test_*.py")):
-                body = ast.parse(path.read_text()).body
-                if path.resolve() not in named and any(_marks_all_gpu(node) for node in body):
-                    found.add(path)
+            found = {p for p in gpu_only_modules(config.rootpath) if p.resolve() not in named}
         config._oink_gpu_modules_left_out = found
     return config._oink_gpu_modules_left_out
 

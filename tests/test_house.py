@@ -199,14 +199,12 @@ def test_the_results_page_is_a_page():
     assert n <= 300, f"bench/RESULTS.md has {n} lines: replace tables, move history to CHANGELOG.md"
 
 
-def test_gpu_modules_left_out_on_a_cpu_still_import(request):
+def test_gpu_modules_left_out_on_a_cpu_still_import():
     """A CPU session does not collect the modules whose every test needs a GPU (conftest.py); each still imports
     here, which builds its parametrizations, so an error in one shows on a CPU too."""
     import importlib
 
-    left_out = request.config._oink_gpu_modules_left_out if hasattr(request.config, "_oink_gpu_modules_left_out") \
-        else set()
-    for path in sorted(left_out):
+    gpu_only = importlib.import_module("conftest").gpu_only_modules(ROOT)
+    assert any(p.stem == "test_rmsnorm_gpu" for p in gpu_only) and len(gpu_only) >= 10, gpu_only
+    for path in gpu_only:
         importlib.import_module(f"tests.{path.stem}")
-    if left_out:
-        assert any(p.stem == "test_rmsnorm_gpu" for p in left_out)
