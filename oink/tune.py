@@ -48,7 +48,7 @@ import oink.ops  # noqa: F401  (the declarations name each op's kernels to dispa
 from oink import config
 from oink.kernels import launch_table
 from oink.kernels.compile import CACHE
-from oink.kernels.fp8 import UNIT as FP8_UNIT
+from oink.kernels.fp8_rules import UNIT as FP8_UNIT
 from oink.kernels.rmsnorm_rules import ran_staged
 from oink.measure.gate import Case, gate, spec_of
 from oink.measure.gate import inputs as _inputs

@@ -26,7 +26,7 @@ import torch
 from oink import config
 from oink.kernels import cross_entropy as ce
 from oink.kernels.compile import CACHE
-from oink.kernels.fp8 import whole_warp_launch
+from oink.kernels.fp8_rules import whole_warp_launch
 from oink.kernels.row_rules import RowLaunch, cluster_rows, pick_row_launch, whole_warp_rows
 from oink.tune import keys_of, time_op, trial
 from pytest_oink.bench_runner import gate

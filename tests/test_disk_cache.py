@@ -23,7 +23,8 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def _compile():
-    from oink.kernels.softmax import SoftmaxKey, compiled_softmax
+    from oink.kernels.softmax import compiled_softmax
+    from oink.kernels.softmax_rules import SoftmaxKey
 
     return compiled_softmax(SoftmaxKey("forward", "bfloat16", 4096, "sm_90a"))
 

@@ -343,7 +343,8 @@ def test_layernorm_backward_compiles(arch, dtype, w, has_db):
                                                       layernorm=True)))
 
 
-from oink.kernels.softmax import MODES, SoftmaxKey, compiled_softmax  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.softmax import compiled_softmax  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.softmax_rules import MODES, SoftmaxKey  # noqa: E402  (beside the kernels' imports)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -360,7 +361,7 @@ def test_softmax_forward_windows_compile(arch, dtype):
     """Rows off 16-byte boundaries whose accesses would hold at most 4 bytes, read through aligned windows:
     several rows a CTA, one, and a cluster (the window's launch is an aligned row's of its width); aligned
     rows and rows of 8-byte accesses keep their own kernel."""
-    from oink.kernels.softmax import softmax_window
+    from oink.kernels.softmax_rules import softmax_window
 
     bits = DTYPES[dtype]
     for N in (7, 455, 5135, 94558, 4096, 1348, 94556):
@@ -385,7 +386,7 @@ def test_softmax_reduction_rounds_both_ways_compile(monkeypatch, arch, online):
 
 
 def test_softmax_merges_online_where_it_was_measured_faster():
-    from oink.kernels.softmax import online_reduction
+    from oink.kernels.softmax_rules import online_reduction
 
     one_cta, cluster8, cluster16 = (RowLaunch(N=262144, vec=8, threads_per_row=256, num_threads=256, cluster_n=c)
                                     for c in (1, 8, 16))

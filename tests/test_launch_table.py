@@ -321,7 +321,8 @@ def _compile(arch: str, key: str, N: int):
                                                   res_dtype="bfloat16" if op == "add_rmsnorm" else None, mode=mode,
                                                   group_size=g))
     if family == "softmax":
-        from oink.kernels.softmax import SoftmaxKey, compiled_softmax
+        from oink.kernels.softmax import compiled_softmax
+        from oink.kernels.softmax_rules import SoftmaxKey
 
         return compiled_softmax(SoftmaxKey(op, x16[variant], N, arch, few=few))
     if family == "cross_entropy":
@@ -496,7 +497,7 @@ def test_softmax_backward_wide_rows_take_small_ctas(mode):
     """Full-width 16-bit rows of the backward modes from ``BWD_WIDE_MIN_N`` take 128-thread CTAs over a cluster on
     sm_90a while a CTA's share stays within ``BWD_WIDE_MAX_UNITS``; fp32, unaligned and sm_100a rows keep the
     general rule."""
-    from oink.kernels.softmax import BWD_WIDE_MAX_UNITS, BWD_WIDE_MIN_N, softmax_launch
+    from oink.kernels.softmax_rules import BWD_WIDE_MAX_UNITS, BWD_WIDE_MIN_N, softmax_launch
 
     for N in (BWD_WIDE_MIN_N, 57344, 131072):
         L = softmax_launch(N, 16, "sm_90a", mode)

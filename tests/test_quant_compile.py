@@ -13,8 +13,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 # ---- FP4 (NVFP4 and MXFP4)
 from oink.kernels.nvfp4 import MODES as FP4_MODES  # noqa: E402  (after the cutlass importorskip)
-from oink.kernels.nvfp4 import (AddRMSNormFp4Key, Fp4Key, compiled_add_rmsnorm_fp4, compiled_fp4,  # noqa: E402  (after the cutlass importorskip)
-                                fp4_launch)
+from oink.kernels.nvfp4 import AddRMSNormFp4Key, Fp4Key, compiled_add_rmsnorm_fp4, compiled_fp4  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.nvfp4_rules import fp4_launch  # noqa: E402  (after the cutlass importorskip)
 
 # one block, one warp, an odd block count (uneven rows), the study's widths, cluster widths
 FP4_WIDTHS = [16, 64, 1008, 4096, 7168, 14336, 131072, 262144]  # units per thread 1, 2, 4; clusters
@@ -65,7 +65,8 @@ def test_nvfp4_launch_units_are_scale_blocks():
 
 
 # ---- FP8 (every scale mode and layout flag is a compile-time variant)
-from oink.kernels.fp8 import Fp8Key, RMSNormFp8Key, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.fp8 import Fp8Key, RMSNormFp8Key, compiled_fp8, compiled_rmsnorm_fp8  # noqa: E402  (after the cutlass importorskip)
+from oink.kernels.fp8_rules import fp8_launch  # noqa: E402  (after the cutlass importorskip)
 
 FP8_MODES = [("static", 0, False, False, False), ("token", 0, False, False, False), ("token", 0, False, False, True)]
 FP8_MODES += [("group", g, cm, ue, False) for g in (64, 128) for cm in (False, True) for ue in (False, True)]
@@ -128,7 +129,8 @@ def test_fp8_groups_stay_on_aligned_lanes():
 
 # ---- the fused QK norm + rotary embedding (every flag is a compile-time variant; T, the row stride, eps and
 # the cache's length are runtime)
-from oink.kernels.rope import RopeKey, compiled_qk_norm_rope, head_lanes, rotary_reason  # noqa: E402  (after the importorskip)
+from oink.kernels.rope import RopeKey, compiled_qk_norm_rope  # noqa: E402  (after the importorskip)
+from oink.kernels.rope_rules import head_lanes, rotary_reason  # noqa: E402  (after the importorskip)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)

@@ -24,7 +24,8 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 def test_every_rules_module_is_found():
     assert {"oink.kernels.row_rules", "oink.kernels.rmsnorm_rules", "oink.kernels.rmsnorm_bwd_rules",
-            "oink.kernels.cross_entropy_rules"} <= set(RULES)
+            "oink.kernels.cross_entropy_rules", "oink.kernels.softmax_rules", "oink.kernels.fp8_rules",
+            "oink.kernels.nvfp4_rules", "oink.kernels.rope_rules"} <= set(RULES)
 
 
 def test_the_rules_import_without_cutlass():
@@ -263,3 +264,86 @@ def test_backward_pairs_of_narrow_rows_replace_a_cluster():
                       backward_launch(4702, 16, arch, dres=True), backward_launch(4100, 16, arch)):
             assert other.threads_per_row != 128, other
         assert backward_launch(4702, 32, arch).threads_per_row == 512
+
+
+def test_softmax_rules():
+    """``softmax_launch``: the backward modes hold two rows' values, so their CTAs stop at 512 threads; a forward row
+    past ``CLUSTER_ROWS_MIN_N`` spreads over a cluster; the fused mode always merges max and sum online, the forward
+    only over clusters of 16. ``softmax_window``: forwards asked to, of accesses of at most 4 bytes, through windows
+    holding the row wherever it starts in a 16-byte block."""
+    from oink.kernels.row_rules import CLUSTER_ROWS_MIN_N
+    from oink.kernels.softmax_rules import MODES, SoftmaxKey, online_reduction, softmax_launch, softmax_window
+
+    for arch in ("sm_90a", "sm_100a"):
+        for N in (1000, 4096, 65536, 262144):
+            for bits in (16, 32):
+                for mode in MODES[1:]:
+                    L = softmax_launch(N, bits, arch, mode)
+                    assert L.num_threads <= 512 and L.threads_per_row * L.iters * L.vec * L.cluster_n >= N, L
+                    assert online_reduction(L, "fwd_bwd") or mode == "backward"
+        wide = softmax_launch(2 * CLUSTER_ROWS_MIN_N, 16, arch)
+        assert wide.cluster_n > 1 and online_reduction(wide, "forward") == (wide.cluster_n >= 16)
+    for N, bits, windowed in ((1001, 16, True), (1002, 16, True), (1004, 16, False), (1001, 32, True),
+                              (1002, 32, False)):
+        dtype = {16: "bfloat16", 32: "float32"}[bits]
+        width = softmax_window(SoftmaxKey("forward", dtype, N, "sm_90a", window=True))
+        assert (width is not None) == windowed, (N, bits)
+        assert width is None or (width >= N + 128 // bits - 1 and width * bits % 128 == 0)
+        assert softmax_window(SoftmaxKey("forward", dtype, N, "sm_90a")) is None
+        assert softmax_window(SoftmaxKey("backward", dtype, N, "sm_90a", window=True)) is None
+
+
+def test_fp8_rules():
+    """``whole_warp_launch``: the least padding over whole warps (its documented rows); ``fp8_launch``: a group stays
+    on a warp's aligned lanes, rows past ``CTA_THREADS`` whole-warp threads spread over a cluster of CTAs of at most
+    that many threads at two accesses (rows past whole warps at 4 accesses take the FP4 tiling), and a group no
+    launch keeps aligned is refused."""
+    import pytest as _pytest
+
+    from oink.kernels.fp8_rules import CTA_THREADS, UNIT, fp8_launch, whole_warp_launch
+
+    for N, tpr, iters in ((2560, 160, 1), (4992, 160, 2), (11008, 352, 2)):
+        L = whole_warp_launch(N, UNIT)
+        assert (L.threads_per_row, -(-N // UNIT // L.threads_per_row)) == (tpr, iters) and L.num_threads >= 128
+    for arch in ("sm_90a", "sm_100a"):
+        for N in (2048, 7168, 16384, 57344, 131072):
+            for group in (0, 64, 128):
+                L = fp8_launch(N, arch, "add_rmsnorm", group, op="rmsnorm")
+                assert L.vec == UNIT and L.threads_per_row * L.iters * UNIT * L.cluster_n >= N
+                assert not group or L.threads_per_row % (group // UNIT) == 0, (N, group, L)
+                if L.cluster_n > 1 and whole_warp_launch(N, UNIT) is not None:  # the rule's rows, not the FP4 tiling's
+                    assert L.threads_per_row <= CTA_THREADS and L.iters <= 2, (N, L)
+        with _pytest.raises(ValueError, match="aligned lanes"):
+            fp8_launch(2560, arch, "quantize", 1024)
+
+
+def test_fp4_rule():
+    """``fp4_launch``: a unit is one scale block; a thread takes the fewest units (1, 2, 4) that keep its row within
+    the kernel's ``MAX_THREADS_PER_ROW``; the ``fp4_upt`` setting forces the count."""
+    from oink import config
+    from oink.kernels.nvfp4_rules import BLOCK, MAX_THREADS_PER_ROW, MX_BLOCK, fp4_launch
+
+    for block in (BLOCK, MX_BLOCK):
+        for kind, most in MAX_THREADS_PER_ROW.items():
+            for N in (1024, 7168, 16384, 32768):
+                L = fp4_launch(N, "sm_90a", kind, block)
+                assert L.vec == block, L
+                units = N // block
+                assert L.iters in (1, 2, 4) and (L.iters == 4 or units <= L.iters * most), (kind, N, L)
+                assert L.iters == 1 or units > L.iters // 2 * most, (kind, N, L)
+    with config.override(fp4_upt=2):
+        assert fp4_launch(1024, "sm_90a").iters == 2
+
+
+def test_rope_rules():
+    """``head_lanes``: one 16-byte load a lane (the ``rope_lanes`` setting forces a count); ``rotary_reason``: a
+    rotary width whose lanes' values don't rotate together goes to the reference, with the reason."""
+    from oink import config
+    from oink.kernels.rope_rules import WARP, head_lanes, rotary_reason
+
+    assert [head_lanes(D, bits) for D, bits in ((64, 16), (128, 16), (256, 16), (128, 32), (256, 32))] == \
+        [8, 16, 32, 32, 32]
+    with config.override(rope_lanes=WARP):
+        assert head_lanes(128, 16) == WARP
+    assert rotary_reason(128, 128, True, 16) is None and rotary_reason(128, 64, False, 16) is None
+    assert "NeoX" in rotary_reason(128, 60, True, 16) and "multiple" in rotary_reason(128, 4, False, 16)

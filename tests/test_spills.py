@@ -223,7 +223,8 @@ def test_window_launches_do_not_spill(keep_cubin, op, dtype, arch):
     from oink.kernels.profile import compiled_resources
     from oink.kernels.rmsnorm import compiled_forward
     from oink.kernels.rmsnorm_rules import ForwardKey, forward_window
-    from oink.kernels.softmax import SoftmaxKey, compiled_softmax, softmax_window
+    from oink.kernels.softmax import compiled_softmax
+    from oink.kernels.softmax_rules import SoftmaxKey, softmax_window
 
     # the widest windows; RMSNorm's 16-bit only (fp32 rows past 229376 on sm_100a spill aligned too: RULE_LIMITS)
     sixteen = dtype == "bfloat16"
@@ -379,10 +380,11 @@ FP8_RULE_WIDTHS = (17408, 18432, 24576, 36864, 65536)  # past 16384: the rule sp
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 @pytest.mark.parametrize("mode,group", [("static", 0), ("token", 0), ("group", 128)])
 def test_fp8_rule_splits_wide_rows_and_does_not_spill(keep_cubin, mode, group, arch):
-    """``fp8.fp8_rule``: a row wider than 512 whole-warp threads at two accesses takes a cluster of CTAs
+    """``fp8_rules.fp8_rule``: a row wider than 512 whole-warp threads at two accesses takes a cluster of CTAs
     of at most 512 threads and two accesses (a CTA of 576 threads of ~64 registers left a SM one CTA),
     and the fused RMSNorm kernels it gives keep their values in registers, with a SM holding two CTAs."""
-    from oink.kernels.fp8 import CTA_THREADS, UNIT, RMSNormFp8Key, compiled_rmsnorm_fp8, fp8_launch
+    from oink.kernels.fp8 import RMSNormFp8Key, compiled_rmsnorm_fp8
+    from oink.kernels.fp8_rules import CTA_THREADS, UNIT, fp8_launch
     from oink.kernels.profile import compiled_resources
 
     for N in FP8_RULE_WIDTHS:

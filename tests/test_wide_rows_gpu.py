@@ -47,7 +47,7 @@ def _gated_launches(op, N, dtype, M) -> set:
 # the wide-row rule (row_rules.cluster_rows) at widths no table entry serves: whole-warp tilings of 128-416
 # threads over clusters of 4-16, padded shares (40968 = 8 x 5121; 100008 = 8 x 12501, 7 accesses a thread, whose
 # loads past the row read its last vector: ``RMSNormForward.load_clamped``), and odd widths (one element an access)
-# (and the softmax backward modes': softmax.BWD_WIDE_MIN_N, full-width 16-bit rows on sm_90a)
+# (and the softmax backward modes': softmax_rules.BWD_WIDE_MIN_N, full-width 16-bit rows on sm_90a)
 RULE_OPS = ("rmsnorm_forward", "rmsnorm_forward_w32", "fused_add_rmsnorm_", "layernorm", "softmax_forward",
             "softmax_backward", "softmax_fwd_bwd")
 RULE_CASES = [(op, N) for op in RULE_OPS for N in (24576, 40968, 53248, 98304, 100008, 180224, 40961, 147457)]

@@ -20,16 +20,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .. import config
 from .compile import CACHE, compile_kernel, cute_dtype, fake_stream, gmem_ptr
 from .memo import memo
-from .launch_table import pick
-from .nvfp4 import _asm, div_rn, f32_bits, f32_from_bits, fp4_launch
+from .fp8_rules import UNIT, fp8_launch
+from .nvfp4 import _asm, div_rn, f32_bits, f32_from_bits
 from .reduction import RowKernelBase, add, fmax
 from .row_rules import MAX_N, RowLaunch
 from .rmsnorm import RMSNormForward
 
-UNIT = 16  # values a thread unit holds: its codes are one 128-bit store
 E4M3_MAX = 448.0
 MIN_TOKEN_SCALE = 1.0 / (E4M3_MAX * 512.0)
 GROUP_EPS = 1e-10
@@ -44,59 +42,6 @@ def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None)
         "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
         "mov.b32 $0, {lo, hi}; }",
         "=r,f,f,f,f", [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)], loc, ip))
-
-
-def whole_warp_launch(N: int, vec: int, max_iters: int = 4, iters: int = 2, max_threads: int = 1024,
-                      cluster: int = 1) -> RowLaunch | None:
-    """A row over whole warps (of each of ``cluster`` CTAs) with at most ``max_iters`` accesses a thread and the
-    least padding (within 5% of the row, the accesses a thread nearest ``iters``): 2560 / 16 = 160 threads x 1,
-    4992: 160 x 2, 11008: 352 x 2, where a power of two of threads leaves 96 of 256, 200 of 512 and 336 of 1024
-    idle. None past ``max_threads`` threads a CTA, or where the cluster does not split the row in whole units."""
-    units = N // vec
-    if units % cluster:
-        return None
-    units //= cluster
-    fits = [(tpr * -(-units // tpr) - units, -(-units // tpr), tpr) for tpr in range(32, max_threads + 1, 32)
-            if -(-units // tpr) <= max_iters]
-    if not fits:
-        return None
-    _, _, tpr = min(fits, key=lambda f: (f[0] > 0.05 * units, abs(f[1] - iters), f[0]))
-    return RowLaunch(N=N, vec=vec, threads_per_row=tpr, num_threads=tpr * -(-128 // tpr),  # CTAs >= 128 threads
-                     cluster_n=cluster)
-
-
-# A thread of the FP8 kernels at 2 accesses holds about 64 registers, so a CTA of more than 512 threads leaves
-# a SM one CTA, too few loads in flight (bench/RESULTS.md); wider rows split over a cluster instead.
-CTA_THREADS = 512
-
-
-def fp8_rule(N: int) -> RowLaunch | None:
-    """Whole warps a row (``whole_warp_launch``); a row that takes more than ``CTA_THREADS`` threads that way
-    spreads over the smallest cluster (up to 8) whose CTAs hold it in at most ``CTA_THREADS`` threads and two
-    accesses a thread (registers grow with the accesses), else keeps its one CTA."""
-    launch = whole_warp_launch(N, UNIT)
-    if launch is None or launch.threads_per_row <= CTA_THREADS:
-        return launch
-    for cluster in (2, 4, 8):
-        split = whole_warp_launch(N, UNIT, max_iters=2, max_threads=CTA_THREADS, cluster=cluster)
-        if split is not None:
-            return split
-    return launch
-
-
-def fp8_launch(N: int, arch: str, kind: str, group_size: int, op: str | None = None) -> RowLaunch:
-    """Launch heuristic for the FP8 kernels (the one place it is chosen): the tuned table's shape for
-    (op, group or row scales), else ``fp8_rule`` (rows past it: the FP4 kernels' tiling with 16-value units,
-    clusters included); checked to keep a group within a warp's aligned lanes. ``fp4_upt`` (a sweep's dial)
-    sets the FP4 tiling."""
-    knob = config.get().fp4_upt
-    rule = None if knob else fp8_rule(N)
-    launch = pick(f"fp8/{op or kind}/{'group' if group_size else 'row'}", arch,
-                  rule or fp4_launch(N, arch, kind, UNIT), knob)
-    lanes = group_size // UNIT
-    if group_size and (launch.threads_per_row % lanes or launch.vec != UNIT):
-        raise ValueError(f"N={N}: no launch keeps a {group_size}-wide group on aligned lanes")
-    return launch
 
 
 @dsl_user_op

@@ -6,7 +6,8 @@ import torch
 
 from ..reference.fp8 import E4M3_MAX, GROUP_EPS, GROUP_SIZES, empty_scales, mode_of
 from .compile import stream_of
-from .fp8 import UNIT, Fp8Key, RMSNormFp8Key, compiled_fp8, compiled_rmsnorm_fp8, fp8_launch
+from .fp8 import Fp8Key, RMSNormFp8Key, compiled_fp8, compiled_rmsnorm_fp8
+from .fp8_rules import UNIT, fp8_launch
 from .host import allocator, dense, dtype_name, in_place_reason, kernel_ready_rows, row_layout, width_reason
 
 

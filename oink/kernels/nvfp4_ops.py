@@ -10,7 +10,8 @@ import torch
 from .compile import stream_of
 from ..reference.nvfp4 import round_up
 from .host import allocator, dense, dtype_name, in_place_reason, kernel_ready_rows, row_layout, width_reason
-from .nvfp4 import BLOCK, MX_BLOCK, AddRMSNormFp4Key, Fp4Key, compiled_add_rmsnorm_fp4, compiled_fp4
+from .nvfp4 import AddRMSNormFp4Key, Fp4Key, compiled_add_rmsnorm_fp4, compiled_fp4
+from .nvfp4_rules import BLOCK, MX_BLOCK
 
 
 def check_quantize(t: dict, arch: str) -> str | None:

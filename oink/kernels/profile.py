@@ -13,7 +13,8 @@ from .rmsnorm import compiled_forward
 from .rmsnorm_rules import ForwardKey
 from .rmsnorm_bwd import compiled_backward
 from .rmsnorm_bwd_rules import BackwardKey
-from .softmax import SoftmaxKey, compiled_softmax
+from .softmax import compiled_softmax
+from .softmax_rules import SoftmaxKey
 
 # EIATTR codes of the cubin's .nv.info notes (format 4: a u16 size, then a u32 symbol and a u32 value)
 _EIATTR = {0x2F: "registers", 0x11: "frame_bytes"}

@@ -7,7 +7,8 @@ import torch
 from .. import config
 from .compile import stream_of
 from .host import allocator, dtype_name, kernel_ready, kernel_ready_rows
-from .rope import RopeKey, compiled_qk_norm_rope, head_lanes, rotary_reason
+from .rope import RopeKey, compiled_qk_norm_rope
+from .rope_rules import head_lanes, rotary_reason
 
 HALF = (torch.float16, torch.bfloat16)
 INT32_MAX = 2**31 - 1

@@ -6,7 +6,8 @@ import torch
 from .compile import stream_of
 from .host import dense, dtype_name, row_layout, vec_for, width_reason, window_key
 from .launch_table import few_rows
-from .softmax import SoftmaxKey, compiled_softmax, softmax_window
+from .softmax import compiled_softmax
+from .softmax_rules import SoftmaxKey, softmax_window
 
 DENSE = torch.contiguous_format
 
