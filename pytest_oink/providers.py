@@ -71,9 +71,15 @@ def _oink_builder(op: str):
     return build
 
 
-# torch eager and torch.compile run the op's reference (the PyTorch a user would write)
+# torch eager and torch.compile run the op's reference (the PyTorch a user would write: its row sums torch's own,
+# not the fixed tree the references keep for batch-invariant fallbacks, oink.reference.sums)
 def _torch_builder(op: str):
-    return lambda device: specs()[op].reference
+    def build(device):
+        from oink.reference.sums import with_torch_reductions
+
+        return with_torch_reductions(specs()[op].reference)
+
+    return build
 
 
 def _compile_builder(op: str):
@@ -83,7 +89,9 @@ def _compile_builder(op: str):
         # the entry's call compiled, on oink.reference: the spec's reference is one lambda for every op (and a
         # partial, a wrapper of torch's), where torch.compile's cache of one function recompiles 8 times, then
         # runs it eagerly
-        return _compiled(_ENTRIES[op].call, _R())
+        from oink.reference.sums import with_torch_reductions
+
+        return with_torch_reductions(_compiled(_ENTRIES[op].call, _R()))
 
     return build
 

@@ -33,6 +33,30 @@ def test_every_reference_is_batch_invariant(op, N):
     assert verdict.outputs and verdict.big == 512 and verdict.sizes == SMALL["sizes"]
 
 
+def test_the_torch_rows_sum_as_a_user_would(monkeypatch):
+    """The references keep a fixed tree of adds for their row sums (``oink.reference.sums``: batch-invariant
+    fallbacks); the benchmark's torch and torch.compile rows time them with torch's own sum, as a user's PyTorch
+    would run, not with a cost the tree puts on them."""
+    from oink.reference import sums
+
+    def refused(t):
+        raise AssertionError("the fixed tree in a torch row")
+
+    monkeypatch.setattr(sums, "_tree", refused)
+    spec = SPECS["rmsnorm_fp8quant"]
+    N = 7 * spec.block if spec.block > 1 else 391  # not a power of two: the tree pads
+    args = spec.make_inputs(4, N, torch.bfloat16, CPU, torch.Generator().manual_seed(5))
+    with pytest.raises(AssertionError, match="fixed tree"):
+        spec.reference(args)
+    torch_row = build("rmsnorm_fp8quant", "torch", CPU)(args)
+    compiled_row = build("rmsnorm_fp8quant", "torch.compile", CPU)(args)
+    # Inductor sums in its own order and skips the bf16 rounding before the scale: a code step, a bf16 ulp apart
+    a, b = compiled_row[0].float(), torch_row[0].float()
+    assert ((a - b).abs() <= 0.125 * torch.maximum(a.abs(), b.abs()) + 2 ** -9).all()
+    torch.testing.assert_close(compiled_row[1], torch_row[1], rtol=2 ** -7, atol=0)
+    assert sums._TREE  # restored after each row
+
+
 def _rms(a):
     x = a["x"].float()
     return ((x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)).to(a["x"].dtype),)
