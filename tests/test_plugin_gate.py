@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 
@@ -144,6 +145,32 @@ def test_baseline_of_another_machine_is_refused_unless_accepted(pytester, tmp_pa
                                         f"--oink-summary={tmp_path / 's.md'}", *PLUGIN)
     assert res.ret == 0, res.stdout.str()[-2000:]
     assert "Baseline machine: no GPU, torch" in (tmp_path / "s.md").read_text()
+
+
+REAL_H100 = Path(__file__).parent / "data" / "h100-quack-2026-12-07.json"  # a real quack-suite run (data/README)
+
+
+def test_a_real_h100_baseline_is_refused_on_another_card(pytester, monkeypatch):
+    """The quack suite's JSON from a real H100 run, gated against on an H200 (this machine's record made so, in
+    process) and on this CPU: refused before any row runs, naming both machines."""
+    from pytest_oink import machine
+
+    real = json.loads(REAL_H100.read_text())["machine_info"]
+    h200 = dict(real, gpu=dict(real["gpu"], name="NVIDIA H200", memory_bytes=150_000_000_000))
+    monkeypatch.setattr(machine, "this_machine", lambda: h200)
+    pytester.makepyfile(BENCH)
+    suite = ("--oink-suite=quack", "--oink-ops=rmsnorm_forward", "--oink-configs=8192x4096")
+    res = pytester.runpytest_inprocess("--collect-only", *suite, f"--oink-baseline={REAL_H100}", *PLUGIN)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    out = res.stdout.str() + res.stderr.str()
+    assert "measured on another machine (GPU NVIDIA H100 80GB HBM3 -> NVIDIA H200)" in out, out[-2000:]
+    assert "baseline: NVIDIA H100 80GB HBM3, driver 580.159.04, CUDA 13.0, torch 2.11.0, CuTeDSL 4.8.1" in out
+    assert "this run: NVIDIA H200, driver 580.159.04, CUDA 13.0, torch 2.11.0, CuTeDSL 4.8.1" in out
+    monkeypatch.undo()
+    res = pytester.runpytest_subprocess("--collect-only", *suite, f"--oink-baseline={REAL_H100}", *PLUGIN)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*measured on another machine (GPU NVIDIA H100 80GB HBM3 -> no GPU*",
+                              "*baseline: NVIDIA H100 80GB HBM3, driver 580.159.04, CUDA 13.0, torch 2.11.0*"])
 
 
 def _usage_error(pytester, *args):
