@@ -206,7 +206,7 @@ class OtherTree:
         def entry():
             return report.BaselineEntry(median(other), relative_spread(other), row.suite,
                                         report.what_was_timed(reply["method"]), tuple(other), row.mode,
-                                        reply["throttled"])
+                                        reply["throttled"], this_run=True)
 
         def other_round():
             more = self.ask({"cmd": "round"})

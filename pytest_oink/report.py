@@ -301,6 +301,7 @@ class BaselineEntry:
     samples: tuple = ()  # its per-call seconds (none in files from before they were kept: the spread rule)
     mode: str | None = None  # its --oink-timing mode (modes.of_method where the file names none); None matches any
     throttled: bool = False  # timed while its GPU was held down (clocks): it can't make a row FASTER
+    this_run: bool = False  # timed in this run (--oink-against's other tree), not read from a file
 
 
 def what_was_timed(method: str | None) -> str | None:

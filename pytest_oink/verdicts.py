@@ -97,7 +97,11 @@ def from_spread(new_median: float, new_spread: float | None, old_median: float, 
 # machine was up to x1.67 apart over 2 rounds each, every round alike, either way (allocator, cache and core
 # state of each process), and x0.50 in one round: a CPU row is SLOWER (FASTER) only beyond twice (half) the
 # other's time, whatever the threshold, and only where every round of this run is, against every round of the other.
+# Against a baseline file (recorded in another run, under another moment's load) identical code read x2.04 and
+# x2.12 in 2 of 20 runs while 2 busy loops loaded the CPU (scripts/check_timer.py --cpu-gate --mode=baseline):
+# such a CPU row is SLOWER (FASTER) only beyond three times (a third of) the other's time.
 CPU_FLOOR = 1.0
+CPU_FILE_FLOOR = 2.0
 CPU_ROUNDS = 2  # this run's rounds at least before a CPU row's verdict (one round's range is no interval)
 
 
@@ -106,11 +110,12 @@ def rounds_of(samples, size: int) -> list:
     return [median(samples[i:i + size]) for i in range(0, len(samples) - size + 1, size)]
 
 
-def from_cpu_rounds(new, old, threshold: float) -> Verdict:
+def from_cpu_rounds(new, old, threshold: float, floor: float = CPU_FLOOR) -> Verdict:
     """A CPU row (timing.time_cpu's rounds): the interval is the range of every round of this run over every
     round of the other, the samples within a round being alike but not the rounds (the machine's load moves
-    between them). SLOWER beyond 1 + max(threshold, CPU_FLOOR), FASTER below min(1 - threshold, 1 / (1 +
-    CPU_FLOOR)), SAME within the threshold, each with this run's CPU_ROUNDS rounds at least; else UNSURE."""
+    between them). SLOWER beyond 1 + max(threshold, floor), FASTER below min(1 - threshold, 1 / (1 + floor)),
+    SAME within the threshold, each with this run's CPU_ROUNDS rounds at least; else UNSURE. ``floor``:
+    CPU_FLOOR where the other side was timed in this run (--oink-against), CPU_FILE_FLOOR for a baseline file."""
     from .timing import CPU_SAMPLES
 
     mine, theirs = rounds_of(list(new), CPU_SAMPLES), rounds_of(list(old), CPU_SAMPLES)
@@ -119,16 +124,16 @@ def from_cpu_rounds(new, old, threshold: float) -> Verdict:
     ratios = [a / b for a in mine for b in theirs]
     low, high, ratio = min(ratios), max(ratios), median(new) / median(old)
     enough = len(mine) >= CPU_ROUNDS
-    if enough and low > 1 + max(threshold, CPU_FLOOR):
+    if enough and low > 1 + max(threshold, floor):
         name = "SLOWER"
-    elif enough and high < min(1 - threshold, 1 / (1 + CPU_FLOOR)):
+    elif enough and high < min(1 - threshold, 1 / (1 + floor)):
         name = "FASTER"
     elif enough and low >= 1 - threshold and high <= 1 + threshold:
         name = "SAME"
     else:
         name = "UNSURE"
-    note = f"CPU: {len(mine)} x {len(theirs)} rounds' range, a change beyond {CPU_FLOOR:.0%} only"
-    return Verdict(name, ratio, (low, high), CPU_FLOOR, note)
+    note = f"CPU: {len(mine)} x {len(theirs)} rounds' range, a change beyond {floor:.0%} only"
+    return Verdict(name, ratio, (low, high), floor, note)
 
 
 def judge(new_samples, new_median: float, new_spread: float | None, entry, threshold: float,
@@ -137,7 +142,8 @@ def judge(new_samples, new_median: float, new_spread: float | None, entry, thres
     enough (a CPU row's, ``cpu``, round by round), else by the spread rule."""
     if usable(new_samples) and usable(entry.samples):
         if cpu:
-            return from_cpu_rounds(new_samples, entry.samples, threshold)
+            floor = CPU_FLOOR if getattr(entry, "this_run", False) else CPU_FILE_FLOOR
+            return from_cpu_rounds(new_samples, entry.samples, threshold, floor)
         return from_samples(new_samples, entry.samples, threshold)
     if usable(new_samples):
         new_median, new_spread = median(new_samples), relative_spread(new_samples)

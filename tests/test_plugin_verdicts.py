@@ -230,6 +230,9 @@ def test_a_scheduler_stall_over_a_cpu_round_is_no_regression():
     ((3.0,), (1.0, 1.0), 1, "UNSURE"),  # ... but once only
     ((3.0, 1.0), (1.0, 1.0), 2, "UNSURE"),  # ... or not in every round
     ((0.3, 0.3), (1.0,), 2, "FASTER"),
+    ((2.5, 2.5), (1.0, 1.0), 2, "SLOWER"),  # beyond x2 against the other tree, within x3 of a file's
+    ((4.0, 4.5), (1.0, 1.0), 2, "SLOWER"),  # beyond x3: a file's too
+    ((0.4, 0.4), (1.0,), 2, "FASTER"),
 ])
 def test_cpu_rows_are_judged_round_by_round(mine, theirs, rounds, expected):
     """Each round's samples are alike (tight) but the rounds are not: the bootstrap of all samples took a
@@ -240,7 +243,11 @@ def test_cpu_rows_are_judged_round_by_round(mine, theirs, rounds, expected):
         return [x for i, level in enumerate(levels) for x in _samples(1e-4 * level, 0.002, CPU_SAMPLES, seed + i)]
 
     new, old = rounds_of(mine, 1), rounds_of(theirs, 50)
-    entry = report.BaselineEntry(median(old), 0.0, samples=tuple(old))
+    entry = report.BaselineEntry(median(old), 0.0, samples=tuple(old), this_run=True)  # --oink-against's
     assert verdicts.judge(new, median(new), 0.0, entry, 0.05, cpu=True).name == expected
+    # a baseline file's rows (another run, another moment's load): beyond three times only
+    from_file = report.BaselineEntry(median(old), 0.0, samples=tuple(old))
+    file_expected = {(2.5, 2.5): "UNSURE", (3.0, 3.0): "UNSURE", (0.4, 0.4): "UNSURE"}.get(mine, expected)
+    assert verdicts.judge(new, median(new), 0.0, from_file, 0.05, cpu=True).name == file_expected
     if mine == (1.67, 1.6):
         assert verdicts.judge(new, median(new), 0.0, entry, 0.05).name == "SLOWER"  # the GPU rule: not for CPU rows
