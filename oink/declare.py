@@ -30,6 +30,7 @@ from torch import Tensor
 
 from . import config, dispatch, reference
 from .checks import no_internal_overlap, writable
+from .kernels.row_rules import MAX_N
 
 LIB = torch.library.Library("oink", "DEF")
 PUBLIC: dict[str, "Op"] = {}  # name -> op, for every public oink.<name>
@@ -337,9 +338,10 @@ def batch_invariant(op: str, N: int | None = None, dtype: torch.dtype | None = N
     Args:
         op: a public op's name or a custom op's (``"rms_norm_static_fp8_quant"``).
         N, dtype: the rows' width and dtype, to ask about them: the promise needs rows of a multiple of 16 bytes
-            (every model's hidden size). Rows of other widths start off 16-byte boundaries, which some kernels
-            read by the row's address and some calls leave to the reference, whose reductions on a GPU are
-            torch's (split by the batch's size).
+            (every model's hidden size) and at most the kernels' ``MAX_N`` values. Rows of other widths start off
+            16-byte boundaries, which some kernels read by the row's address and some calls leave to the
+            reference; wider rows go to the reference, whose reductions on a GPU are torch's (split by the
+            batch's size).
 
     Returns:
         True where promised (docs/ops.md, "Batch invariance").
@@ -350,6 +352,6 @@ def batch_invariant(op: str, N: int | None = None, dtype: torch.dtype | None = N
     found = PUBLIC.get(op) or OPS.get(op)
     if found is None:
         raise ValueError(f"unknown op {op!r}; known: {', '.join(sorted({*PUBLIC, *OPS}))}")
-    if N is not None and dtype is not None and not aligned_rows(N, dtype):
+    if N is not None and (N > MAX_N or dtype is not None and not aligned_rows(N, dtype)):
         return False
     return found.batch_invariant

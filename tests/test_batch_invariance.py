@@ -118,13 +118,16 @@ def test_wide_rows_check_fewer_rows():
 
 def test_batch_invariant_is_the_promise_per_op_and_width():
     """``oink.batch_invariant``: every declared op promises it at rows of a multiple of 16 bytes; rows off 16-byte
-    boundaries are not promised; vLLM's norm + FP8 ops, whose GPU path is the reference, are not either; an
-    unknown op is refused."""
+    boundaries are not promised, nor rows wider than the kernels' ``MAX_N``; an unknown op is refused."""
     assert oink.batch_invariant("rmsnorm_forward") and oink.batch_invariant("fused_add_rms_norm")
     assert oink.batch_invariant("layernorm", 4096, torch.bfloat16)
     assert not oink.batch_invariant("layernorm", 20234, torch.bfloat16)
     assert oink.batch_invariant("softmax_forward", 20236, torch.float32)  # 80944 bytes
     assert oink.batch_invariant("softmax_forward", 20234, torch.float32) is False
+    # wider than the kernels take: the reference's torch reductions serve a GPU call
+    assert oink.batch_invariant("rmsnorm_forward", 262144, torch.bfloat16)
+    assert not oink.batch_invariant("rmsnorm_forward", 262144 + 8, torch.bfloat16)
+    assert not oink.batch_invariant("cross_entropy_forward", 300000)
     assert oink.batch_invariant("per_token_group_fp8_quant")  # Oink's group kernel on a GPU
     assert oink.batch_invariant("rms_norm_static_fp8_quant")  # the fused FP8 kernel in vLLM's order on a GPU
     assert "batch_invariant" in oink.__all__
