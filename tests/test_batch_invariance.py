@@ -172,6 +172,36 @@ providers.SPECS["softmax_forward"] = dataclasses.replace(providers.SPECS["softma
     res.stdout.fnmatch_lines(["*softmax_forward N=256 bfloat16: NOT batch-invariant*", "*M=1 (rows 0..0)*"])
 
 
+def test_the_option_fails_a_users_kernel_that_breaks_its_specs_promise(pytester):
+    """``--oink-batch-invariance`` on ``oink_measure`` rows: a user's kernel whose spec promises invariance and whose
+    rows depend on the batch fails with the check's report; the same kernel under a spec that promises nothing is
+    reported, not failed."""
+    pytester.makepyfile('''
+import dataclasses
+
+import pytest
+import torch
+from pytest_oink import OpSpec
+
+SPEC = OpSpec(family="softmax", make_inputs=lambda M, N, dtype, device, gen: {
+    "x": torch.randn(M, N, generator=gen, device=device).to(dtype)},
+    reference=lambda a: (torch.softmax(a["x"].float(), -1).to(a["x"].dtype),), nbytes=lambda M, N, e: 2 * M * N * e,
+    batch_invariant=True)
+
+def batch_dependent(a):
+    x = a["x"].float()
+    return ((torch.softmax(x, -1) * (1 + 2 ** -7 * (x.shape[0] > 256))).to(a["x"].dtype),)
+
+@pytest.mark.parametrize("promised", [True, False])
+def test_mine(oink_measure, promised):
+    oink_measure(dataclasses.replace(SPEC, batch_invariant=promised), batch_dependent, 4, 256, name="my_softmax")
+''')
+    res = pytester.runpytest_subprocess("--oink-batch-invariance", "--oink-run-on-cpu", *PLUGIN)
+    res.assert_outcomes(passed=1, failed=1)
+    res.stdout.fnmatch_lines(["*test_mine[[]True[]]*", "*my_softmax N=256 bfloat16: NOT batch-invariant*"])
+    assert "test_mine[False] FAILED" not in res.stdout.str()
+
+
 def test_the_fixture_certifies_a_users_kernel(pytester):
     """``oink_batch_invariance(spec, fn, N)``: passes for a row-wise kernel, fails naming the sizes for one whose
     rows depend on the batch."""

@@ -47,9 +47,9 @@ class OpSpec:
     oink: Callable = None  # (oink module, args) -> outputs: the op through Oink's public API
     block: int = 1  # N must be a multiple of it (the FP4 blocks, FP8 groups)
     only_in: tuple = ()  # the suites that run it (empty: every suite)
-    # whether the provider "oink" promises batch invariance for it, or (N, torch dtype) -> that promise at a width
-    # (oink.batch_invariant): with --oink-batch-invariance an Oink row that breaks a promise fails; any other
-    # provider's verdict, and one not promised, is reported
+    # whether the provider "oink" (or a user's own kernel, for a spec of the user's) promises batch invariance for
+    # it, or (N, torch dtype) -> that promise at a width (oink.batch_invariant): with --oink-batch-invariance such
+    # a row that breaks a promise fails; a peer's verdict, and one not promised, is reported
     batch_invariant: bool | Callable = False
 
     def __post_init__(self):
