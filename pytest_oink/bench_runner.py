@@ -12,8 +12,8 @@ from oink.measure.gate import inputs as _inputs
 from oink.measure.gate import refusing_out_of_memory
 
 from . import modes, options, regression
+from .comparisons import ours
 from .providers import LABELS, SPECS, Unavailable, build
-from .registry import ALL_PROVIDERS
 from .report import Row
 from .state import ROWS, STATE
 from .suites import CHECKS_INVARIANCE, HOST_TIMED
@@ -42,7 +42,8 @@ def peak_memory(run, args, device) -> int | None:
 def _check_invariance(config, row, spec, run, dtype, device) -> None:
     """``row.batch_invariant``: the batch-invariance check's verdict for (op, provider, N, dtype), run once a
     session; a row whose spec promises invariance fails with the verdict's report where the row is Oink's or a
-    user's own kernel's (a provider the plugin does not register: its spec is the user's promise); a peer's
+    user's own kernel's (``comparisons.ours``: a provider the plugin does not register, whose spec is the user's
+    promise); a peer's
     verdict is reported."""
     from . import invariance
 
@@ -54,7 +55,7 @@ def _check_invariance(config, row, spec, run, dtype, device) -> None:
     verdict = seen[key]
     row.batch_invariant = verdict.held
     promised = spec.batch_invariant(row.N, dtype) if callable(spec.batch_invariant) else spec.batch_invariant
-    if not verdict.held and promised and (row.provider == "oink" or row.provider not in ALL_PROVIDERS):
+    if not verdict.held and promised and row.provider in ours([row]):
         row.status = "failed"
         row.gate = dict(row.gate, passed=False, report=verdict.report())
 

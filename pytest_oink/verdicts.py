@@ -142,7 +142,7 @@ def judge(new_samples, new_median: float, new_spread: float | None, entry, thres
     enough (a CPU row's, ``cpu``, round by round), else by the spread rule."""
     if usable(new_samples) and usable(entry.samples):
         if cpu:
-            floor = CPU_FLOOR if getattr(entry, "this_run", False) else CPU_FILE_FLOOR
+            floor = CPU_FLOOR if entry.this_run else CPU_FILE_FLOOR
             return from_cpu_rounds(new_samples, entry.samples, threshold, floor)
         return from_samples(new_samples, entry.samples, threshold)
     if usable(new_samples):
