@@ -43,8 +43,7 @@ def _check_invariance(config, row, spec, run, dtype, device) -> None:
     """``row.batch_invariant``: the batch-invariance check's verdict for (op, provider, N, dtype), run once a
     session; a row whose spec promises invariance fails with the verdict's report where the row is Oink's or a
     user's own kernel's (``comparisons.ours``: a provider the plugin does not register, whose spec is the user's
-    promise); a peer's
-    verdict is reported."""
+    promise); a peer's verdict is reported."""
     from . import invariance
 
     seen = config.stash[STATE].setdefault("invariance", {})
